@@ -1,0 +1,221 @@
+"""Arch pinning, the compile cache (memory + disk) and warmup for the CuTe DSL kernels."""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import tvm_ffi
+
+SUPPORTED_ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+EXPORT_NAME = "func"
+_KERNEL_DIR = Path(__file__).resolve().parent
+
+
+class UnsupportedGPUError(RuntimeError):
+    """Raised when the GPU in hand is not one the CuTe DSL kernels are built for."""
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The compile target for a compute capability: sm_90a on Hopper, sm_100a on Blackwell."""
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if (major, minor) == (10, 0):
+        return "sm_100a"
+    raise UnsupportedGPUError(
+        f"the fused mHC boundary kernels are built for sm_90a (H100/H200) and sm_100a (B200/GB200); "
+        f"this GPU is sm_{major}{minor}. Use the reference path instead: "
+        f"BoundaryAllReduce(..., backend='reference')."
+    )
+
+
+def arch_for_device(device: Any) -> str:
+    """The compile target for a torch CUDA device."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return arch_for_capability(major, minor)
+
+
+def check_arch(arch: str) -> None:
+    """Raise unless `arch` is one of the compile targets we support."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
+
+
+def fake_tensor(dtype: type, shape: Sequence[Any], *, divisibility: int = 8) -> cute.Tensor:
+    """A fake compact row-major tensor for tensor-free compiles; shape entries are ints or sym_ints."""
+    align = max(1, min(16, divisibility * dtype.width // 8))
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return cute.runtime.make_fake_compact_tensor(dtype, tuple(shape), stride_order=order, assumed_align=align)
+
+
+def fake_stream() -> Any:
+    """The fake stream that makes a compiled function launch on the caller's current torch stream."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_kernel(kernel: Any, *args: Any, arch: str) -> Callable[..., Any]:
+    """Compile one kernel object for `arch` with the TVM-FFI call path."""
+    check_arch(arch)
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def cache_dir() -> Path:
+    """The on-disk cache folder: $MHC_BOUNDARY_CACHE_DIR, else a per-user folder under the temp dir."""
+    root = os.environ.get("MHC_BOUNDARY_CACHE_DIR")
+    if root:
+        return Path(root)
+    user = os.environ.get("USER") or str(os.getuid())
+    return Path(tempfile.gettempdir()) / user / "mhc_boundary_cache"
+
+
+def disk_cache_enabled() -> bool:
+    """Whether compiled kernels are stored on disk ($MHC_BOUNDARY_DISK_CACHE=0 turns it off)."""
+    return os.environ.get("MHC_BOUNDARY_DISK_CACHE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """A hash of the kernel sources, the Python minor version and the DSL / TVM-FFI versions."""
+    h = hashlib.sha256()
+    h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+    h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_ffi.__version__}".encode())
+    for src in sorted(_KERNEL_DIR.glob("*.py")):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    return h.hexdigest()[:24]
+
+
+class _FileLock:
+    """An advisory flock on a lock file next to a cache entry."""
+
+    def __init__(self, path: Path, exclusive: bool, timeout: float = 300.0) -> None:
+        self.path, self.exclusive, self.timeout = path, exclusive, timeout
+        self.fd = -1
+
+    def __enter__(self) -> "_FileLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        mode = fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise TimeoutError(f"timed out waiting for the compile lock {self.path}") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+@dataclass
+class CacheStats:
+    """Counts of how compiled kernels were obtained in this process."""
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+    compiles: int = 0
+
+
+STATS = CacheStats()
+
+
+def _load(path: Path) -> Callable[..., Any]:
+    return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[EXPORT_NAME]
+
+
+def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Cache a tensor-free compile function in memory and as exported .o files on disk.
+
+    The key is (qualified name, args, sorted kwargs) under a fingerprint of the kernel sources
+    and the DSL version, so an edited kernel never loads a stale object.
+    """
+    memory: dict[tuple, Callable[..., Any]] = {}
+
+    @functools.wraps(fn)
+    def cached(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+        key = (fn.__qualname__, args, tuple(sorted(kwargs.items())))
+        hit = memory.get(key)
+        if hit is not None:
+            STATS.memory_hits += 1
+            return hit
+        if not disk_cache_enabled():
+            STATS.compiles += 1
+            memory[key] = compiled = fn(*args, **kwargs)
+            return compiled
+        folder = cache_dir() / source_fingerprint()
+        folder.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256(pickle.dumps(key)).hexdigest()[:32]
+        obj = folder / f"{fn.__name__}-{digest}.o"
+        with _FileLock(folder / f"{digest}.lock", exclusive=True):
+            compiled = None
+            if obj.exists():
+                try:
+                    compiled = _load(obj)
+                    STATS.disk_hits += 1
+                except Exception:  # a truncated or foreign object: rebuild it
+                    obj.unlink(missing_ok=True)
+            if compiled is None:
+                STATS.compiles += 1
+                compiled = fn(*args, **kwargs)
+                tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+                compiled.export_to_c(object_file_path=str(tmp), function_name=EXPORT_NAME)
+                os.replace(tmp, obj)
+                # Serve the loaded object, not the in-process JIT result, so that a cache hit
+                # and a miss run the very same code path.
+                compiled = _load(obj)
+        memory[key] = compiled
+        return compiled
+
+    cached.cache_clear = memory.clear  # type: ignore[attr-defined]
+    return cached
+
+
+@dataclass(frozen=True)
+class WarmupJob:
+    """One compile an engine needs before CUDA-graph capture."""
+
+    name: str
+    compile_fn: Callable[..., Any]
+    args: tuple
+    kwargs: tuple = ()
+
+    def run(self) -> Callable[..., Any]:
+        """Compile (or load) the kernel of this job."""
+        return self.compile_fn(*self.args, **dict(self.kwargs))
+
+
+def warmup(jobs: Iterable[WarmupJob], *, progress: bool = True, desc: str = "compiling mHC kernels") -> int:
+    """Compile or load every job, with a progress bar on stderr; returns how many ran."""
+    jobs = list(jobs)
+    bar = None
+    if progress and jobs:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc=desc, unit="kernel", file=sys.stderr)
+    for job in jobs:
+        if bar is not None:
+            bar.set_postfix_str(job.name, refresh=False)
+        job.run()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return len(jobs)
