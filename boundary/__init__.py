@@ -1,0 +1,23 @@
+"""The fused mHC decode boundary for DeepSeek-V4.1-style models: the public names of SPEC §5."""
+
+from boundary.all_reduce import BoundaryAllReduce
+from boundary.mhc import mhc_post, mhc_pre_delayed, mhc_pre_delayed_overlap
+from boundary.reference import mxfp8_scale_bytes
+from boundary.scheduler import MHC_OVERLAP_MAX_ROWS, Boundaries, BoundaryState, DecodeStep
+from boundary.types import MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized_layer_input
+
+__all__ = [
+    "MHC_OVERLAP_MAX_ROWS",
+    "BoundaryAllReduce",
+    "Boundaries",
+    "BoundaryState",
+    "DecodeStep",
+    "MoEOutput",
+    "QuantizedActivation",
+    "UnfinalizedMoEOutput",
+    "empty_quantized_layer_input",
+    "mhc_post",
+    "mhc_pre_delayed",
+    "mhc_pre_delayed_overlap",
+    "mxfp8_scale_bytes",
+]

@@ -1,0 +1,263 @@
+"""The torch math of SPEC §2-§4, with its exact rounding points: the oracle and the CPU path.
+
+Every function computes in fp32 and rounds to bf16 exactly where the SPEC says, so that a kernel
+can be held to the same bits. Nothing here checks its inputs: the public entry points in
+`boundary.mhc` and `boundary.all_reduce` do that before calling in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+HC = 4
+MIX_WIDTH = HC * (HC + 2)  # 24: pre (4), post (4), comb (16)
+MXFP8_BLOCK = 32
+E4M3_MAX = 448.0
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+
+def rank_sum(partials: Sequence[Tensor]) -> Tensor:
+    """y = bf16(x_0 + x_1 + ... + x_{W-1}) summed in fp32 in rank order (SPEC §2 step 1)."""
+    acc = partials[0].to(F32)
+    for p in partials[1:]:
+        acc = acc + p.to(F32)
+    return acc.to(BF16)
+
+
+def moe_finalize(
+    gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, shared_output: Tensor | None
+) -> Tensor:
+    """A rank's MoE partial: bf16(sum_i w[t,i] * gemm2_permuted[idx[t,i]] + shared[t]); idx -1 adds nothing."""
+    rows, top_k = expert_weights.shape
+    acc = torch.zeros(rows, gemm2_permuted.shape[1], dtype=F32, device=gemm2_permuted.device)
+    for i in range(top_k):
+        col = idx[:, i].long()
+        valid = (col >= 0).unsqueeze(1)
+        gathered = gemm2_permuted[col.clamp(min=0)].to(F32)
+        acc = torch.where(valid, acc + expert_weights[:, i : i + 1].to(F32) * gathered, acc)
+    if shared_output is not None:
+        acc = acc + shared_output.to(F32)
+    return acc.to(BF16)
+
+
+def add_shared(routed: Tensor, shared_output: Tensor | None) -> Tensor:
+    """A rank's MoE partial from an already combined routed output: bf16(routed + shared)."""
+    if shared_output is None:
+        return routed
+    return (routed.to(F32) + shared_output.to(F32)).to(BF16)
+
+
+def mhc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """R'[j] = bf16(post[j]*y + sum_k comb[k, j]*R[k]) for each stream j (SPEC §2 step 2)."""
+    rows, hc, _ = residual.shape
+    y32 = y.to(F32)
+    r32 = residual.to(F32)
+    post = post.reshape(rows, hc).to(F32)
+    comb = comb.to(F32)
+    out = torch.empty_like(residual)
+    for j in range(hc):
+        acc = post[:, j : j + 1] * y32
+        for k in range(hc):
+            acc = acc + comb[:, k, j : j + 1] * r32[:, k]
+        out[:, j] = acc.to(BF16)
+    return out
+
+
+def collapse(residual: Tensor, pre: Tensor) -> Tensor:
+    """c = bf16(sum_j pre[j] * R[j]), j in order 0..hc-1 (SPEC §2 step 3)."""
+    rows, hc, _ = residual.shape
+    pre = pre.reshape(rows, hc).to(F32)
+    r32 = residual.to(F32)
+    acc = pre[:, 0:1] * r32[:, 0]
+    for j in range(1, hc):
+        acc = acc + pre[:, j : j + 1] * r32[:, j]
+    return acc.to(BF16)
+
+
+def rms_norm(c: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """out = bf16(c * rsqrt(sum c^2 / H + eps) * w) over the bf16 values of c (SPEC §2 steps 4-5)."""
+    c32 = c.to(F32)
+    inv = torch.rsqrt((c32 * c32).sum(-1, keepdim=True) / c.shape[-1] + eps)
+    return (c32 * inv * weight.to(F32)).to(BF16)
+
+
+def mean_of_streams(residual: Tensor) -> Tensor:
+    """aux = bf16((sum_j R[j]) / hc), the mean of the streams that draft heads read."""
+    r32 = residual.to(F32)
+    acc = r32[:, 0]
+    for j in range(1, residual.shape[1]):
+        acc = acc + r32[:, j]
+    return (acc / residual.shape[1]).to(BF16)
+
+
+def mxfp8_scale_bytes(num_tokens: int, hidden_size: int) -> int:
+    """Bytes of the swizzled 128x4 E8M0 scale buffer for a [num_tokens, hidden_size] MXFP8 tensor."""
+    cols = -(-hidden_size // MXFP8_BLOCK)
+    return -(-num_tokens // 128) * 128 * (-(-cols // 4) * 4)
+
+
+def swizzled_scale_offsets(num_tokens: int, hidden_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """Byte offset of scale (m, k) in the swizzled 128x4 layout, as a [num_tokens, H/32] int64 tensor."""
+    cols = hidden_size // MXFP8_BLOCK
+    kp = -(-cols // 4) * 4
+    m = torch.arange(num_tokens, device=device).unsqueeze(1)
+    k = torch.arange(cols, device=device).unsqueeze(0)
+    return (m // 128) * 128 * kp + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+
+
+def e8m0_round_up(descale: Tensor) -> Tensor:
+    """The biased E8M0 exponent: the smallest E with 2^(E-127) >= descale; 0 at or below 2^-127.
+
+    Inf gives 254 and NaN 255. Computed from the fp32 bits, so it is exact for every input.
+    """
+    bits = descale.to(F32).view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    # A normal value 2^(e-127) * 1.m needs e when m == 0, else e + 1. A subnormal below 2^-127
+    # (mantissa <= 0x400000) needs 0, one above needs 1.
+    normal = exponent + (mantissa != 0).to(torch.int32)
+    subnormal = (mantissa > 0x400000).to(torch.int32)
+    e = torch.where(exponent == 0, subnormal, normal).clamp(max=254)
+    e = torch.where(exponent == 0xFF, torch.where(mantissa == 0, 254, 255), e)
+    return e.to(torch.uint8)
+
+
+def mxfp8_quantize(out: Tensor) -> tuple[Tensor, Tensor]:
+    """MXFP8 of a [T, H] bf16 tensor (SPEC §4): e4m3 data [T, H] and swizzled 128x4 E8M0 scales."""
+    rows, hidden = out.shape
+    blocks = out.to(F32).reshape(rows, hidden // MXFP8_BLOCK, MXFP8_BLOCK)
+    amax = blocks.abs().amax(-1)
+    amax = torch.where(blocks.isnan().any(-1), torch.full_like(amax, float("nan")), amax)
+    e = e8m0_round_up(amax / E4M3_MAX)
+    e32 = e.to(torch.int32)
+    # 2^(127-E) built from its bits: E in 1..253 is normal, 254 is the subnormal 2^-127.
+    normal_bits = ((254 - e32).clamp(min=1) << 23).view(F32)
+    multiplier = torch.where(e32 == 254, torch.full_like(normal_bits, 2.0**-127), normal_bits)
+    multiplier = torch.where(e32 == 0, torch.ones_like(multiplier), multiplier)
+    multiplier = torch.where(e32 == 255, torch.full_like(multiplier, float("nan")), multiplier)
+    scaled = (blocks * multiplier.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
+    data = scaled.reshape(rows, hidden).to(torch.float8_e4m3fn)
+    scale = torch.zeros(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=out.device)
+    scale[swizzled_scale_offsets(rows, hidden, out.device).reshape(-1)] = e.reshape(-1)
+    return data, scale
+
+
+class BoundaryResult(NamedTuple):
+    """What one boundary produces: the new streams and, unless residual-only, the next input."""
+
+    residual: Tensor
+    layer_input: Tensor | None
+    mxfp8: tuple[Tensor, Tensor] | None
+    aux: Tensor | None
+
+
+def boundary(
+    y: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_eps: float,
+    *,
+    mxfp8: bool = False,
+    aux: bool = False,
+) -> BoundaryResult:
+    """SPEC §2 steps 2-6 on an already reduced y; residual-only when pre is None."""
+    new_residual = mhc_post(y, residual, post, comb)
+    mean = mean_of_streams(new_residual) if aux else None
+    if pre is None:
+        return BoundaryResult(new_residual, None, None, mean)
+    layer_input = rms_norm(collapse(new_residual, pre), norm_weight, norm_eps)
+    quantized = mxfp8_quantize(layer_input) if mxfp8 else None
+    return BoundaryResult(new_residual, layer_input, quantized, mean)
+
+
+class Coefficients(NamedTuple):
+    """The mixes of one sublayer: post [T, hc], comb [T, hc, hc] (src, dst) and pre [T, hc]."""
+
+    post: Tensor
+    comb: Tensor
+    pre: Tensor
+
+
+def mhc_coefficients(
+    x: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    rms_eps: float,
+    pre_eps: float,
+    sinkhorn_eps: float,
+    post_mult: float,
+    sinkhorn_repeat: int,
+) -> Coefficients:
+    """post, comb and pre from a [T, K] projection input (SPEC §3); the RMS is over K columns.
+
+    Pass the streams flattened to [T, hc*H] with `fn`, or the first layer's embedding [T, H]
+    with `fn_broadcast`.
+    """
+    rows, width = x.shape
+    xf = x.to(F32)
+    mixes = xf @ fn.to(F32).t()
+    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / width + rms_eps)
+    mixes = mixes * r
+    scale = scale.to(F32)
+    base = base.to(F32)
+    pre = torch.sigmoid(mixes[:, 0:HC] * scale[0] + base[0:HC]) + pre_eps
+    post = torch.sigmoid(mixes[:, HC : 2 * HC] * scale[1] + base[HC : 2 * HC]) * post_mult
+    logits = (mixes[:, 2 * HC :] * scale[2] + base[2 * HC :]).reshape(rows, HC, HC)
+    comb = torch.softmax(logits, dim=-1) + sinkhorn_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + sinkhorn_eps)
+    for _ in range(sinkhorn_repeat - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + sinkhorn_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + sinkhorn_eps)
+    return Coefficients(post, comb, pre)
+
+
+def one_hot_pre(rows: int, hc: int = HC, device: torch.device | str = "cpu") -> Tensor:
+    """The first layer's identity pre-mix [1, 0, 0, 0] per row: the collapse is stream 0 exactly."""
+    pre = torch.zeros(rows, hc, dtype=F32, device=device)
+    pre[:, 0] = 1.0
+    return pre
+
+
+def mhc_pre_delayed(
+    residual: Tensor,
+    fn: Tensor,
+    hc_scale: Tensor,
+    hc_base: Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    pre_mix: Tensor | None = None,
+    x: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(post, comb, layer_input, next_pre): mixes from the streams, collapse with the carried pre_mix.
+
+    The projection reads `x` when given (the first layer's embedding with fn_broadcast), else the
+    streams. Without `pre_mix` the collapse is stream 0 exactly (the one-hot pre).
+    """
+    rows, hc, hidden = residual.shape
+    source = x if x is not None else residual.reshape(rows, hc * hidden)
+    coeffs = mhc_coefficients(
+        source, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat
+    )
+    c = residual[:, 0].clone() if pre_mix is None else collapse(residual, pre_mix)
+    layer_input = c if norm_weight is None else rms_norm(c, norm_weight, norm_eps)
+    return coeffs.post, coeffs.comb, layer_input, coeffs.pre
+
+
+def final_collapse(residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float) -> Tensor:
+    """The model's last step before the LM head: RMSNorm(collapse(streams, last pre))."""
+    return rms_norm(collapse(residual, pre), norm_weight, norm_eps)

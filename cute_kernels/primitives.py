@@ -1,0 +1,133 @@
+"""Inline-PTX helpers for the CuTe DSL kernels: fp8 conversion, DSMEM stores, predicated loads."""
+
+from typing import Tuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _pure_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
+    """A side-effect-free inline asm, free for the compiler to schedule or drop."""
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        asm,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def cvt_e4m3x4(
+    a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None
+) -> Uint32:
+    """Four fp32 -> four e4m3 bytes (RNE, satfinite), a in the lowest byte."""
+    # cvt.e4m3x2 puts its first source in the upper byte, hence the swapped order.
+    res = _pure_asm(
+        T.i32(),
+        [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+        "{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\t"
+        "mov.b32 $0, {lo, hi};\n\t}",
+        "=r,f,f,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(res)
+
+
+@dsl_user_op
+def cvt_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> two bf16 (RNE, Inf and NaN kept) packed in one word, lo in the low half."""
+    res = _pure_asm(
+        T.i32(),
+        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $2, $1;",
+        "=r,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(res)
+
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
+    """The bit pattern of an fp32 value."""
+    return Float32(x).bitcast(Uint32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f32_from_bits(u: Uint32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of a bit pattern."""
+    return Uint32(u).bitcast(Float32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def dsmem_addr(smem_ptr: cute.Pointer, peer: Int32, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of `smem_ptr` in CTA `peer` of this cluster (mapa)."""
+    remote = cute.arch.map_dsmem_ptr(smem_ptr, peer, loc=loc, ip=ip)
+    return Int32(remote.toint(loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_async_remote_f32(
+    val: Float32,
+    smem_ptr: cute.Pointer,
+    mbar_ptr: cute.Pointer,
+    peer: Int32,
+    *,
+    loc=None,
+    ip=None,
+) -> None:
+    """Store one fp32 into CTA `peer`'s shared memory, completing 4 bytes on its mbarrier."""
+    remote_val = dsmem_addr(smem_ptr, peer, loc=loc, ip=ip)
+    remote_mbar = dsmem_addr(mbar_ptr, peer, loc=loc, ip=ip)
+    cute.arch.inline_ptx(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
+        read_only_args=[remote_val, Float32(val), remote_mbar],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_global_v4_pred(
+    addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None
+) -> Tuple[Uint32, Uint32, Uint32, Uint32]:
+    """16 bytes from global memory when `pred`, else zeros (no access made)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\t"
+        "setp.ne.b32 p, $5, 0;\n\t"
+        "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t"
+        "@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "=r,=r,=r,=r,l,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(
+        Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)
+    )
+
+
+@dsl_user_op
+def st_global_b32(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
+    """Store one 32-bit word to a global address."""
+    cute.arch.inline_ptx(
+        "st.global.b32 [{$r0}], {$r1};",
+        read_only_args=[Int64(addr), Uint32(val)],
+        loc=loc,
+        ip=ip,
+    )
