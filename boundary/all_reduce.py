@@ -186,9 +186,9 @@ class BoundaryAllReduce:
         """y = the rank-order fp32 sum of every rank's partial, rounded once to bf16."""
         if self.world_size == 1:
             return x
-        # Gathered as int16 so that the bits travel untouched whatever the backend does with bf16.
-        parts = [torch.empty_like(x, dtype=torch.int16) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous().view(torch.int16), group=self.group)
+        # Gathered as int32 words (bf16 pairs) so that the bits travel untouched whatever the backend does with bf16.
+        parts = [torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.int32, device=x.device) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous().view(torch.int32), group=self.group)
         return reference.rank_sum([p.view(BF16) for p in parts])
 
     def _epilogue(

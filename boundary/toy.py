@@ -230,8 +230,8 @@ def _all_reduce_in_rank_order(partial: Tensor, group: Any, world_size: int) -> T
     """y = bf16(sum of every rank's partial in fp32, in rank order 0..W-1)."""
     if world_size == 1:
         return partial
-    parts = [torch.empty_like(partial, dtype=torch.int16) for _ in range(world_size)]
-    dist.all_gather(parts, partial.contiguous().view(torch.int16), group=group)
+    parts = [torch.empty(partial.shape[0], partial.shape[1] // 2, dtype=torch.int32, device=partial.device) for _ in range(world_size)]
+    dist.all_gather(parts, partial.contiguous().view(torch.int32), group=group)
     acc = parts[0].view(BF16).to(F32)
     for p in parts[1:]:
         acc = acc + p.view(BF16).to(F32)

@@ -1,4 +1,4 @@
-"""Inline-PTX helpers for the CuTe DSL kernels: fp8 conversion, DSMEM stores, predicated loads."""
+"""Inline-PTX helpers for the CuTe DSL kernels: exact fp32 ops, fp8 conversion, DSMEM stores, raw loads."""
 
 from typing import Tuple
 
@@ -9,14 +9,14 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
-def _pure_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
-    """A side-effect-free inline asm, free for the compiler to schedule or drop."""
+def _asm(result_type, operands, asm: str, constraints: str, *, side_effects: bool, loc=None, ip=None):
+    """One llvm inline-asm op; pure ones are free for the compiler to schedule or drop."""
     return llvm.inline_asm(
         result_type,
         operands,
         asm,
         constraints,
-        has_side_effects=False,
+        has_side_effects=side_effects,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
@@ -24,34 +24,82 @@ def _pure_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip
     )
 
 
+def _f32(x, loc, ip):
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
 @dsl_user_op
-def cvt_e4m3x4(
-    a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None
-) -> Uint32:
-    """Four fp32 -> four e4m3 bytes (RNE, satfinite), a in the lowest byte."""
-    # cvt.e4m3x2 puts its first source in the upper byte, hence the swapped order.
-    res = _pure_asm(
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b rounded once, never fused into an FMA (matches torch's separate multiply)."""
+    res = _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f",
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    return Float32(res)
+
+
+@dsl_user_op
+def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a + b rounded once, never fused into an FMA (matches torch's separate add)."""
+    res = _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "add.rn.f32 $0, $1, $2;", "=f,f,f",
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    return Float32(res)
+
+
+@dsl_user_op
+def mul_add_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """c + a * b with the product rounded before the add (two roundings, as torch computes it)."""
+    return add_rn(c, mul_rn(a, b, loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a / b, IEEE round-to-nearest-even, subnormals kept."""
+    res = _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    return Float32(res)
+
+
+@dsl_user_op
+def rsqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """1/sqrt(x) by the MUFU unit (what CUDA's rsqrtf and torch.rsqrt use), subnormals kept."""
+    res = _asm(T.f32(), [_f32(x, loc, ip)], "rsqrt.approx.f32 $0, $1;", "=f,f",
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    return Float32(res)
+
+
+@dsl_user_op
+def cvt_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> two bf16 (RNE; Inf kept, NaN stays NaN) packed in a word, `lo` in the low half."""
+    # cvt.bf16x2 puts its first source in the upper half, hence the swapped operands.
+    res = _asm(T.i32(), [_f32(lo, loc, ip), _f32(hi, loc, ip)], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    return Uint32(res)
+
+
+@dsl_user_op
+def bf16_lo(word: Uint32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of the bf16 in the low half of a word (exact)."""
+    return (Uint32(word) << 16).bitcast(Float32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bf16_hi(word: Uint32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of the bf16 in the high half of a word (exact)."""
+    return (Uint32(word) & Uint32(0xFFFF0000)).bitcast(Float32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cvt_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Uint32:
+    """Four fp32 -> four e4m3 bytes (RNE, satfinite), `a` in the lowest byte."""
+    # cvt.e4m3x2 puts its first source in the upper byte, hence the swapped operands.
+    res = _asm(
         T.i32(),
-        [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+        [_f32(v, loc, ip) for v in (a, b, c, d)],
         "{\n\t.reg .b16 lo, hi;\n\t"
         "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
         "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\t"
         "mov.b32 $0, {lo, hi};\n\t}",
         "=r,f,f,f,f",
-        loc=loc,
-        ip=ip,
-    )
-    return Uint32(res)
-
-
-@dsl_user_op
-def cvt_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """Two fp32 -> two bf16 (RNE, Inf and NaN kept) packed in one word, lo in the low half."""
-    res = _pure_asm(
-        T.i32(),
-        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $2, $1;",
-        "=r,f,f",
+        side_effects=False,
         loc=loc,
         ip=ip,
     )
@@ -79,13 +127,7 @@ def dsmem_addr(smem_ptr: cute.Pointer, peer: Int32, *, loc=None, ip=None) -> Int
 
 @dsl_user_op
 def st_async_remote_f32(
-    val: Float32,
-    smem_ptr: cute.Pointer,
-    mbar_ptr: cute.Pointer,
-    peer: Int32,
-    *,
-    loc=None,
-    ip=None,
+    val: Float32, smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, peer: Int32, *, loc=None, ip=None
 ) -> None:
     """Store one fp32 into CTA `peer`'s shared memory, completing 4 bytes on its mbarrier."""
     remote_val = dsmem_addr(smem_ptr, peer, loc=loc, ip=ip)
@@ -99,11 +141,10 @@ def st_async_remote_f32(
 
 
 @dsl_user_op
-def ld_global_v4_pred(
-    addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None
-) -> Tuple[Uint32, Uint32, Uint32, Uint32]:
-    """16 bytes from global memory when `pred`, else zeros (no access made)."""
-    res = llvm.inline_asm(
+def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Tuple[Uint32, ...]:
+    """16 bytes (4 words) from a global address when `pred`, else zeros without touching memory."""
+    # Marked side-effecting so LLVM keeps it after griddepcontrol.wait; ptxas still schedules it freely.
+    res = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .pred p;\n\t"
@@ -111,15 +152,11 @@ def ld_global_v4_pred(
         "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t"
         "@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
         "=r,=r,=r,=r,l,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        side_effects=True,
         loc=loc,
         ip=ip,
     )
-    return tuple(
-        Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)
-    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @dsl_user_op
@@ -128,6 +165,17 @@ def st_global_b32(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
     cute.arch.inline_ptx(
         "st.global.b32 [{$r0}], {$r1};",
         read_only_args=[Int64(addr), Uint32(val)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_global_v2_b32(addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=None) -> None:
+    """Store two 32-bit words (8 bytes, 8-byte aligned) to a global address."""
+    cute.arch.inline_ptx(
+        "st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};",
+        read_only_args=[Int64(addr), Uint32(lo), Uint32(hi)],
         loc=loc,
         ip=ip,
     )

@@ -1,0 +1,141 @@
+"""`python -m boundary.demo`: a few toy decode steps through the scheduler and written plainly.
+
+Runs on whatever it finds (the CPU, one GPU, or `--tp N` processes), says whether the two
+implementations agree and how long a step took, and exits non-zero when they do not agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from boundary import BoundaryAllReduce, Boundaries, DecodeStep
+from boundary.all_reduce import BACKENDS
+from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's command line."""
+    p = argparse.ArgumentParser(prog="python -m boundary.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto: a GPU if present)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each (gloo on CPU, NCCL on GPUs)")
+    p.add_argument("--hidden", type=int, default=5120, help="hidden size H (a multiple of 256)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (layer 1 is an Engram layer)")
+    p.add_argument("--rows", type=int, default=4, help="decode rows per step")
+    p.add_argument("--steps", type=int, default=3, help="decode steps to run")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="BoundaryAllReduce backend")
+    args = p.parse_args(argv)
+    for name in ("tp", "hidden", "layers", "rows", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be positive")
+    if args.hidden % 256:
+        p.error("--hidden must be a multiple of 256")
+    return args
+
+
+def _device(args: argparse.Namespace, rank: int) -> torch.device:
+    want = args.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.tp else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available")
+        if torch.cuda.device_count() < args.tp:
+            raise SystemExit(f"--tp {args.tp} on CUDA needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
+    """Run the steps on this rank; rank 0 prints. Returns whether every step agreed on every rank."""
+    device = _device(args, rank)
+    world = args.tp
+    config = ToyConfig(hidden_size=args.hidden, num_layers=args.layers)
+    model = ToyModel(config, rank=rank, world_size=world, device=device)
+    all_reduce = BoundaryAllReduce(args.hidden, group=group, max_rows=max(args.rows, 1), device=device,
+                                   backend=args.backend)  # fmt: skip
+    boundaries = Boundaries(all_reduce)
+    step = DecodeStep.for_rows(args.rows)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layers (Engram at {config.engram_layers}), "
+        f"{args.rows} rows, TP={world}, device={device}, boundary path={all_reduce.path}, "
+        f"side streams={'on' if step.side_stream else 'off'}")  # fmt: skip
+    if device.type != "cuda" or all_reduce.path == "reference":
+        say("note: the fused CuTe DSL kernels need an sm_90a (H100/H200) or sm_100a (B200) GPU; "
+            "this run used the reference path (torch).")  # fmt: skip
+    all_reduce.warmup(args.rows)
+    ok = True
+    for index in range(args.steps + 1):
+        tokens = random_tokens(model, args.rows, index)
+        _sync(device)
+        start = time.perf_counter()
+        out = decode_step(model, boundaries, tokens, step)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        plain = decode_step_plain(model, tokens, group=group)
+        diff = compare(out, plain)
+        # The reference path must match bit for bit; kernels may differ by bf16 ulps that compound.
+        agree = diff["bitwise"] or (all_reduce.path != "reference" and diff["max_rel"] < 5e-2)
+        ok &= agree
+        label = "warm-up" if index == 0 else f"step {index}"
+        say(f"  {label}: scheduler {elapsed * 1e3:8.2f} ms/step   vs plain: "
+            f"{'bitwise equal' if diff['bitwise'] else 'max |diff| %.3g (rel %.3g)' % (diff['max_abs'], diff['max_rel'])}"
+            f"   {'agree' if agree else 'DISAGREE'}")  # fmt: skip
+    all_reduce.check()
+    if group is not None:
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=device if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        ok = bool(flag.item())
+    say("result: the scheduler and the plain implementation " + ("agree" if ok else "DISAGREE"))
+    return ok
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    use_nccl = _device(args, rank).type == "cuda"
+    dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=args.tp)  # fmt: skip
+    try:
+        ok = run(args, rank, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: 0 when the two implementations agree."""
+    args = parse_args(argv)
+    if args.tp == 1:
+        return 0 if run(args) else 1
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch.multiprocessing as mp
+
+    try:
+        mp.spawn(_worker, args=(args, _free_port()), nprocs=args.tp, join=True)
+    except mp.ProcessExitedException as exc:
+        print(f"a rank failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

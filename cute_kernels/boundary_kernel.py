@@ -1,0 +1,516 @@
+"""The fused decode boundary of one rank (SPEC §2 steps 2-6): mHC post, collapse, RMSNorm, MXFP8.
+
+Layout: one thread-block cluster of `cluster_n` CTAs per row; CTA `r` of the cluster owns the
+contiguous columns [r*C, (r+1)*C) with C = H / cluster_n, and thread `t` owns the 8-element
+(16-byte) vectors t, t + threads, t + 2*threads, ... of that chunk. Everything a thread needs
+stays in its registers; the only exchange is the RMS sum of squares (per-warp partials pushed
+to every CTA of the cluster with st.async into shared memory, then one mbarrier wait), which
+every CTA reduces in the same fixed order, so a row's bits never depend on T or the grid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, const_expr
+
+from cute_kernels import primitives as prim
+from cute_kernels.compile import check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
+
+HC = 4
+VEC = 8  # bf16 elements per thread vector: one 16-byte access
+MXFP8_BLOCK = 32
+MAX_CLUSTER = 8  # the portable cluster size limit
+MOE_GROUP = 8  # experts whose gathers are issued together
+Y_SOURCES = ("x", "moe")
+E4M3_NAN_WORD = 0x7F7F7F7F
+
+
+@dataclass(frozen=True)
+class BoundaryConfig:
+    """Launch shape: CTAs per row (one cluster) and threads per CTA."""
+
+    cluster_n: int
+    threads: int
+
+    @staticmethod
+    def for_hidden(H: int) -> "BoundaryConfig":
+        """The default for hidden size H: the widest cluster (<= 8) whose CTAs own 256-column multiples."""
+        _check_hidden(H)
+        cluster_n = max(d for d in range(1, MAX_CLUSTER + 1) if (H // 256) % d == 0)
+        return BoundaryConfig(cluster_n, _default_threads(H // cluster_n))
+
+    @staticmethod
+    def single_cta(H: int) -> "BoundaryConfig":
+        """One CTA per row (for benchmarking against the split)."""
+        _check_hidden(H)
+        return BoundaryConfig(1, _default_threads(H))
+
+    def validate(self, H: int) -> None:
+        """Raise ValueError unless this config tiles a row of H columns."""
+        _check_hidden(H)
+        n, t = self.cluster_n, self.threads
+        if not (isinstance(n, int) and 1 <= n <= MAX_CLUSTER and H % n == 0):
+            raise ValueError(f"cluster_n must be an int in 1..{MAX_CLUSTER} dividing H={H}, got {n!r}")
+        chunk = H // n
+        if not (isinstance(t, int) and 32 <= t <= 1024 and t % 32 == 0 and chunk % (VEC * t) == 0):
+            raise ValueError(
+                f"threads must be a multiple of 32 in 32..1024 with (H/cluster_n) % (8*threads) == 0; "
+                f"got threads={t!r} for H={H}, cluster_n={n}"
+            )
+
+    def vecs_per_thread(self, H: int) -> int:
+        """16-byte vectors each thread owns in its CTA's chunk."""
+        return H // self.cluster_n // (VEC * self.threads)
+
+
+def _row_major(shape: tuple) -> cute.Layout:
+    """A compact layout whose last mode is contiguous (so each vector is one 16-byte register run)."""
+    return cute.make_ordered_layout(shape, order=tuple(range(len(shape) - 1, -1, -1)))
+
+
+def _check_hidden(H: int) -> None:
+    if isinstance(H, bool) or not isinstance(H, int) or H < 256 or H % 256:
+        raise ValueError(f"the hidden size must be a positive multiple of 256, got {H!r}")
+
+
+def _default_threads(chunk: int) -> int:
+    """One vector per thread, unless that needs more than 512 threads."""
+    vecs = chunk // VEC
+    for per_thread in range(1, vecs + 1):
+        threads = vecs // per_thread
+        if vecs % per_thread == 0 and threads % 32 == 0 and threads <= 512:
+            return threads
+    raise ValueError(f"no thread count tiles a chunk of {chunk} columns")
+
+
+class FusedBoundaryKernel:
+    """One fused-boundary kernel: the y source, the outputs and the launch shape are compile-time."""
+
+    def __init__(
+        self,
+        H: int,
+        *,
+        y_source: str = "x",
+        shared: bool = False,
+        pre: bool = True,
+        mxfp8: bool = False,
+        aux: bool = False,
+        config: Optional[BoundaryConfig] = None,
+    ) -> None:
+        config = config if config is not None else BoundaryConfig.for_hidden(H)
+        config.validate(H)
+        if y_source not in Y_SOURCES:
+            raise ValueError(f"y_source must be one of {Y_SOURCES}, got {y_source!r}")
+        if mxfp8 and not pre:
+            raise ValueError("MXFP8 output needs the normalized layer input (pre)")
+        self.H = H
+        self.y_source = y_source
+        self.shared = shared
+        self.pre = pre
+        self.mxfp8 = mxfp8
+        self.aux = aux
+        self.cluster_n = config.cluster_n
+        self.threads = config.threads
+        self.chunk = H // config.cluster_n
+        self.vpt = config.vecs_per_thread(H)
+        self.warps = config.threads // 32
+        # Only the RMS needs cross-CTA traffic: the residual-only kernel launches no cluster.
+        self.use_cluster = pre and config.cluster_n > 1
+        self.scale_cols = H // MXFP8_BLOCK  # Kp: H is a multiple of 128, so no padded columns
+
+    @cute.jit
+    def __call__(
+        self,
+        mR: cute.Tensor,  # [T, 4, H] bf16 streams
+        mPost: cute.Tensor,  # [T, 4] fp32
+        mComb: cute.Tensor,  # [T, 4, 4] fp32, [src, dst]
+        mPre: Optional[cute.Tensor],  # [T, 4] fp32
+        mW: Optional[cute.Tensor],  # [H] bf16 norm weight
+        mX: Optional[cute.Tensor],  # [T, H] bf16 partial
+        mShared: Optional[cute.Tensor],  # [T, H] bf16 addend
+        mG: Optional[cute.Tensor],  # [P, H] bf16 gemm2_permuted
+        mEW: Optional[cute.Tensor],  # [T, k] fp32 expert weights
+        mIdx: Optional[cute.Tensor],  # [T, k] int32 permuted row, -1 = none
+        mNewR: cute.Tensor,  # [T, 4, H] bf16
+        mOut: Optional[cute.Tensor],  # [T, H] bf16
+        mQ: Optional[cute.Tensor],  # [T, H] e4m3
+        mScale: Optional[cute.Tensor],  # [roundup(T, 128) * H/32] uint8, swizzled 128x4
+        mAux: Optional[cute.Tensor],  # [T, H] bf16
+        eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        rows = mR.shape[0]
+        self.kernel(mR, mPost, mComb, mPre, mW, mX, mShared, mG, mEW, mIdx, mNewR, mOut, mQ, mScale, mAux, eps).launch(
+            grid=[self.cluster_n, rows, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.cluster_n, 1, 1] if const_expr(self.use_cluster) else None,
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mR: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: Optional[cute.Tensor],
+        mW: Optional[cute.Tensor],
+        mX: Optional[cute.Tensor],
+        mShared: Optional[cute.Tensor],
+        mG: Optional[cute.Tensor],
+        mEW: Optional[cute.Tensor],
+        mIdx: Optional[cute.Tensor],
+        mNewR: cute.Tensor,
+        mOut: Optional[cute.Tensor],
+        mQ: Optional[cute.Tensor],
+        mScale: Optional[cute.Tensor],
+        mAux: Optional[cute.Tensor],
+        eps: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, row, _ = cute.arch.block_idx()
+        vpt = const_expr(self.vpt)
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+
+        smem = cutlass.utils.SmemAllocator()
+        sRed, mbar = None, None
+        if const_expr(self.pre):
+            sRed = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.cluster_n), byte_alignment=16)
+        if const_expr(self.use_cluster):
+            mbar = smem.allocate_array(cutlass.Int64, num_elems=1)
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.cluster_arrive_relaxed()
+
+        # Column (in vectors) of each of this thread's vectors.
+        vcols = [cta * (self.chunk // VEC) + v * self.threads + tidx for v in range(vpt)]
+
+        # The norm weight is a parameter, not an output of the previous kernel: read it before the wait.
+        rW = None
+        if const_expr(self.pre):
+            rW = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
+            for v in cutlass.range_constexpr(vpt):
+                cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
+        cute.arch.griddepcontrol_wait()
+
+        post = [mPost[row, j] for j in range(HC)]
+        comb = [[mComb[row, k, j] for j in range(HC)] for k in range(HC)]
+        rR = cute.make_rmem_tensor(_row_major((vpt, HC, VEC)), BFloat16)
+        for v in cutlass.range_constexpr(vpt):
+            for k in cutlass.range_constexpr(HC):
+                cute.copy(copy16, cute.local_tile(mR[row, k, None], (VEC,), (vcols[v],)), rR[v, k, None])
+        y = self.load_y(mX, mShared, mG, mEW, mIdx, row, vcols)
+        pre = [mPre[row, j] for j in range(HC)] if const_expr(self.pre) else None
+        cute.arch.griddepcontrol_launch_dependents()
+
+        rStore = cute.make_rmem_tensor((VEC,), BFloat16)
+        rC = cute.make_rmem_tensor(_row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
+        sumsq = Float32(0.0)
+        for v in cutlass.range_constexpr(vpt):
+            rf = [rR[v, k, None].load().to(Float32) for k in range(HC)]
+            new_streams = []
+            for j in cutlass.range_constexpr(HC):
+                # Same operation order and roundings as the reference: post*y, then + comb[k,j]*R[k].
+                words = []
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    pair = []
+                    for h in cutlass.range_constexpr(2):
+                        acc = prim.mul_rn(post[j], y[v, e + h])
+                        for k in cutlass.range_constexpr(HC):
+                            acc = prim.mul_add_rn(comb[k][j], rf[k][e + h], acc)
+                        pair.append(acc)
+                    words.append(prim.cvt_bf16x2(pair[0], pair[1]))
+                new_streams.append(words)
+                self.store_words(words, rStore, cute.local_tile(mNewR[row, j, None], (VEC,), (vcols[v],)), copy16)
+            # The rounded new streams, back in fp32.
+            rp = [[self.unpack(words, e) for e in range(VEC)] for words in new_streams]
+            if const_expr(self.aux):
+                words = []
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    pair = []
+                    for h in cutlass.range_constexpr(2):
+                        s = prim.add_rn(prim.add_rn(prim.add_rn(rp[0][e + h], rp[1][e + h]), rp[2][e + h]), rp[3][e + h])
+                        pair.append(prim.mul_rn(s, Float32(1.0 / HC)))
+                    words.append(prim.cvt_bf16x2(pair[0], pair[1]))
+                self.store_words(words, rStore, cute.local_tile(mAux[row, None], (VEC,), (vcols[v],)), copy16)
+            if const_expr(self.pre):
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    pair = []
+                    for h in cutlass.range_constexpr(2):
+                        acc = prim.mul_rn(pre[0], rp[0][e + h])
+                        for j in cutlass.range_constexpr(1, HC):
+                            acc = prim.mul_add_rn(pre[j], rp[j][e + h], acc)
+                        pair.append(acc)
+                    word = prim.cvt_bf16x2(pair[0], pair[1])
+                    c0, c1 = prim.bf16_lo(word), prim.bf16_hi(word)
+                    rC[v, e], rC[v, e + 1] = c0, c1
+                    sumsq = sumsq + c0 * c0 + c1 * c1
+
+        if const_expr(self.pre):
+            total = self.row_sum(sumsq, sRed, mbar, cta)
+            inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + eps)
+            for v in cutlass.range_constexpr(vpt):
+                wf = rW[v, None].load().to(Float32)
+                words = [
+                    prim.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1])
+                    for e in range(0, VEC, 2)
+                ]
+                self.store_words(words, rStore, cute.local_tile(mOut[row, None], (VEC,), (vcols[v],)), copy16)
+                if const_expr(self.mxfp8):
+                    self.quantize_vector(words, mQ, mScale, row, vcols[v])
+            if const_expr(self.mxfp8):
+                self.zero_scale_padding(mScale, row, cta, tidx)
+
+    @cute.jit
+    def load_y(
+        self,
+        mX: Optional[cute.Tensor],
+        mShared: Optional[cute.Tensor],
+        mG: Optional[cute.Tensor],
+        mEW: Optional[cute.Tensor],
+        mIdx: Optional[cute.Tensor],
+        row: Int32,
+        vcols: list,
+    ) -> cute.Tensor:
+        """y for this thread's vectors as a (vpt, 8) fp32 register tensor holding bf16 values.
+
+        The one place that knows where y comes from (`y_source`): a later multi-rank kernel plugs
+        its rank-order sum of peer partials in here.
+        """
+        vpt = const_expr(self.vpt)
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        y = cute.make_rmem_tensor(_row_major((vpt, VEC)), Float32)
+        if const_expr(self.y_source == "x"):
+            rX = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
+            for v in cutlass.range_constexpr(vpt):
+                cute.copy(copy16, cute.local_tile(mX[row, None], (VEC,), (vcols[v],)), rX[v, None])
+            if const_expr(self.shared):
+                rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
+                for v in cutlass.range_constexpr(vpt):
+                    cute.copy(copy16, cute.local_tile(mShared[row, None], (VEC,), (vcols[v],)), rS[v, None])
+                for v in cutlass.range_constexpr(vpt):
+                    xs, ss = rX[v, None].load().to(Float32), rS[v, None].load().to(Float32)
+                    self.round_into(y, v, [prim.add_rn(xs[e], ss[e]) for e in range(VEC)])
+            else:
+                for v in cutlass.range_constexpr(vpt):
+                    y[v, None].store(rX[v, None].load().to(Float32))
+        else:
+            self.moe_combine(y, mG, mEW, mIdx, row, vcols)
+            if const_expr(self.shared):
+                rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
+                for v in cutlass.range_constexpr(vpt):
+                    cute.copy(copy16, cute.local_tile(mShared[row, None], (VEC,), (vcols[v],)), rS[v, None])
+                for v in cutlass.range_constexpr(vpt):
+                    ss = rS[v, None].load().to(Float32)
+                    self.round_into(y, v, [prim.add_rn(y[v, e], ss[e]) for e in range(VEC)])
+            else:
+                for v in cutlass.range_constexpr(vpt):
+                    self.round_into(y, v, [y[v, e] for e in range(VEC)])
+        return y
+
+    @cute.jit
+    def moe_combine(
+        self, acc: cute.Tensor, mG: cute.Tensor, mEW: cute.Tensor, mIdx: cute.Tensor, row: Int32, vcols: list
+    ):
+        """acc = sum_i w[row, i] * G[idx[row, i]] in fp32, i in order; idx < 0 adds nothing."""
+        vpt = const_expr(self.vpt)
+        top_k = mEW.shape[1]
+        acc.fill(0.0)
+        g_base = mG.iterator.toint()
+        for group in cutlass.range(cute.ceil_div(top_k, MOE_GROUP)):
+            # Issue every index, weight and row gather of the group before the first add.
+            experts, weights = [], []
+            for u in cutlass.range_constexpr(MOE_GROUP):
+                i = group * MOE_GROUP + u
+                safe_i = cutlass.min(i, top_k - 1)
+                e = mIdx[row, safe_i]
+                experts.append(Int32(cutlass.select_(i < top_k, e, Int32(-1))))
+                weights.append(mEW[row, safe_i])
+            gathered = []
+            for u in cutlass.range_constexpr(MOE_GROUP):
+                valid = experts[u] >= 0
+                row_off = Int64(cutlass.max(experts[u], Int32(0))) * self.H
+                gathered.append(
+                    [
+                        prim.ld_global_v4_pred(g_base + (row_off + Int64(vcols[v] * VEC)) * 2, valid)
+                        for v in range(vpt)
+                    ]
+                )
+            for u in cutlass.range_constexpr(MOE_GROUP):
+                valid = experts[u] >= 0
+                for v in cutlass.range_constexpr(vpt):
+                    for e in cutlass.range_constexpr(VEC):
+                        word = gathered[u][v][e // 2]
+                        g = prim.bf16_lo(word) if e % 2 == 0 else prim.bf16_hi(word)
+                        summed = prim.mul_add_rn(weights[u], g, acc[v, e])
+                        acc[v, e] = Float32(cutlass.select_(valid, summed, acc[v, e]))
+
+    @cute.jit
+    def round_into(self, y: cute.Tensor, v: int, vals: list):
+        """y[v, :] = the fp32 values of bf16(vals)."""
+        for e in cutlass.range_constexpr(0, VEC, 2):
+            word = prim.cvt_bf16x2(vals[e], vals[e + 1])
+            y[v, e] = prim.bf16_lo(word)
+            y[v, e + 1] = prim.bf16_hi(word)
+
+    @cute.jit
+    def unpack(self, words: list, e: int) -> Float32:
+        """The fp32 value of bf16 element e of a vector held as 4 packed words."""
+        return prim.bf16_lo(words[e // 2]) if e % 2 == 0 else prim.bf16_hi(words[e // 2])
+
+    @cute.jit
+    def store_words(self, words: list, rStore: cute.Tensor, gDst: cute.Tensor, copy16: cute.CopyAtom):
+        """Store 4 packed bf16 words as one 16-byte vector."""
+        rw = cute.recast_tensor(rStore, Uint32)
+        for i in cutlass.range_constexpr(4):
+            rw[i] = words[i]
+        cute.copy(copy16, rStore, gDst)
+
+    @cute.jit
+    def row_sum(self, val: Float32, sRed: cute.Tensor, mbar: Optional[cute.Pointer], cta: Int32) -> Float32:
+        """The sum of `val` over every thread of the row's CTAs, in a fixed order, on every thread."""
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        val = cute.arch.warp_reduction_sum(val)
+        slot = cta * self.warps + warp
+        if const_expr(self.use_cluster):
+            cute.arch.cluster_wait()  # every peer's mbarrier is initialised
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.warps * self.cluster_n * 4)
+            if lane < self.cluster_n:
+                prim.st_async_remote_f32(val, sRed.iterator + slot, mbar, lane)
+            cute.arch.mbarrier_wait(mbar, 0)
+        else:
+            if lane == 0:
+                sRed[slot] = val
+            cute.arch.barrier()
+        slots = const_expr(self.warps * self.cluster_n)
+        part = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.ceil_div(slots, 32)):
+            if lane + i * 32 < slots:
+                part = part + sRed[lane + i * 32]
+        return cute.arch.warp_reduction_sum(part)
+
+    @cute.jit
+    def quantize_vector(self, words: list, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, vcol: Int32):
+        """MXFP8 of one 8-element vector of `out` (SPEC §4); 4 adjacent lanes share a 32-block."""
+        # amax over bf16 bit patterns: |x| orders like its bits, and NaN sorts above Inf.
+        amax = Uint32(0)
+        for i in cutlass.range_constexpr(4):
+            amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
+        for off in cutlass.range_constexpr(2):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
+        abits = amax << 16
+        # E = smallest with 2^(E-127) >= amax/448: amax = 1.f * 2^(ea-127) needs ea-8, plus 1 when 1.f > 1.75.
+        ea = Int32(abits >> 23)
+        rounded_up = Int32(cutlass.select_((abits & Uint32(0x7FFFFF)) > Uint32(0x600000), Int32(1), Int32(0)))
+        e = cutlass.max(ea - 8 + rounded_up, Int32(0))
+        e = Int32(cutlass.select_(abits == Uint32(0x7F800000), Int32(254), e))
+        e = Int32(cutlass.select_(abits > Uint32(0x7F800000), Int32(255), e))
+        # Multiplier 2^(127-E) as two normal factors (2^-127 itself is subnormal): 1 for E == 0.
+        m1 = prim.f32_from_bits(Uint32(cutlass.max(254 - e, Int32(1))) << 23)
+        m1 = Float32(cutlass.select_(e == 0, Float32(1.0), m1))
+        m1 = Float32(cutlass.select_(e == 254, Float32(2.0**-64), m1))
+        m2 = Float32(cutlass.select_(e == 254, Float32(2.0**-63), Float32(1.0)))
+        q = []
+        for i in cutlass.range_constexpr(VEC):
+            x = self.unpack(words, i) * m1 * m2
+            q.append(cute.arch.fmax(cute.arch.fmin(x, Float32(448.0)), Float32(-448.0)))
+        q_lo = prim.cvt_e4m3x4(q[0], q[1], q[2], q[3])
+        q_hi = prim.cvt_e4m3x4(q[4], q[5], q[6], q[7])
+        nan_block = e == 255
+        q_lo = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_lo))
+        q_hi = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_hi))
+        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * VEC))
+        prim.st_global_v2_b32(q_addr, q_lo, q_hi)
+        # The 4 scale bytes of 128 columns form one word: gather them from lanes +0, +4, +8, +12.
+        lane = cute.arch.lane_idx()
+        word = Uint32(e) << Uint32(8 * ((lane >> 2) & 3))
+        word = word | cute.arch.shuffle_sync_bfly(word, offset=4)
+        word = word | cute.arch.shuffle_sync_bfly(word, offset=8)
+        if lane % 16 == 0:
+            k = vcol * VEC // MXFP8_BLOCK
+            prim.st_global_b32(mScale.iterator.toint() + self.scale_offset(row, k), word)
+
+    @cute.jit
+    def scale_offset(self, m: Int32, k: Int32) -> Int64:
+        """Byte offset of scale (m, k), k % 4 == 0, in the swizzled 128x4 layout."""
+        return (
+            Int64(m // 128) * (128 * self.scale_cols)
+            + Int64((k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4)
+        )
+
+    @cute.jit
+    def zero_scale_padding(self, mScale: cute.Tensor, row: Int32, cta: Int32, tidx: Int32):
+        """Zero this CTA's scale words of the padding rows T..roundup(T, 128)-1, shared by the last tile's rows."""
+        rows = Int32(mScale.shape[0] // self.scale_cols)  # roundup(T, 128)
+        num_rows = Int32(cute.arch.grid_dim()[1])
+        tile_start = rows - 128
+        if row >= tile_start:
+            in_tile = num_rows - tile_start  # real rows in the last tile
+            pad_rows = 128 - in_tile
+            mine = cute.ceil_div(pad_rows - (row - tile_start), in_tile)
+            words_per_row = const_expr(self.chunk // (4 * MXFP8_BLOCK))
+            base = mScale.iterator.toint()
+            k0 = cta * (self.chunk // MXFP8_BLOCK)
+            for item in cutlass.range(tidx, mine * words_per_row, self.threads):
+                m = num_rows + (row - tile_start) + (item // words_per_row) * in_tile
+                k = k0 + (item % words_per_row) * 4
+                prim.st_global_b32(base + self.scale_offset(m, k), Uint32(0))
+
+
+def mxfp8_scale_bytes(rows: int, H: int) -> int:
+    """Bytes of the swizzled 128x4 scale buffer for [rows, H] (H a multiple of 128)."""
+    return -(-rows // 128) * 128 * (H // MXFP8_BLOCK)
+
+
+@jit_cache
+def compile_fused_boundary(
+    H: int,
+    y_source: str,
+    shared: bool,
+    pre: bool,
+    mxfp8: bool,
+    aux: bool,
+    cluster_n: int,
+    threads: int,
+    *,
+    arch: str,
+) -> Callable[..., Any]:
+    """Compile one fused-boundary variant; the row count T (and P, top-k) stay dynamic."""
+    check_arch(arch)
+    config = BoundaryConfig(cluster_n, threads)
+    kernel = FusedBoundaryKernel(H, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux, config=config)
+    T = cute.sym_int()
+    bf16 = lambda shape: fake_tensor(BFloat16, shape, divisibility=8)  # noqa: E731
+    f32 = lambda shape: fake_tensor(Float32, shape, divisibility=1)  # noqa: E731
+    moe = y_source == "moe"
+    top_k = cute.sym_int()
+    args = (
+        bf16((T, HC, H)),  # residual
+        f32((T, HC)),  # post
+        f32((T, HC, HC)),  # comb
+        f32((T, HC)) if pre else None,
+        bf16((H,)) if pre else None,  # norm weight
+        bf16((T, H)) if not moe else None,  # x
+        bf16((T, H)) if shared else None,  # shared addend
+        bf16((cute.sym_int(), H)) if moe else None,  # gemm2_permuted
+        f32((T, top_k)) if moe else None,  # expert weights
+        fake_tensor(Int32, (T, top_k), divisibility=1) if moe else None,  # idx
+        bf16((T, HC, H)),  # new residual
+        bf16((T, H)) if pre else None,  # out
+        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
+        fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
+        bf16((T, H)) if aux else None,
+        Float32(0.0),
+    )
+    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
