@@ -1,0 +1,58 @@
+"""The compile cache: arch pinning, memory and disk caching keyed on sources and versions."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_kernels import compile as cc
+
+
+def test_arch_for_capability() -> None:
+    assert cc.arch_for_capability(9, 0) == "sm_90a"
+    assert cc.arch_for_capability(10, 0) == "sm_100a"
+    for cap in ((8, 0), (8, 9), (12, 0)):
+        with pytest.raises(cc.UnsupportedGPUError, match=rf"sm_{cap[0]}{cap[1]}.*backend='reference'"):
+            cc.arch_for_capability(*cap)
+    with pytest.raises(ValueError, match="arch must be one of"):
+        cc.check_arch("sm_80")
+
+
+def test_jit_cache_compiles_once_then_hits_memory_and_disk(tmp_path, monkeypatch) -> None:
+    from tests.tiny_kernel import compile_tiny
+
+    monkeypatch.setenv("MHC_BOUNDARY_CACHE_DIR", str(tmp_path))
+    compile_tiny.cache_clear()
+    start = cc.STATS.compiles, cc.STATS.disk_hits, cc.STATS.memory_hits
+    first = compile_tiny(256, arch="sm_90a")
+    assert cc.STATS.compiles == start[0] + 1
+    assert compile_tiny(256, arch="sm_90a") is first
+    assert cc.STATS.memory_hits == start[2] + 1
+    compile_tiny.cache_clear()
+    compile_tiny(256, arch="sm_90a")
+    assert cc.STATS.disk_hits == start[1] + 1 and cc.STATS.compiles == start[0] + 1
+    objects = list(tmp_path.rglob("*.o"))
+    assert len(objects) == 1 and cc.source_fingerprint() in str(objects[0])
+    compile_tiny(256, arch="sm_100a")  # the arch is part of the key
+    assert cc.STATS.compiles == start[0] + 2 and len(list(tmp_path.rglob("*.o"))) == 2
+
+
+def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
+    from tests.tiny_kernel import compile_tiny
+
+    monkeypatch.setenv("MHC_BOUNDARY_CACHE_DIR", str(tmp_path))
+    compile_tiny.cache_clear()
+    compile_tiny(512, arch="sm_90a")
+    (obj,) = tmp_path.rglob("*.o")
+    obj.write_bytes(b"not an object file")
+    compile_tiny.cache_clear()
+    before = cc.STATS.compiles
+    compile_tiny(512, arch="sm_90a")
+    assert cc.STATS.compiles == before + 1 and obj.stat().st_size > 100
+
+
+def test_warmup_runs_every_job(capsys) -> None:
+    seen = []
+    jobs = [cc.WarmupJob(f"job{i}", lambda i, arch: seen.append((i, arch)), (i,), (("arch", "sm_90a"),)) for i in range(3)]
+    assert cc.warmup(jobs, progress=True, desc="test") == 3
+    assert seen == [(0, "sm_90a"), (1, "sm_90a"), (2, "sm_90a")]
+    assert "test" in capsys.readouterr().err

@@ -1,0 +1,32 @@
+"""`python -m boundary.demo` runs, reports, and exits 0 when the two implementations agree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "boundary.demo", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_demo_one_rank_agrees() -> None:
+    out = demo("--device", "cpu", "--hidden", "1024", "--layers", "3", "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert "bitwise equal" in out.stdout and "result: the scheduler and the plain implementation agree" in out.stdout
+    assert "need an sm_90a" in out.stdout
+    assert "ms/step" in out.stdout
+
+
+def test_demo_two_ranks_agree() -> None:
+    out = demo("--device", "cpu", "--tp", "2", "--hidden", "512", "--layers", "2", "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert "TP=2" in out.stdout and "agree" in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [(["--hidden", "1000"], "multiple of 256"), (["--rows", "0"], "must be positive")])
+def test_demo_rejects_bad_arguments(args: list[str], message: str) -> None:
+    out = demo(*args)
+    assert out.returncode == 2 and message in out.stderr

@@ -1,0 +1,35 @@
+"""A tiny CuTe DSL kernel that the compile-cache tests compile (kernels must live in importable files)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor, jit_cache
+
+
+class AddScalar:
+    """y = x + s over [T, N] bf16, one CTA per row."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, y: cute.Tensor, s: Float32, stream) -> None:
+        self.kernel(x, y, s).launch(grid=[x.shape[0], 1, 1], block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, y: cute.Tensor, s: Float32) -> None:
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        for i in cutlass.range(tidx, self.n, 128):
+            y[row, i] = (x[row, i].to(Float32) + s).to(BFloat16)
+
+
+@jit_cache
+def compile_tiny(n: int, *, arch: str):
+    """The compiled AddScalar for width n."""
+    rows = cute.sym_int()
+    return compile_kernel(AddScalar(n), fake_tensor(BFloat16, (rows, n)), fake_tensor(BFloat16, (rows, n)),
+                          Float32(0), fake_stream(), arch=arch)  # fmt: skip
