@@ -10,17 +10,19 @@ every CTA reduces in the same fixed order, so a row's bits never depend on T or 
 
 from __future__ import annotations
 
-import math
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
 from cute_kernels import primitives as prim
-from cute_kernels.compile import check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
+from cute_kernels.compile import WarmupJob, check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 HC = 4
 VEC = 8  # bf16 elements per thread vector: one 16-byte access
@@ -39,14 +41,14 @@ class BoundaryConfig:
     threads: int
 
     @staticmethod
-    def for_hidden(H: int) -> "BoundaryConfig":
+    def for_hidden(H: int) -> BoundaryConfig:
         """The default for hidden size H: the widest cluster (<= 8) whose CTAs own 256-column multiples."""
         _check_hidden(H)
         cluster_n = max(d for d in range(1, MAX_CLUSTER + 1) if (H // 256) % d == 0)
         return BoundaryConfig(cluster_n, _default_threads(H // cluster_n))
 
     @staticmethod
-    def single_cta(H: int) -> "BoundaryConfig":
+    def single_cta(H: int) -> BoundaryConfig:
         """One CTA per row (for benchmarking against the split)."""
         _check_hidden(H)
         return BoundaryConfig(1, _default_threads(H))
@@ -101,7 +103,7 @@ class FusedBoundaryKernel:
         pre: bool = True,
         mxfp8: bool = False,
         aux: bool = False,
-        config: Optional[BoundaryConfig] = None,
+        config: BoundaryConfig | None = None,
     ) -> None:
         config = config if config is not None else BoundaryConfig.for_hidden(H)
         config.validate(H)
@@ -130,18 +132,18 @@ class FusedBoundaryKernel:
         mR: cute.Tensor,  # [T, 4, H] bf16 streams
         mPost: cute.Tensor,  # [T, 4] fp32
         mComb: cute.Tensor,  # [T, 4, 4] fp32, [src, dst]
-        mPre: Optional[cute.Tensor],  # [T, 4] fp32
-        mW: Optional[cute.Tensor],  # [H] bf16 norm weight
-        mX: Optional[cute.Tensor],  # [T, H] bf16 partial
-        mShared: Optional[cute.Tensor],  # [T, H] bf16 addend
-        mG: Optional[cute.Tensor],  # [P, H] bf16 gemm2_permuted
-        mEW: Optional[cute.Tensor],  # [T, k] fp32 expert weights
-        mIdx: Optional[cute.Tensor],  # [T, k] int32 permuted row, -1 = none
+        mPre: cute.Tensor | None,  # [T, 4] fp32
+        mW: cute.Tensor | None,  # [H] bf16 norm weight
+        mX: cute.Tensor | None,  # [T, H] bf16 partial
+        mShared: cute.Tensor | None,  # [T, H] bf16 addend
+        mG: cute.Tensor | None,  # [P, H] bf16 gemm2_permuted
+        mEW: cute.Tensor | None,  # [T, k] fp32 expert weights
+        mIdx: cute.Tensor | None,  # [T, k] int32 permuted row, -1 = none
         mNewR: cute.Tensor,  # [T, 4, H] bf16
-        mOut: Optional[cute.Tensor],  # [T, H] bf16
-        mQ: Optional[cute.Tensor],  # [T, H] e4m3
-        mScale: Optional[cute.Tensor],  # [roundup(T, 128) * H/32] uint8, swizzled 128x4
-        mAux: Optional[cute.Tensor],  # [T, H] bf16
+        mOut: cute.Tensor | None,  # [T, H] bf16
+        mQ: cute.Tensor | None,  # [T, H] e4m3
+        mScale: cute.Tensor | None,  # [roundup(T, 128) * H/32] uint8, swizzled 128x4
+        mAux: cute.Tensor | None,  # [T, H] bf16
         eps: Float32,
         stream: cuda.CUstream,
     ):
@@ -160,18 +162,18 @@ class FusedBoundaryKernel:
         mR: cute.Tensor,
         mPost: cute.Tensor,
         mComb: cute.Tensor,
-        mPre: Optional[cute.Tensor],
-        mW: Optional[cute.Tensor],
-        mX: Optional[cute.Tensor],
-        mShared: Optional[cute.Tensor],
-        mG: Optional[cute.Tensor],
-        mEW: Optional[cute.Tensor],
-        mIdx: Optional[cute.Tensor],
+        mPre: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mX: cute.Tensor | None,
+        mShared: cute.Tensor | None,
+        mG: cute.Tensor | None,
+        mEW: cute.Tensor | None,
+        mIdx: cute.Tensor | None,
         mNewR: cute.Tensor,
-        mOut: Optional[cute.Tensor],
-        mQ: Optional[cute.Tensor],
-        mScale: Optional[cute.Tensor],
-        mAux: Optional[cute.Tensor],
+        mOut: cute.Tensor | None,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
+        mAux: cute.Tensor | None,
         eps: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -207,8 +209,8 @@ class FusedBoundaryKernel:
         for v in cutlass.range_constexpr(vpt):
             for k in cutlass.range_constexpr(HC):
                 cute.copy(copy16, cute.local_tile(mR[row, k, None], (VEC,), (vcols[v],)), rR[v, k, None])
-        y = self.load_y(mX, mShared, mG, mEW, mIdx, row, vcols)
         pre = [mPre[row, j] for j in range(HC)] if const_expr(self.pre) else None
+        y = self.load_y(mX, mShared, mG, mEW, mIdx, row, vcols)
         cute.arch.griddepcontrol_launch_dependents()
 
         rStore = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -237,7 +239,9 @@ class FusedBoundaryKernel:
                 for e in cutlass.range_constexpr(0, VEC, 2):
                     pair = []
                     for h in cutlass.range_constexpr(2):
-                        s = prim.add_rn(prim.add_rn(prim.add_rn(rp[0][e + h], rp[1][e + h]), rp[2][e + h]), rp[3][e + h])
+                        s = prim.add_rn(
+                            prim.add_rn(prim.add_rn(rp[0][e + h], rp[1][e + h]), rp[2][e + h]), rp[3][e + h]
+                        )
                         pair.append(prim.mul_rn(s, Float32(1.0 / HC)))
                     words.append(prim.cvt_bf16x2(pair[0], pair[1]))
                 self.store_words(words, rStore, cute.local_tile(mAux[row, None], (VEC,), (vcols[v],)), copy16)
@@ -260,8 +264,7 @@ class FusedBoundaryKernel:
             for v in cutlass.range_constexpr(vpt):
                 wf = rW[v, None].load().to(Float32)
                 words = [
-                    prim.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1])
-                    for e in range(0, VEC, 2)
+                    prim.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1]) for e in range(0, VEC, 2)
                 ]
                 self.store_words(words, rStore, cute.local_tile(mOut[row, None], (VEC,), (vcols[v],)), copy16)
                 if const_expr(self.mxfp8):
@@ -272,11 +275,11 @@ class FusedBoundaryKernel:
     @cute.jit
     def load_y(
         self,
-        mX: Optional[cute.Tensor],
-        mShared: Optional[cute.Tensor],
-        mG: Optional[cute.Tensor],
-        mEW: Optional[cute.Tensor],
-        mIdx: Optional[cute.Tensor],
+        mX: cute.Tensor | None,
+        mShared: cute.Tensor | None,
+        mG: cute.Tensor | None,
+        mEW: cute.Tensor | None,
+        mIdx: cute.Tensor | None,
         row: Int32,
         vcols: list,
     ) -> cute.Tensor:
@@ -288,32 +291,27 @@ class FusedBoundaryKernel:
         vpt = const_expr(self.vpt)
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         y = cute.make_rmem_tensor(_row_major((vpt, VEC)), Float32)
+        rS = None
+        if const_expr(self.shared):
+            rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
+            for v in cutlass.range_constexpr(vpt):
+                cute.copy(copy16, cute.local_tile(mShared[row, None], (VEC,), (vcols[v],)), rS[v, None])
         if const_expr(self.y_source == "x"):
             rX = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mX[row, None], (VEC,), (vcols[v],)), rX[v, None])
-            if const_expr(self.shared):
-                rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
-                for v in cutlass.range_constexpr(vpt):
-                    cute.copy(copy16, cute.local_tile(mShared[row, None], (VEC,), (vcols[v],)), rS[v, None])
-                for v in cutlass.range_constexpr(vpt):
-                    xs, ss = rX[v, None].load().to(Float32), rS[v, None].load().to(Float32)
-                    self.round_into(y, v, [prim.add_rn(xs[e], ss[e]) for e in range(VEC)])
-            else:
-                for v in cutlass.range_constexpr(vpt):
-                    y[v, None].store(rX[v, None].load().to(Float32))
+            for v in cutlass.range_constexpr(vpt):
+                y[v, None].store(rX[v, None].load().to(Float32))
         else:
             self.moe_combine(y, mG, mEW, mIdx, row, vcols)
-            if const_expr(self.shared):
-                rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
-                for v in cutlass.range_constexpr(vpt):
-                    cute.copy(copy16, cute.local_tile(mShared[row, None], (VEC,), (vcols[v],)), rS[v, None])
-                for v in cutlass.range_constexpr(vpt):
-                    ss = rS[v, None].load().to(Float32)
-                    self.round_into(y, v, [prim.add_rn(y[v, e], ss[e]) for e in range(VEC)])
-            else:
-                for v in cutlass.range_constexpr(vpt):
-                    self.round_into(y, v, [y[v, e] for e in range(VEC)])
+        # y = bf16(partial + shared): the shared addend comes last, then one rounding.
+        if const_expr(self.shared):
+            for v in cutlass.range_constexpr(vpt):
+                ss = rS[v, None].load().to(Float32)
+                self.round_into(y, v, [prim.add_rn(y[v, e], ss[e]) for e in range(VEC)])
+        elif const_expr(self.y_source == "moe"):
+            for v in cutlass.range_constexpr(vpt):
+                self.round_into(y, v, [y[v, e] for e in range(VEC)])
         return y
 
     @cute.jit
@@ -339,10 +337,7 @@ class FusedBoundaryKernel:
                 valid = experts[u] >= 0
                 row_off = Int64(cutlass.max(experts[u], Int32(0))) * self.H
                 gathered.append(
-                    [
-                        prim.ld_global_v4_pred(g_base + (row_off + Int64(vcols[v] * VEC)) * 2, valid)
-                        for v in range(vpt)
-                    ]
+                    [prim.ld_global_v4_pred(g_base + (row_off + Int64(vcols[v] * VEC)) * 2, valid) for v in range(vpt)]
                 )
             for u in cutlass.range_constexpr(MOE_GROUP):
                 valid = experts[u] >= 0
@@ -375,7 +370,7 @@ class FusedBoundaryKernel:
         cute.copy(copy16, rStore, gDst)
 
     @cute.jit
-    def row_sum(self, val: Float32, sRed: cute.Tensor, mbar: Optional[cute.Pointer], cta: Int32) -> Float32:
+    def row_sum(self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32) -> Float32:
         """The sum of `val` over every thread of the row's CTAs, in a fixed order, on every thread."""
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -444,10 +439,7 @@ class FusedBoundaryKernel:
     @cute.jit
     def scale_offset(self, m: Int32, k: Int32) -> Int64:
         """Byte offset of scale (m, k), k % 4 == 0, in the swizzled 128x4 layout."""
-        return (
-            Int64(m // 128) * (128 * self.scale_cols)
-            + Int64((k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4)
-        )
+        return Int64(m // 128) * (128 * self.scale_cols) + Int64((k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4)
 
     @cute.jit
     def zero_scale_padding(self, mScale: cute.Tensor, row: Int32, cta: Int32, tidx: Int32):
@@ -458,7 +450,8 @@ class FusedBoundaryKernel:
         if row >= tile_start:
             in_tile = num_rows - tile_start  # real rows in the last tile
             pad_rows = 128 - in_tile
-            mine = cute.ceil_div(pad_rows - (row - tile_start), in_tile)
+            todo = cutlass.max(pad_rows - (row - tile_start), Int32(0))
+            mine = (todo + in_tile - 1) // in_tile
             words_per_row = const_expr(self.chunk // (4 * MXFP8_BLOCK))
             base = mScale.iterator.toint()
             k0 = cta * (self.chunk // MXFP8_BLOCK)
@@ -486,31 +479,242 @@ def compile_fused_boundary(
     *,
     arch: str,
 ) -> Callable[..., Any]:
-    """Compile one fused-boundary variant; the row count T (and P, top-k) stay dynamic."""
+    """Compile one fused-boundary variant; the row count T (and P, top-k) stay dynamic.
+
+    The compiled function takes, positionally, (residual, post, comb, pre, norm_weight, x,
+    shared, gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale,
+    aux, norm_eps), with None for every tensor the variant does not use.
+    """
     check_arch(arch)
     config = BoundaryConfig(cluster_n, threads)
     kernel = FusedBoundaryKernel(H, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux, config=config)
-    T = cute.sym_int()
+    T, top_k = cute.sym_int(), cute.sym_int()
     bf16 = lambda shape: fake_tensor(BFloat16, shape, divisibility=8)  # noqa: E731
     f32 = lambda shape: fake_tensor(Float32, shape, divisibility=1)  # noqa: E731
     moe = y_source == "moe"
-    top_k = cute.sym_int()
     args = (
         bf16((T, HC, H)),  # residual
         f32((T, HC)),  # post
         f32((T, HC, HC)),  # comb
-        f32((T, HC)) if pre else None,
+        f32((T, HC)) if pre else None,  # pre
         bf16((H,)) if pre else None,  # norm weight
         bf16((T, H)) if not moe else None,  # x
-        bf16((T, H)) if shared else None,  # shared addend
+        bf16((T, H)) if shared else None,  # shared addend / shared_output
         bf16((cute.sym_int(), H)) if moe else None,  # gemm2_permuted
         f32((T, top_k)) if moe else None,  # expert weights
-        fake_tensor(Int32, (T, top_k), divisibility=1) if moe else None,  # idx
+        fake_tensor(Int32, (T, top_k), divisibility=1) if moe else None,  # permuted row per expert
         bf16((T, HC, H)),  # new residual
         bf16((T, H)) if pre else None,  # out
         fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
         fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
         bf16((T, H)) if aux else None,
-        Float32(0.0),
+        Float32(0.0),  # norm eps
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+class BoundaryVariant(NamedTuple):
+    """The compile-time flags of one fused-boundary kernel."""
+
+    y_source: str = "x"  # "x": a ready partial; "moe": the top-k combine of gemm2_permuted
+    shared: bool = False  # an addend: bf16(x + shared), or the MoE shared_output
+    pre: bool = True  # collapse + RMSNorm; False: residual-only
+    mxfp8: bool = False
+    aux: bool = False
+
+
+ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = tuple(
+    BoundaryVariant(y_source, shared, pre, mxfp8, aux)
+    for y_source in Y_SOURCES
+    for shared in (False, True)
+    for pre, mxfp8 in ((False, False), (True, False), (True, True))
+    for aux in (False, True)
+)
+
+
+@functools.cache
+def default_config(H: int) -> BoundaryConfig:
+    """The launch shape used when none is given: a function of H only (batch invariance)."""
+    return BoundaryConfig.for_hidden(H)
+
+
+def compiled_boundary(
+    H: int, variant: BoundaryVariant, *, arch: str, config: BoundaryConfig | None = None
+) -> Callable[..., Any]:
+    """The compiled kernel of one variant (compiled or loaded on first use)."""
+    config = default_config(H) if config is None else config
+    return compile_fused_boundary(H, *variant, config.cluster_n, config.threads, arch=arch)
+
+
+def warmup_keys(
+    H: int,
+    *,
+    arch: str,
+    config: BoundaryConfig | None = None,
+    variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS,
+) -> list[WarmupJob]:
+    """One warmup job per variant an engine may launch at hidden size H (all of them by default)."""
+    check_arch(arch)
+    config = default_config(H) if config is None else config
+    config.validate(H)
+    return [
+        WarmupJob(
+            name=f"boundary H={H} {_variant_name(v)}",
+            compile_fn=compile_fused_boundary,
+            args=(H, *v, config.cluster_n, config.threads),
+            kwargs=(("arch", arch),),
+        )
+        for v in variants
+    ]
+
+
+def _variant_name(v: BoundaryVariant) -> str:
+    parts = [v.y_source + ("+shared" if v.shared else "")]
+    parts.append("pre" if v.pre else "residual-only")
+    parts += [flag for flag, on in (("mxfp8", v.mxfp8), ("aux", v.aux)) if on]
+    return " ".join(parts)
+
+
+def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: int, align: int) -> torch.Tensor:
+    """One tensor argument: dtype, shape (None = any), contiguity, alignment, device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name} must start on a {align}-byte boundary (address {t.data_ptr():#x})")
+    if t.get_device() != device:
+        raise ValueError(f"{name} must be on the device of residual ({_device_name(device)}), got {t.device}")
+    return t
+
+
+def _device_name(index: int) -> str:
+    return "cpu" if index < 0 else f"cuda:{index}"
+
+
+def fused_boundary(
+    *,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    pre: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    x: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    moe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    new_residual: torch.Tensor,
+    out: torch.Tensor | None = None,
+    mxfp8_data: torch.Tensor | None = None,
+    mxfp8_scale: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None,
+    arch: str,
+    config: BoundaryConfig | None = None,
+    check: bool = True,
+) -> None:
+    """Run the fused boundary of one rank, writing new_residual (and out, MXFP8, aux when given).
+
+    y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
+    combine (plus `shared`, the shared-expert output). pre=None is the residual-only boundary.
+    `check=False` skips the host checks for a caller that has made them already.
+    """
+    if check:
+        post = _check_args(
+            residual, post, comb, pre, norm_weight, norm_eps, x, shared, moe, new_residual,
+            out, mxfp8_data, mxfp8_scale, aux, arch, config,
+        )  # fmt: skip
+    elif post.dim() == 3:
+        post = post.view(post.shape[0], HC)
+    rows, _, H = residual.shape
+    if rows == 0:
+        return
+    variant = BoundaryVariant(
+        "x" if moe is None else "moe", shared is not None, pre is not None, mxfp8_data is not None, aux is not None
+    )
+    fn = compiled_boundary(H, variant, arch=arch, config=config)
+    g, ew, idx = moe if moe is not None else (None, None, None)
+    fn(
+        residual, post, comb, pre, norm_weight if pre is not None else None, x, shared, g, ew, idx,
+        new_residual, out, mxfp8_data, mxfp8_scale, aux, float(norm_eps),
+    )  # fmt: skip
+
+
+def _check_args(
+    residual: object,
+    post: object,
+    comb: object,
+    pre: object,
+    norm_weight: object,
+    norm_eps: object,
+    x: object,
+    shared: object,
+    moe: object,
+    new_residual: object,
+    out: object,
+    mxfp8_data: object,
+    mxfp8_scale: object,
+    aux: object,
+    arch: str,
+    config: BoundaryConfig | None,
+) -> torch.Tensor:
+    """Every host-visible check of fused_boundary; returns post viewed as [T, 4]."""
+    check_arch(arch)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dim() != 3 or residual.shape[1] != HC:
+        raise ValueError(f"residual must have shape [T, {HC}, H] (hc = {HC}), got {list(residual.shape)}")
+    rows, _, H = residual.shape
+    if H % 256 or H == 0:
+        raise ValueError(f"the hidden size (residual.shape[2]) must be a positive multiple of 256, got {H}")
+    if config is not None:
+        if not isinstance(config, BoundaryConfig):
+            raise TypeError(f"config must be a BoundaryConfig or None, got {type(config).__name__}")
+        config.validate(H)
+    dev = residual.get_device()
+    bf16, f32 = torch.bfloat16, torch.float32
+    _check("residual", residual, bf16, (rows, HC, H), dev, 16)
+    if isinstance(post, torch.Tensor) and post.dim() == 3:
+        _check("post", post, f32, (rows, HC, 1), dev, 4)
+        post = post.view(rows, HC)
+    _check("post", post, f32, (rows, HC), dev, 4)
+    _check("comb", comb, f32, (rows, HC, HC), dev, 4)
+    if (x is None) == (moe is None):
+        raise ValueError("give exactly one input: x (a bf16 partial) or moe=(gemm2_permuted, expert_weights, idx)")
+    if x is not None:
+        _check("x", x, bf16, (rows, H), dev, 16)
+    else:
+        if not isinstance(moe, (tuple, list)) or len(moe) != 3:
+            raise TypeError("moe must be a tuple (gemm2_permuted, expert_weights, idx)")
+        g, ew, idx = moe
+        _check("moe gemm2_permuted", g, bf16, (None, H), dev, 16)
+        _check("moe expert_weights", ew, f32, (rows, None), dev, 4)
+        _check("moe idx", idx, torch.int32, (rows, ew.shape[1]), dev, 4)
+    if shared is not None:
+        _check("shared", shared, bf16, (rows, H), dev, 16)
+    _check("new_residual", new_residual, bf16, (rows, HC, H), dev, 16)
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+        raise TypeError(f"norm_eps must be a float, got {type(norm_eps).__name__}")
+    if pre is None:
+        if out is not None or mxfp8_data is not None or mxfp8_scale is not None:
+            raise ValueError("the residual-only boundary (pre=None) writes no out and no MXFP8")
+    else:
+        _check("pre", pre, f32, (rows, HC), dev, 4)
+        _check("norm_weight", norm_weight, bf16, (H,), dev, 16)
+        if out is None:
+            raise ValueError("out (the bf16 layer input [T, H]) is required when pre is given")
+        _check("out", out, bf16, (rows, H), dev, 16)
+        if (mxfp8_data is None) != (mxfp8_scale is None):
+            raise ValueError("give both mxfp8_data and mxfp8_scale, or neither")
+        if mxfp8_data is not None:
+            _check("mxfp8_data", mxfp8_data, torch.float8_e4m3fn, (rows, H), dev, 16)
+            _check("mxfp8_scale", mxfp8_scale, torch.uint8, (mxfp8_scale_bytes(rows, H),), dev, 4)
+    if aux is not None:
+        _check("aux", aux, bf16, (rows, H), dev, 16)
+    if dev < 0:
+        raise ValueError(f"the fused boundary runs on CUDA tensors; residual is on {residual.device}")
+    return post

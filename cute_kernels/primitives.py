@@ -1,7 +1,5 @@
 """Inline-PTX helpers for the CuTe DSL kernels: exact fp32 ops, fp8 conversion, DSMEM stores, raw loads."""
 
-from typing import Tuple
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -141,7 +139,7 @@ def st_async_remote_f32(
 
 
 @dsl_user_op
-def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Tuple[Uint32, ...]:
+def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> tuple[Uint32, ...]:
     """16 bytes (4 words) from a global address when `pred`, else zeros without touching memory."""
     # Marked side-effecting so LLVM keeps it after griddepcontrol.wait; ptxas still schedules it freely.
     res = _asm(

@@ -1,0 +1,27 @@
+"""The unfused baselines the kernels are measured against: the reference chains, eager and compiled."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from boundary import reference
+
+
+def boundary_chain(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, w: Tensor, eps: float
+                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The W = 1 boundary as torch ops: mHC post, collapse, RMSNorm."""
+    new = reference.mhc_post(y, residual, post, comb)
+    return new, reference.rms_norm(reference.collapse(new, pre), w, eps)
+
+
+def coefficients_chain(streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> reference.Coefficients:
+    """The mHC coefficients as torch ops (V4.1 constants)."""
+    return reference.mhc_coefficients(streams.flatten(1), fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
+
+
+def compiled(fn: Callable) -> Callable:
+    """`fn` under torch.compile with dynamic shapes, so one compile serves every row count and H."""
+    return torch.compile(fn, dynamic=True)

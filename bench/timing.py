@@ -1,0 +1,73 @@
+"""GPU timing as the benchmarks report it: CUDA-graph replays on rotating inputs, L2 flushed."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # several times the H100/H200/B200 L2
+
+
+class GraphTimer:
+    """Times closures as GPU time per call: one graph of back-to-back calls, replayed after an L2 flush."""
+
+    def __init__(self, device: torch.device, replays: int = 7) -> None:
+        self.device = device
+        self.replays = replays
+        self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device)
+
+    def per_call_us(self, calls: Sequence[Callable[[], object]]) -> float:
+        """Median over replays of (graph time / number of calls), in microseconds."""
+        with torch.cuda.stream(self.stream):
+            for call in calls:  # compile, allocate, settle
+                call()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            for call in calls:
+                call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(self.replays + 1):
+            self.flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+        del graph
+        return statistics.median(samples[1:])
+
+    def copy_bandwidth(self, nbytes: int = 2 << 30) -> float:
+        """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 10."""
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=self.device).random_()
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(10):
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e-3)
+        return nbytes / statistics.median(samples)
+
+
+def host_us_per_call(call: Callable[[], object], n: int = 300) -> float:
+    """Eager host cost of one call (Python + launch), median of 5 runs of n calls, in microseconds."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        samples.append((time.perf_counter() - t0) * 1e6 / n)
+        torch.cuda.synchronize()
+    return statistics.median(samples)

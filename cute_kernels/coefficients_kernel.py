@@ -1,0 +1,791 @@
+"""The mHC coefficients (SPEC §3, `mhc_pre_delayed`) in one launch: split-K projection + Sinkhorn.
+
+Per row t: mixes = (x . fn) * rsqrt(sum x^2 / K + rms_eps) over the K = 4H stream columns (or the
+H embedding columns with fn_broadcast), then pre / post / comb (softmax + Sinkhorn).
+
+Projection. The K columns are split into S = 8*G CTA slices (a function of H only, never of the
+row count); CTA slice s, warp w owns the 32 columns [(s*W + w)*32, +32). A warp reads its fn
+slice once (fp32, split into bf16 hi + lo, which is exact to 2^-17) and then, for each 16-row
+m-tile of its row tile, multiplies the bf16 rows by it on the tensor cores (mma.sync m16n8k16,
+fp32 accumulation): 3 n-tiles x (hi, lo) give the 24 dot products, and the rows' Gram block
+(the A fragment doubles as B) gives the sums of squares on its diagonal. The k order inside a
+fragment is permuted (a lane holds 8 contiguous columns) identically for A and B.
+
+Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory), then the 8
+CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
+partials for them with st.async into its shared memory), then the G clusters (global workspace
+partials [G, rows, 25]). A per-(tile, rank) arrival counter picks the last of the G CTAs that own
+those rows; it sums the G partials in order and runs the per-row epilogue (one thread per row),
+then puts the counter back to 0, so every call and every CUDA-graph replay starts clean.
+
+Layer input (inline form): extra clusters, ahead of the projection clusters in the grid, each do
+NR rows: CTA r of the cluster owns the columns [r*H/8, (r+1)*H/8); c = bf16(sum_j pre_mix[j]*R[j])
+(or stream 0 / the embedding exactly), the sum of squares of the rounded c is exchanged across
+the cluster the same way, then out = bf16(c * rsqrt(sum/H + eps) * w).
+
+PDL: before griddepcontrol.wait a CTA reads only weights (fn, w); the streams, the carried
+pre-mix and the workspace come after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import vector as mlir_vector
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cute_kernels.compile import WarmupJob, check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
+
+HC = 4
+MIX = HC * (HC + 2)  # 24 mixes: pre (4), post (4), comb (16)
+NV = MIX + 1  # values per row in the partials: the 24 dot products and the sum of squares
+CLUSTER = 8  # CTAs per thread-block cluster (the portable limit)
+CHUNK = 32  # columns per warp: two k16 MMA steps, 8 contiguous columns (16 bytes) per lane
+MAX_WARPS = 8
+VARIANTS = ("standard", "broadcast")
+LAYER_INPUTS = ("none", "carried", "one_hot")
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile-time shape
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoefficientsConfig:
+    """Compile-time launch shape: rows per tile, warps per CTA and clusters (groups) along K."""
+
+    rows_per_tile: int
+    warps: int
+    groups: int
+
+    @staticmethod
+    def for_shape(H: int, broadcast: bool, rows_per_tile: int = 64) -> "CoefficientsConfig":
+        """The default split for hidden size H: about 128 CTAs along K, at least 2 warps when possible."""
+        _check_hidden(H)
+        chunks = projection_width(H, broadcast) // CHUNK
+        best = None
+        for warps in range(MAX_WARPS, 0, -1):
+            if chunks % (CLUSTER * warps):
+                continue
+            groups = chunks // (CLUSTER * warps)
+            cost = abs(math.log2(CLUSTER * groups / 128)) + (1.5 if warps < 2 else 0.0)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, warps, groups)
+        assert best is not None  # warps = 1 always divides: chunks is a multiple of 8
+        return CoefficientsConfig(rows_per_tile, best[1], best[2])
+
+    def validate(self, H: int, broadcast: bool) -> None:
+        """Raise ValueError unless this config tiles the projection of hidden size H."""
+        _check_hidden(H)
+        tm, w, g = self.rows_per_tile, self.warps, self.groups
+        if tm not in (16, 32, 64, 128):
+            raise ValueError(f"rows_per_tile must be 16, 32, 64 or 128, got {tm!r}")
+        if not (isinstance(w, int) and 1 <= w <= MAX_WARPS):
+            raise ValueError(f"warps must be an int in 1..{MAX_WARPS}, got {w!r}")
+        width = projection_width(H, broadcast)
+        if not (isinstance(g, int) and g >= 1 and CLUSTER * g * w * CHUNK == width):
+            raise ValueError(
+                f"groups * {CLUSTER} CTAs * warps * {CHUNK} columns must equal the projection width {width}; "
+                f"got groups={g!r}, warps={w}"
+            )
+
+
+def projection_width(H: int, broadcast: bool) -> int:
+    """Columns of the projection input: 4H for the streams, H for the broadcast embedding."""
+    return H if broadcast else HC * H
+
+
+def _check_hidden(H: int) -> None:
+    if isinstance(H, bool) or not isinstance(H, int) or H < 256 or H % 256:
+        raise ValueError(f"the hidden size must be a positive multiple of 256, got {H!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Private PTX helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
+    """One side-effect-free llvm inline-asm op."""
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        asm,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _unpack(struct, n: int, ty, wrap, *, loc=None, ip=None) -> tuple:
+    return tuple(wrap(llvm.extractvalue(ty, struct, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+@dsl_user_op
+def _mma_bf16(a: tuple, b: tuple, c: tuple, *, loc=None, ip=None) -> tuple:
+    """D = A @ B + C for one m16n8k16 bf16 tile with fp32 accumulators (4 + 2 + 4 registers)."""
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        ops,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return _unpack(res, 4, T.f32(), Float32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _split_bf16x2(f0: Float32, f1: Float32, *, loc=None, ip=None) -> tuple:
+    """(hi, lo) words: hi = bf16x2(f0, f1), lo = bf16x2 of the remainders; f0 in the low halves."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Float32(f0).ir_value(loc=loc, ip=ip), Float32(f1).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 h, a, b;\n\t.reg .f32 x, y;\n\t"
+        "cvt.rn.bf16x2.f32 h, $3, $2;\n\t"
+        "shl.b32 a, h, 16;\n\t"
+        "and.b32 b, h, 0xFFFF0000;\n\t"
+        "mov.b32 x, a;\n\tmov.b32 y, b;\n\t"
+        "sub.rn.f32 x, $2, x;\n\tsub.rn.f32 y, $3, y;\n\t"
+        "cvt.rn.bf16x2.f32 $1, y, x;\n\t"
+        "mov.b32 $0, h;\n\t}",
+        "=r,=r,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return _unpack(res, 2, T.i32(), Int32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Two fp32 -> one word of two bf16 (round to nearest even), `lo` in the low half."""
+    res = _asm(
+        T.i32(),
+        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $2, $1;",
+        "=r,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(res)
+
+
+@dsl_user_op
+def _bf16_lo(word: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of the bf16 in the low half of a word (exact)."""
+    return (Int32(word) << 16).bitcast(Float32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _bf16_hi(word: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of the bf16 in the high half of a word (exact)."""
+    return (Int32(word) & Int32(-65536)).bitcast(Float32, loc=loc, ip=ip)
+
+
+def _f32_op(asm: str, *args, loc=None, ip=None) -> Float32:
+    operands = [Float32(a).ir_value(loc=loc, ip=ip) for a in args]
+    constraints = ",".join(["=f"] + ["f"] * len(args))
+    return Float32(_asm(T.f32(), operands, asm, constraints, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b rounded once, never contracted into an FMA."""
+    return _f32_op("mul.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a + b rounded once, never contracted into an FMA."""
+    return _f32_op("add.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a / b, IEEE round to nearest even."""
+    return _f32_op("div.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _rsqrt(x: Float32, *, loc=None, ip=None) -> Float32:
+    """1/sqrt(x) by the MUFU unit (what torch.rsqrt uses on CUDA)."""
+    return _f32_op("rsqrt.approx.f32 $0, $1;", x, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _rcp(x: Float32, *, loc=None, ip=None) -> Float32:
+    """1/x by the MUFU unit (about 1 ulp)."""
+    return _f32_op("rcp.approx.ftz.f32 $0, $1;", x, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
+    """e^x as 2^(x*log2 e) by the MUFU unit."""
+    return _f32_op("ex2.approx.ftz.f32 $0, $1;", Float32(x) * Float32(LOG2E), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """16 bytes from global memory as 4 words (the address must be 16-byte aligned)."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type), loc=loc, ip=ip)
+    return tuple(Int32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """16 bytes from global memory as 4 fp32 (the address must be 16-byte aligned)."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Float32.mlir_type), loc=loc, ip=ip)
+    return tuple(Float32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
+    """Store 4 words (16 bytes, 16-byte aligned) to global memory."""
+    vec = mlir_vector.from_elements(
+        ir.VectorType.get([4], Int32.mlir_type), [Int32(w).ir_value(loc=loc, ip=ip) for w in words], loc=loc, ip=ip
+    )
+    cute.arch.store(ptr, vec, loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------
+
+
+class CoefficientsKernel:
+    """post, comb and next pre of SPEC §3 (plus, inline, the layer input); variant and shape compile-time."""
+
+    def __init__(
+        self,
+        H: int,
+        *,
+        variant: str = "standard",
+        layer_input: str = "none",
+        sinkhorn_repeat: int = 20,
+        config: Optional[CoefficientsConfig] = None,
+    ) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if layer_input not in LAYER_INPUTS:
+            raise ValueError(f"layer_input must be one of {LAYER_INPUTS}, got {layer_input!r}")
+        if variant == "broadcast" and layer_input == "carried":
+            raise ValueError("the broadcast variant collapses to the embedding row: layer_input must be 'none' or 'one_hot'")
+        if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, int) or sinkhorn_repeat < 1:
+            raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
+        self.broadcast = variant == "broadcast"
+        config = config if config is not None else CoefficientsConfig.for_shape(H, self.broadcast)
+        config.validate(H, self.broadcast)
+        self.H = H
+        self.layer_input = layer_input
+        self.repeat = sinkhorn_repeat
+        self.K = projection_width(H, self.broadcast)
+        self.row_stride = H if self.broadcast else HC * H  # elements per row of the input tensor
+        self.tm = config.rows_per_tile
+        self.warps = config.warps
+        self.groups = config.groups
+        self.threads = CHUNK * config.warps
+        self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
+        self.mtiles_per_batch = min(4, self.tm // 16)
+        self.batches = self.tm // (16 * self.mtiles_per_batch)
+        self.batch_rows = 16 * self.mtiles_per_batch
+        # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
+        self.vecs_per_row = H // (CLUSTER * 8)
+        self.norm_rows = max(1, self.threads // self.vecs_per_row)
+        self.norm_vpt = -(-(self.norm_rows * self.vecs_per_row) // self.threads)
+
+    # -----------------------------------------------------------------------------------------
+    # Host side
+    # -----------------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [T, 4, H] bf16 streams, or [T, H] bf16 embedding (broadcast)
+        mFn: cute.Tensor,  # [24, K] fp32
+        mScale: cute.Tensor,  # [3] fp32
+        mBase: cute.Tensor,  # [24] fp32
+        mPost: cute.Tensor,  # [T, 4] fp32
+        mComb: cute.Tensor,  # [T, 4, 4] fp32, [src, dst]
+        mPre: cute.Tensor,  # [T, 4] fp32 (next pre)
+        mPartial: cute.Tensor,  # [>= G, >= T, 25] fp32 workspace
+        mCounter: cute.Tensor,  # [>= ceil(T/TM)*8] int32 workspace, zero between calls
+        mPreMix: Optional[cute.Tensor],  # [T, 4] fp32 carried pre (layer_input == "carried")
+        mW: Optional[cute.Tensor],  # [H] bf16 norm weight (inline form)
+        mOut: Optional[cute.Tensor],  # [T, H] bf16 layer input (inline form)
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        rows = mX.shape[0]
+        tiles = (rows + (self.tm - 1)) // self.tm
+        norm_clusters = Int32(0)
+        if const_expr(self.layer_input != "none"):
+            norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
+        self.kernel(
+            mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut,
+            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, norm_clusters,
+        ).launch(
+            grid=[CLUSTER, norm_clusters + tiles * self.groups, 1],
+            block=[self.threads, 1, 1],
+            cluster=[CLUSTER, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    # -----------------------------------------------------------------------------------------
+    # Device side
+    # -----------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mFn: cute.Tensor,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mPartial: cute.Tensor,
+        mCounter: cute.Tensor,
+        mPreMix: Optional[cute.Tensor],
+        mW: Optional[cute.Tensor],
+        mOut: Optional[cute.Tensor],
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        norm_clusters: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, cluster_id, _ = cute.arch.block_idx()
+
+        smem = cutlass.utils.SmemAllocator()
+        mbar = smem.allocate_array(Int64, num_elems=1)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        # Peers push into this CTA's shared memory only after every CTA of the cluster got here.
+        cute.arch.cluster_arrive_relaxed()
+
+        if const_expr(self.layer_input != "none"):
+            if cluster_id < norm_clusters:
+                self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
+            else:
+                self.projection_role(
+                    smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
+                    rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id - norm_clusters,
+                )  # fmt: skip
+        else:
+            self.projection_role(
+                smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
+                rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
+            )  # fmt: skip
+
+    @cute.jit
+    def projection_role(
+        self,
+        smem: cutlass.utils.SmemAllocator,
+        mbar: cute.Pointer,
+        mX: cute.Tensor,
+        mFn: cute.Tensor,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mPartial: cute.Tensor,
+        mCounter: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        rank: Int32,
+        cluster: Int32,
+    ):
+        """One CTA of a projection cluster: its K slice of one row tile, then its share of the rows."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        rows = mX.shape[0]
+        tile = cluster // self.groups
+        group = cluster - tile * self.groups
+        row0 = tile * self.tm
+        tile_rows = cutlass.min(rows - row0, self.tm)
+        share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
+
+        sWarp = smem.allocate_tensor(
+            Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16
+        )
+        sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(self.share * NV), byte_alignment=16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+
+        # The fn slice of this warp, before the wait: weights are not written by the previous kernel.
+        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
+        hi, lo = self.load_fn_fragments(mFn, col, lane)
+        cute.arch.griddepcontrol_wait()
+
+        for b in cutlass.range_constexpr(self.batches):
+            batch_row0 = b * self.batch_rows
+            self.project_batch(mX, sWarp, hi, lo, row0 + batch_row0, tile_rows - batch_row0, col, warp, lane)
+            if const_expr(b == self.batches - 1):
+                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.sync_threads()
+            if const_expr(b == 0):
+                cute.arch.cluster_wait()
+                if tidx == 0:
+                    if share_rows > 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * share_rows * NV * 4)
+            self.push_batch(sWarp, sRecv, mbar, rank, batch_row0, tile_rows)
+            if const_expr(b < self.batches - 1):
+                cute.arch.sync_threads()
+
+        if share_rows > 0:
+            cute.arch.mbarrier_wait(mbar, 0)
+            share_row0 = row0 + rank * self.share
+            # This cluster's partial of the share rows: peers summed in rank order.
+            for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                acc = sRecv[e]
+                for r in cutlass.range_constexpr(1, CLUSTER):
+                    acc = acc + sRecv[r * (self.share * NV) + e]
+                mPartial[group, share_row0 + e // NV, e % NV] = acc
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                counter = mCounter.iterator + (tile * CLUSTER + rank)
+                arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+                last = Int32(0)
+                if arrived == self.groups - 1:
+                    last = Int32(1)
+                    cute.arch.store(counter, Int32(0))
+                sFlag[0] = last
+            cute.arch.sync_threads()
+            if sFlag[0] != 0:
+                cute.arch.fence_acq_rel_gpu()
+                for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                    grow = share_row0 + e // NV
+                    n = e % NV
+                    acc = self.load_partial(mPartial, 0, grow, n)
+                    for g in cutlass.range_constexpr(1, self.groups):
+                        acc = acc + self.load_partial(mPartial, g, grow, n)
+                    sMix[e] = acc
+                cute.arch.sync_threads()
+                if tidx < share_rows:
+                    self.row_epilogue(
+                        sMix, tidx, share_row0 + tidx, mScale, mBase, mPost, mComb, mPre,
+                        rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                    )  # fmt: skip
+
+    @cute.jit
+    def load_fn_fragments(self, mFn: cute.Tensor, col: Int32, lane: Int32) -> tuple:
+        """B fragments of fn^T for this lane: [n-tile][pair] hi and lo words, pair p = columns 2p, 2p+1."""
+        g = lane // 4
+        hi, lo = [], []
+        for j in cutlass.range_constexpr(3):
+            base = mFn.iterator + ((8 * j + g) * self.K + col)
+            f = _ld_v4_f32(base) + _ld_v4_f32(base + 4)
+            hj, lj = [], []
+            for p in cutlass.range_constexpr(4):
+                h, l = _split_bf16x2(f[2 * p], f[2 * p + 1])
+                hj.append(h)
+                lj.append(l)
+            hi.append(hj)
+            lo.append(lj)
+        return hi, lo
+
+    @cute.jit
+    def project_batch(
+        self,
+        mX: cute.Tensor,
+        sWarp: cute.Tensor,
+        hi: list,
+        lo: list,
+        batch_row: Int32,
+        batch_rows: Int32,
+        col: Int32,
+        warp: Int32,
+        lane: Int32,
+    ):
+        """This warp's 25 partial sums over its 32 columns for each row of a batch, into sWarp."""
+        rows = mX.shape[0]
+        g = lane // 4
+        t = lane % 4
+        mt_count = const_expr(self.mtiles_per_batch)
+        # Every load of the batch first; rows past the end read the last row (their sums are dropped).
+        words = []
+        for mt in cutlass.range_constexpr(mt_count):
+            pair = []
+            for half in cutlass.range_constexpr(2):
+                row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
+                pair.append(_ld_v4_i32(mX.iterator + (row * self.row_stride + col)))
+            words.append(pair)
+        for mt in cutlass.range_constexpr(mt_count):
+            if mt * 16 < batch_rows:
+                upper, lower = words[mt][0], words[mt][1]  # rows g and g + 8 of the m-tile
+                acc = [[Float32(0.0)] * 4 for _ in range(3)]
+                gram0 = [Float32(0.0)] * 4
+                gram1 = [Float32(0.0)] * 4
+                for s in cutlass.range_constexpr(2):
+                    # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
+                    a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
+                    for j in cutlass.range_constexpr(3):
+                        acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
+                        acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
+                    # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
+                    gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
+                    gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
+                base = (warp * self.batch_rows + mt * 16 + g) * NV
+                for j in cutlass.range_constexpr(3):
+                    n = 8 * j + 2 * t
+                    sWarp[base + n] = acc[j][0]
+                    sWarp[base + n + 1] = acc[j][1]
+                    sWarp[base + 8 * NV + n] = acc[j][2]
+                    sWarp[base + 8 * NV + n + 1] = acc[j][3]
+                # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
+                # rows 0-7, c2/c3 for rows 8-15).
+                if t == g // 2:
+                    odd = (g % 2) == 1
+                    sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
+                    sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
+
+    @cute.jit
+    def push_batch(
+        self, sWarp: cute.Tensor, sRecv: cute.Tensor, mbar: cute.Pointer, rank: Int32, batch_row0: int, tile_rows: Int32
+    ):
+        """Sum the warps' partials of a batch (warp order) and push each row to the CTA that owns it."""
+        tidx, _, _ = cute.arch.thread_idx()
+        rows_here = cutlass.max(cutlass.min(tile_rows - batch_row0, self.batch_rows), 0)
+        stride = const_expr(self.batch_rows * NV)
+        for e in cutlass.range(tidx, rows_here * NV, self.threads):
+            acc = sWarp[e]
+            for w in cutlass.range_constexpr(1, self.warps):
+                acc = acc + sWarp[w * stride + e]
+            flat = batch_row0 * NV + e  # element index within the tile
+            owner = flat // (self.share * NV)
+            slot = rank * (self.share * NV) + flat - owner * (self.share * NV)
+            cute.arch.store_async_dsmem(sRecv.iterator + slot, acc.bitcast(Int32), mbar, owner)
+
+    @cute.jit
+    def load_partial(self, mPartial: cute.Tensor, g: int, row: Int32, n: Int32) -> Float32:
+        """One workspace partial, read at gpu scope (it was written by another CTA of this launch)."""
+        ptr = mPartial.iterator + cute.crd2idx((g, row, n), mPartial.layout)
+        return cute.arch.load(ptr, Float32, sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def row_epilogue(
+        self,
+        sMix: cute.Tensor,
+        i: Int32,
+        row: Int32,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+    ):
+        """The per-row math of SPEC §3 steps 1-4 from the 24 dot products and the sum of squares."""
+        r = _rsqrt(_div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
+        mixes = [sMix[i * NV + n] * r for n in range(MIX)]
+        scale = [mScale[k] for k in range(3)]
+        base = [mBase[n] for n in range(MIX)]
+        for j in cutlass.range_constexpr(HC):
+            z = mixes[j] * scale[0] + base[j]
+            mPre[row, j] = _rcp(Float32(1.0) + _exp(-z)) + pre_eps
+        for j in cutlass.range_constexpr(HC):
+            z = mixes[HC + j] * scale[1] + base[HC + j]
+            mPost[row, j] = _rcp(Float32(1.0) + _exp(-z)) * post_mult
+        c = [[Float32(0.0)] * HC for _ in range(HC)]
+        for a in cutlass.range_constexpr(HC):
+            logits = [mixes[2 * HC + HC * a + b] * scale[2] + base[2 * HC + HC * a + b] for b in range(HC)]
+            top = cute.arch.fmax(cute.arch.fmax(logits[0], logits[1]), cute.arch.fmax(logits[2], logits[3]))
+            ex = [_exp(logits[b] - top) for b in range(HC)]
+            inv = _rcp((ex[0] + ex[1]) + (ex[2] + ex[3]))
+            for b in cutlass.range_constexpr(HC):
+                c[a][b] = ex[b] * inv + sinkhorn_eps
+        c = self.normalize_columns(c, sinkhorn_eps)
+        for _ in cutlass.range_constexpr(self.repeat - 1):
+            for a in cutlass.range_constexpr(HC):
+                inv = _rcp((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
+                for b in cutlass.range_constexpr(HC):
+                    c[a][b] = c[a][b] * inv
+            c = self.normalize_columns(c, sinkhorn_eps)
+        for a in cutlass.range_constexpr(HC):
+            for b in cutlass.range_constexpr(HC):
+                mComb[row, a, b] = c[a][b]
+
+    @cute.jit
+    def normalize_columns(self, c: list, eps: Float32) -> list:
+        """C[a][b] / (sum_a C[a][b] + eps)."""
+        out = [[Float32(0.0)] * HC for _ in range(HC)]
+        for b in cutlass.range_constexpr(HC):
+            inv = _rcp((c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
+            for a in cutlass.range_constexpr(HC):
+                out[a][b] = c[a][b] * inv
+        return out
+
+    @cute.jit
+    def layer_input_role(
+        self,
+        smem: cutlass.utils.SmemAllocator,
+        mbar: cute.Pointer,
+        mX: cute.Tensor,
+        mPreMix: Optional[cute.Tensor],
+        mW: cute.Tensor,
+        mOut: cute.Tensor,
+        norm_eps: Float32,
+        rank: Int32,
+        cluster: Int32,
+    ):
+        """One CTA of a layer-input cluster: collapse and RMSNorm of H/8 columns of NR rows."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        rows = mX.shape[0]
+        nr = const_expr(self.norm_rows)
+        vpr = const_expr(self.vecs_per_row)
+        vpt = const_expr(self.norm_vpt)
+        row0 = cluster * nr
+        sVec = smem.allocate_tensor(Float32, cute.make_layout(nr * vpr), byte_alignment=16)
+        sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * nr), byte_alignment=16)
+
+        # This thread's vectors: v = tidx + k*threads, row v // vpr, column block v % vpr.
+        vec_in = []
+        vec_row = []
+        vec_col = []
+        for k in cutlass.range_constexpr(vpt):
+            v = cutlass.min(tidx + k * self.threads, nr * vpr - 1)
+            vec_in.append(tidx + k * self.threads < nr * vpr)
+            local_row = v // vpr
+            vec_row.append(local_row)
+            vec_col.append(rank * (self.H // CLUSTER) + (v - local_row * vpr) * 8)
+        w_words = [_ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)]
+        cute.arch.griddepcontrol_wait()
+
+        c_words = []
+        for k in cutlass.range_constexpr(vpt):
+            row = cutlass.min(row0 + vec_row[k], rows - 1)
+            x0 = _ld_v4_i32(mX.iterator + (row * self.row_stride + vec_col[k]))
+            if const_expr(self.layer_input == "carried"):
+                pre = _ld_v4_f32(mPreMix.iterator + row * HC)
+                streams = [x0] + [
+                    _ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(1, HC)
+                ]
+                cw = []
+                for e in cutlass.range_constexpr(4):
+                    vals = []
+                    for half in cutlass.range_constexpr(2):
+                        unpack = _bf16_lo if half == 0 else _bf16_hi
+                        # Same order and roundings as the reference: pre0*R0, then + pre_j*R_j.
+                        acc = _mul_rn(pre[0], unpack(streams[0][e]))
+                        for j in cutlass.range_constexpr(1, HC):
+                            acc = _add_rn(acc, _mul_rn(pre[j], unpack(streams[j][e])))
+                        vals.append(acc)
+                    cw.append(_pack_bf16x2(vals[0], vals[1]))
+                c_words.append(cw)
+            else:
+                c_words.append(list(x0))
+        cute.arch.griddepcontrol_launch_dependents()
+
+        for k in cutlass.range_constexpr(vpt):
+            part = Float32(0.0)
+            for e in cutlass.range_constexpr(4):
+                c0 = _bf16_lo(c_words[k][e])
+                c1 = _bf16_hi(c_words[k][e])
+                part = part + c0 * c0 + c1 * c1
+            if vec_in[k]:
+                sVec[tidx + k * self.threads] = part
+        cute.arch.sync_threads()
+        cute.arch.cluster_wait()
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * nr * 4)
+        # One warp per row sums the row's vectors (fixed lane order, then a butterfly) and sends it
+        # to every CTA of the cluster.
+        for rr in cutlass.range_constexpr(0, nr, self.warps):
+            r = rr + warp
+            if r < nr:
+                part = Float32(0.0)
+                for i in cutlass.range_constexpr(-(-vpr // 32)):
+                    if lane + i * 32 < vpr:
+                        part = part + sVec[r * vpr + lane + i * 32]
+                part = cute.arch.warp_reduction_sum(part)
+                if lane < CLUSTER:
+                    cute.arch.store_async_dsmem(sRecv.iterator + (rank * nr + r), part.bitcast(Int32), mbar, lane)
+        cute.arch.mbarrier_wait(mbar, 0)
+
+        for k in cutlass.range_constexpr(vpt):
+            total = sRecv[vec_row[k]]
+            for p in cutlass.range_constexpr(1, CLUSTER):
+                total = total + sRecv[p * nr + vec_row[k]]
+            inv = _rsqrt(_div_rn(total, Float32(self.H)) + norm_eps)
+            out = []
+            for e in cutlass.range_constexpr(4):
+                lo_v = _mul_rn(_mul_rn(_bf16_lo(c_words[k][e]), inv), _bf16_lo(w_words[k][e]))
+                hi_v = _mul_rn(_mul_rn(_bf16_hi(c_words[k][e]), inv), _bf16_hi(w_words[k][e]))
+                out.append(_pack_bf16x2(lo_v, hi_v))
+            row = row0 + vec_row[k]
+            if vec_in[k]:
+                if row < rows:
+                    _st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile
+# ---------------------------------------------------------------------------------------------
+
+
+@jit_cache
+def compile_coefficients(
+    H: int, variant: str, layer_input: str, sinkhorn_repeat: int, config: CoefficientsConfig, *, arch: str
+) -> Callable[..., Any]:
+    """Compile one coefficients variant for `arch`; the row count and the workspace sizes stay dynamic."""
+    check_arch(arch)
+    kernel = CoefficientsKernel(H, variant=variant, layer_input=layer_input, sinkhorn_repeat=sinkhorn_repeat, config=config)
+    T = cute.sym_int()
+    K = kernel.K
+    x = fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8)
+    f32 = lambda shape: fake_tensor(Float32, shape, divisibility=4)  # noqa: E731
+    inline = layer_input != "none"
+    args = (
+        x,
+        f32((MIX, K)),
+        fake_tensor(Float32, (3,), divisibility=1),
+        fake_tensor(Float32, (MIX,), divisibility=1),
+        fake_tensor(Float32, (T, HC), divisibility=1),
+        fake_tensor(Float32, (T, HC, HC), divisibility=1),
+        fake_tensor(Float32, (T, HC), divisibility=1),
+        fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), NV), divisibility=1),
+        fake_tensor(Int32, (cute.sym_int(),), divisibility=1),
+        f32((T, HC)) if layer_input == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8) if inline else None,
+        fake_tensor(BFloat16, (T, H), divisibility=8) if inline else None,
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
+    )
+    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
