@@ -1,11 +1,14 @@
 """The fused decode boundary of one rank (SPEC §2 steps 2-6): mHC post, collapse, RMSNorm, MXFP8.
 
-Layout: one thread-block cluster of `cluster_n` CTAs per row; CTA `r` of the cluster owns the
-contiguous columns [r*C, (r+1)*C) with C = H / cluster_n, and thread `t` owns the 8-element
-(16-byte) vectors t, t + threads, t + 2*threads, ... of that chunk. Everything a thread needs
-stays in its registers; the only exchange is the RMS sum of squares (per-warp partials pushed
-to every CTA of the cluster with st.async into shared memory, then one mbarrier wait), which
-every CTA reduces in the same fixed order, so a row's bits never depend on T or the grid.
+Layout: one thread-block cluster of `cluster_n` CTAs per row (grid = [cluster_n, T]); CTA `r`
+of the cluster owns the contiguous columns [r*C, (r+1)*C) with C = H / cluster_n a multiple of
+128, and thread `t` owns the 8-element (16-byte) vectors t, t + threads, t + 2*threads, ... of
+that chunk (threads past the chunk on their last vector read a clamped duplicate and store
+nothing). Everything a thread needs stays in its registers; the only exchange is the RMS sum
+of squares: per-warp partials pushed to every CTA of the cluster with st.async into shared
+memory, one mbarrier wait, then every CTA reduces the same slots in the same order, so a row's
+bits never depend on T or on the grid. An MXFP8 block is 4 adjacent lanes (amax by shuffles),
+and the first lane of each 16 writes the 4 scale bytes of its 128 columns as one word.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ VEC = 8  # bf16 elements per thread vector: one 16-byte access
 MXFP8_BLOCK = 32
 MAX_CLUSTER = 8  # the portable cluster size limit
 MOE_GROUP = 8  # experts whose gathers are issued together
+SCALE_WORD_COLS = 4 * 32  # columns of one 4-byte word of MXFP8 scales
+MIN_CHUNK = 512  # the default split keeps at least this many columns per CTA
 Y_SOURCES = ("x", "moe")
 E4M3_NAN_WORD = 0x7F7F7F7F
+MAX_ROWS = 65535  # the grid's y extent
 
 
 @dataclass(frozen=True)
@@ -42,33 +48,45 @@ class BoundaryConfig:
 
     @staticmethod
     def for_hidden(H: int) -> BoundaryConfig:
-        """The default for hidden size H: the widest cluster (<= 8) whose CTAs own 256-column multiples."""
+        """The default for hidden size H: the widest cluster (<= 8) whose CTAs own >= 512 columns.
+
+        Every CTA's chunk is a multiple of 128 columns, so MXFP8 blocks and 4-block scale words
+        never straddle two CTAs.
+        """
         _check_hidden(H)
-        cluster_n = max(d for d in range(1, MAX_CLUSTER + 1) if (H // 256) % d == 0)
-        return BoundaryConfig(cluster_n, _default_threads(H // cluster_n))
+        widths = [n for n in range(1, MAX_CLUSTER + 1) if H % (n * SCALE_WORD_COLS) == 0 and H // n >= MIN_CHUNK]
+        return BoundaryConfig.for_cluster(H, max(widths, default=1))
 
     @staticmethod
     def single_cta(H: int) -> BoundaryConfig:
         """One CTA per row (for benchmarking against the split)."""
-        _check_hidden(H)
-        return BoundaryConfig(1, _default_threads(H))
+        return BoundaryConfig.for_cluster(H, 1)
+
+    @staticmethod
+    def for_cluster(H: int, cluster_n: int) -> BoundaryConfig:
+        """`cluster_n` CTAs per row with the default thread count for their chunk (for sweeps)."""
+        _check_cluster(H, cluster_n)
+        config = BoundaryConfig(cluster_n, _default_threads(H // cluster_n))
+        config.validate(H)
+        return config
 
     def validate(self, H: int) -> None:
         """Raise ValueError unless this config tiles a row of H columns."""
-        _check_hidden(H)
-        n, t = self.cluster_n, self.threads
-        if not (isinstance(n, int) and 1 <= n <= MAX_CLUSTER and H % n == 0):
-            raise ValueError(f"cluster_n must be an int in 1..{MAX_CLUSTER} dividing H={H}, got {n!r}")
-        chunk = H // n
-        if not (isinstance(t, int) and 32 <= t <= 1024 and t % 32 == 0 and chunk % (VEC * t) == 0):
+        _check_cluster(H, self.cluster_n)
+        vecs, t = H // self.cluster_n // VEC, self.threads
+        if not (isinstance(t, int) and 32 <= t <= 1024 and t % 32 == 0 and t <= _round_up(vecs, 32)):
             raise ValueError(
-                f"threads must be a multiple of 32 in 32..1024 with (H/cluster_n) % (8*threads) == 0; "
-                f"got threads={t!r} for H={H}, cluster_n={n}"
+                f"threads must be a multiple of 32 in 32..1024 and leave no warp idle (<= {_round_up(vecs, 32)} "
+                f"for {vecs} vectors per CTA); got threads={t!r} for H={H}, cluster_n={self.cluster_n}"
             )
 
     def vecs_per_thread(self, H: int) -> int:
-        """16-byte vectors each thread owns in its CTA's chunk."""
-        return H // self.cluster_n // (VEC * self.threads)
+        """16-byte vectors each thread owns in its CTA's chunk (the last may be idle on some threads)."""
+        return -(-(H // self.cluster_n // VEC) // self.threads)
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
 
 
 def _row_major(shape: tuple) -> cute.Layout:
@@ -81,14 +99,22 @@ def _check_hidden(H: int) -> None:
         raise ValueError(f"the hidden size must be a positive multiple of 256, got {H!r}")
 
 
+def _check_cluster(H: int, cluster_n: int) -> None:
+    _check_hidden(H)
+    if not (isinstance(cluster_n, int) and 1 <= cluster_n <= MAX_CLUSTER and H % (cluster_n * SCALE_WORD_COLS) == 0):
+        raise ValueError(
+            f"cluster_n must be an int in 1..{MAX_CLUSTER} that splits H={H} into multiples of "
+            f"{SCALE_WORD_COLS} columns, got {cluster_n!r}"
+        )
+
+
 def _default_threads(chunk: int) -> int:
-    """One vector per thread, unless that needs more than 512 threads."""
+    """Threads for a chunk: one vector each while that takes at most 512 threads, else fewer threads."""
     vecs = chunk // VEC
-    for per_thread in range(1, vecs + 1):
-        threads = vecs // per_thread
-        if vecs % per_thread == 0 and threads % 32 == 0 and threads <= 512:
-            return threads
-    raise ValueError(f"no thread count tiles a chunk of {chunk} columns")
+    per_thread = 1
+    while _round_up(-(-vecs // per_thread), 32) > 512:
+        per_thread += 1
+    return _round_up(-(-vecs // per_thread), 32)
 
 
 class FusedBoundaryKernel:
@@ -120,7 +146,10 @@ class FusedBoundaryKernel:
         self.cluster_n = config.cluster_n
         self.threads = config.threads
         self.chunk = H // config.cluster_n
+        self.vecs = self.chunk // VEC  # 16-byte vectors per CTA
         self.vpt = config.vecs_per_thread(H)
+        # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
+        self.tail = self.vpt * self.threads != self.vecs
         self.warps = config.threads // 32
         # Only the RMS needs cross-CTA traffic: the residual-only kernel launches no cluster.
         self.use_cluster = pre and config.cluster_n > 1
@@ -181,7 +210,7 @@ class FusedBoundaryKernel:
         vpt = const_expr(self.vpt)
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sRed, mbar = None, None
         if const_expr(self.pre):
             sRed = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.cluster_n), byte_alignment=16)
@@ -192,8 +221,16 @@ class FusedBoundaryKernel:
             cute.arch.mbarrier_init_fence()
             cute.arch.cluster_arrive_relaxed()
 
-        # Column (in vectors) of each of this thread's vectors.
-        vcols = [cta * (self.chunk // VEC) + v * self.threads + tidx for v in range(vpt)]
+        # Row position (in vectors) of each of this thread's vectors, and whether it is real.
+        vcols, valid = [], []
+        for v in cutlass.range_constexpr(vpt):
+            index = v * self.threads + tidx
+            if const_expr(self.tail and v == vpt - 1):
+                valid.append(index < self.vecs)
+                index = cutlass.min(index, self.vecs - 1)
+            else:
+                valid.append(None)
+            vcols.append(cta * self.vecs + index)
 
         # The norm weight is a parameter, not an output of the previous kernel: read it before the wait.
         rW = None
@@ -231,7 +268,7 @@ class FusedBoundaryKernel:
                         pair.append(acc)
                     words.append(prim.cvt_bf16x2(pair[0], pair[1]))
                 new_streams.append(words)
-                self.store_words(words, rStore, cute.local_tile(mNewR[row, j, None], (VEC,), (vcols[v],)), copy16)
+                self.store_words(words, rStore, cute.local_tile(mNewR[row, j, None], (VEC,), (vcols[v],)), valid[v])
             # The rounded new streams, back in fp32.
             rp = [[self.unpack(words, e) for e in range(VEC)] for words in new_streams]
             if const_expr(self.aux):
@@ -244,7 +281,7 @@ class FusedBoundaryKernel:
                         )
                         pair.append(prim.mul_rn(s, Float32(1.0 / HC)))
                     words.append(prim.cvt_bf16x2(pair[0], pair[1]))
-                self.store_words(words, rStore, cute.local_tile(mAux[row, None], (VEC,), (vcols[v],)), copy16)
+                self.store_words(words, rStore, cute.local_tile(mAux[row, None], (VEC,), (vcols[v],)), valid[v])
             if const_expr(self.pre):
                 for e in cutlass.range_constexpr(0, VEC, 2):
                     pair = []
@@ -256,7 +293,10 @@ class FusedBoundaryKernel:
                     word = prim.cvt_bf16x2(pair[0], pair[1])
                     c0, c1 = prim.bf16_lo(word), prim.bf16_hi(word)
                     rC[v, e], rC[v, e + 1] = c0, c1
-                    sumsq = sumsq + c0 * c0 + c1 * c1
+                    if const_expr(valid[v] is None):
+                        sumsq = sumsq + c0 * c0 + c1 * c1
+                    else:
+                        sumsq = sumsq + Float32(cutlass.select_(valid[v], c0 * c0 + c1 * c1, Float32(0.0)))
 
         if const_expr(self.pre):
             total = self.row_sum(sumsq, sRed, mbar, cta)
@@ -266,9 +306,9 @@ class FusedBoundaryKernel:
                 words = [
                     prim.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1]) for e in range(0, VEC, 2)
                 ]
-                self.store_words(words, rStore, cute.local_tile(mOut[row, None], (VEC,), (vcols[v],)), copy16)
+                self.store_words(words, rStore, cute.local_tile(mOut[row, None], (VEC,), (vcols[v],)), valid[v])
                 if const_expr(self.mxfp8):
-                    self.quantize_vector(words, mQ, mScale, row, vcols[v])
+                    self.quantize_vector(words, mQ, mScale, row, vcols[v], valid[v])
             if const_expr(self.mxfp8):
                 self.zero_scale_padding(mScale, row, cta, tidx)
 
@@ -362,12 +402,17 @@ class FusedBoundaryKernel:
         return prim.bf16_lo(words[e // 2]) if e % 2 == 0 else prim.bf16_hi(words[e // 2])
 
     @cute.jit
-    def store_words(self, words: list, rStore: cute.Tensor, gDst: cute.Tensor, copy16: cute.CopyAtom):
-        """Store 4 packed bf16 words as one 16-byte vector."""
+    def store_words(self, words: list, rStore: cute.Tensor, gDst: cute.Tensor, valid: cutlass.Boolean | None):
+        """Store 4 packed bf16 words as one 16-byte vector (unless `valid` is False)."""
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         rw = cute.recast_tensor(rStore, Uint32)
         for i in cutlass.range_constexpr(4):
             rw[i] = words[i]
-        cute.copy(copy16, rStore, gDst)
+        if const_expr(valid is None):
+            cute.copy(copy16, rStore, gDst)
+        else:
+            if valid:
+                cute.copy(copy16, rStore, gDst)
 
     @cute.jit
     def row_sum(self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32) -> Float32:
@@ -396,8 +441,14 @@ class FusedBoundaryKernel:
         return cute.arch.warp_reduction_sum(part)
 
     @cute.jit
-    def quantize_vector(self, words: list, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, vcol: Int32):
-        """MXFP8 of one 8-element vector of `out` (SPEC §4); 4 adjacent lanes share a 32-block."""
+    def quantize_vector(
+        self, words: list, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, vcol: Int32, valid: cutlass.Boolean | None
+    ):
+        """MXFP8 of one 8-element vector of `out` (SPEC §4); 4 adjacent lanes share a 32-block.
+
+        Idle tail lanes come in whole groups of 16 (a chunk is a multiple of 128 columns), so they
+        never mix into a real block; they only skip the stores.
+        """
         # amax over bf16 bit patterns: |x| orders like its bits, and NaN sorts above Inf.
         amax = Uint32(0)
         for i in cutlass.range_constexpr(4):
@@ -426,15 +477,24 @@ class FusedBoundaryKernel:
         q_lo = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_lo))
         q_hi = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_hi))
         q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * VEC))
-        prim.st_global_v2_b32(q_addr, q_lo, q_hi)
         # The 4 scale bytes of 128 columns form one word: gather them from lanes +0, +4, +8, +12.
         lane = cute.arch.lane_idx()
         word = Uint32(e) << Uint32(8 * ((lane >> 2) & 3))
         word = word | cute.arch.shuffle_sync_bfly(word, offset=4)
         word = word | cute.arch.shuffle_sync_bfly(word, offset=8)
+        scale_addr = mScale.iterator.toint() + self.scale_offset(row, vcol * VEC // MXFP8_BLOCK)
+        if const_expr(valid is None):
+            self.store_quantized(q_addr, q_lo, q_hi, scale_addr, word, lane)
+        else:
+            if valid:
+                self.store_quantized(q_addr, q_lo, q_hi, scale_addr, word, lane)
+
+    @cute.jit
+    def store_quantized(self, q_addr: Int64, q_lo: Uint32, q_hi: Uint32, scale_addr: Int64, word: Uint32, lane: Int32):
+        """The 8 e4m3 bytes of a vector, and the scale word from the first lane of each 16."""
+        prim.st_global_v2_b32(q_addr, q_lo, q_hi)
         if lane % 16 == 0:
-            k = vcol * VEC // MXFP8_BLOCK
-            prim.st_global_b32(mScale.iterator.toint() + self.scale_offset(row, k), word)
+            prim.st_global_b32(scale_addr, word)
 
     @cute.jit
     def scale_offset(self, m: Int32, k: Int32) -> Int64:
@@ -559,7 +619,7 @@ def warmup_keys(
     config.validate(H)
     return [
         WarmupJob(
-            name=f"boundary H={H} {_variant_name(v)}",
+            name=f"boundary H={H} {variant_name(v)}",
             compile_fn=compile_fused_boundary,
             args=(H, *v, config.cluster_n, config.threads),
             kwargs=(("arch", arch),),
@@ -568,15 +628,26 @@ def warmup_keys(
     ]
 
 
-def _variant_name(v: BoundaryVariant) -> str:
+def variant_name(v: BoundaryVariant) -> str:
+    """A short readable name of a variant, e.g. "moe+shared pre mxfp8 aux"."""
     parts = [v.y_source + ("+shared" if v.shared else "")]
     parts.append("pre" if v.pre else "residual-only")
     parts += [flag for flag, on in (("mxfp8", v.mxfp8), ("aux", v.aux)) if on]
     return " ".join(parts)
 
 
-def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: int, align: int) -> torch.Tensor:
+def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: int, align: int) -> None:
     """One tensor argument: dtype, shape (None = any), contiguity, alignment, device."""
+    # One cheap conjunction first: an engine calls a boundary ~100 times per decode step.
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype is dtype
+        and t.shape == shape
+        and t.is_contiguous()
+        and not t.data_ptr() % align
+        and t.get_device() == device
+    ):
+        return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -590,7 +661,6 @@ def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: int, 
         raise ValueError(f"{name} must start on a {align}-byte boundary (address {t.data_ptr():#x})")
     if t.get_device() != device:
         raise ValueError(f"{name} must be on the device of residual ({_device_name(device)}), got {t.device}")
-    return t
 
 
 def _device_name(index: int) -> str:
@@ -621,7 +691,9 @@ def fused_boundary(
 
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
     combine (plus `shared`, the shared-expert output). pre=None is the residual-only boundary.
-    `check=False` skips the host checks for a caller that has made them already.
+    `check=False` skips the host checks for a caller that has made them already; the compiled
+    function still rejects a wrong dtype, shape, stride, alignment or device before it launches
+    (with TVM-FFI's messages), and the scale buffer size and row limit are checked regardless.
     """
     if check:
         post = _check_args(
@@ -631,17 +703,41 @@ def fused_boundary(
     elif post.dim() == 3:
         post = post.view(post.shape[0], HC)
     rows, _, H = residual.shape
+    if not check and (
+        rows > MAX_ROWS or (mxfp8_scale is not None and mxfp8_scale.numel() != mxfp8_scale_bytes(rows, H))
+    ):
+        raise ValueError(f"mxfp8_scale must hold mxfp8_scale_bytes({rows}, {H}) bytes and rows <= {MAX_ROWS}")
     if rows == 0:
         return
     variant = BoundaryVariant(
         "x" if moe is None else "moe", shared is not None, pre is not None, mxfp8_data is not None, aux is not None
     )
     fn = compiled_boundary(H, variant, arch=arch, config=config)
+    fn(*kernel_args(residual, post, comb, pre, norm_weight, norm_eps, x, shared, moe, new_residual, out,
+                    mxfp8_data, mxfp8_scale, aux))  # fmt: skip
+
+
+def kernel_args(
+    residual: Any,
+    post: Any,
+    comb: Any,
+    pre: Any,
+    norm_weight: Any,
+    norm_eps: float,
+    x: Any,
+    shared: Any,
+    moe: tuple[Any, Any, Any] | None,
+    new_residual: Any,
+    out: Any,
+    mxfp8_data: Any,
+    mxfp8_scale: Any,
+    aux: Any,
+) -> tuple:
+    """The positional arguments of a compiled fused-boundary kernel, None for every unused tensor."""
     g, ew, idx = moe if moe is not None else (None, None, None)
-    fn(
-        residual, post, comb, pre, norm_weight if pre is not None else None, x, shared, g, ew, idx,
-        new_residual, out, mxfp8_data, mxfp8_scale, aux, float(norm_eps),
-    )  # fmt: skip
+    w = norm_weight if pre is not None else None
+    return (residual, post, comb, pre, w, x, shared, g, ew, idx, new_residual, out, mxfp8_data, mxfp8_scale, aux,
+            float(norm_eps))  # fmt: skip
 
 
 def _check_args(
@@ -671,6 +767,8 @@ def _check_args(
     rows, _, H = residual.shape
     if H % 256 or H == 0:
         raise ValueError(f"the hidden size (residual.shape[2]) must be a positive multiple of 256, got {H}")
+    if rows > MAX_ROWS:
+        raise ValueError(f"at most {MAX_ROWS} rows per launch (one grid row each), got {rows}")
     if config is not None:
         if not isinstance(config, BoundaryConfig):
             raise TypeError(f"config must be a BoundaryConfig or None, got {type(config).__name__}")

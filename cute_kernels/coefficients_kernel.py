@@ -29,13 +29,17 @@ pre-mix and the workspace come after it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
@@ -69,7 +73,7 @@ class CoefficientsConfig:
     groups: int
 
     @staticmethod
-    def for_shape(H: int, broadcast: bool, rows_per_tile: int = 64) -> "CoefficientsConfig":
+    def for_shape(H: int, broadcast: bool, rows_per_tile: int = 64) -> CoefficientsConfig:
         """The default split for hidden size H: about 128 CTAs along K, at least 2 warps when possible."""
         _check_hidden(H)
         chunks = projection_width(H, broadcast) // CHUNK
@@ -98,6 +102,17 @@ class CoefficientsConfig:
                 f"groups * {CLUSTER} CTAs * warps * {CHUNK} columns must equal the projection width {width}; "
                 f"got groups={g!r}, warps={w}"
             )
+
+
+@functools.cache
+def default_config(H: int, broadcast: bool) -> CoefficientsConfig:
+    """CoefficientsConfig.for_shape(H, broadcast), memoized for the call path."""
+    return CoefficientsConfig.for_shape(H, broadcast)
+
+
+def norm_rows_per_cluster(H: int, warps: int) -> int:
+    """Rows per layer-input cluster: as many as one vector per thread covers (at least 1)."""
+    return max(1, CHUNK * warps // (H // (CLUSTER * 8)))
 
 
 def projection_width(H: int, broadcast: bool) -> int:
@@ -277,14 +292,16 @@ class CoefficientsKernel:
         variant: str = "standard",
         layer_input: str = "none",
         sinkhorn_repeat: int = 20,
-        config: Optional[CoefficientsConfig] = None,
+        config: CoefficientsConfig | None = None,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if layer_input not in LAYER_INPUTS:
             raise ValueError(f"layer_input must be one of {LAYER_INPUTS}, got {layer_input!r}")
         if variant == "broadcast" and layer_input == "carried":
-            raise ValueError("the broadcast variant collapses to the embedding row: layer_input must be 'none' or 'one_hot'")
+            raise ValueError(
+                "the broadcast variant collapses to the embedding row: layer_input must be 'none' or 'one_hot'"
+            )
         if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, int) or sinkhorn_repeat < 1:
             raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
         self.broadcast = variant == "broadcast"
@@ -305,7 +322,7 @@ class CoefficientsKernel:
         self.batch_rows = 16 * self.mtiles_per_batch
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
-        self.norm_rows = max(1, self.threads // self.vecs_per_row)
+        self.norm_rows = norm_rows_per_cluster(H, self.warps)
         self.norm_vpt = -(-(self.norm_rows * self.vecs_per_row) // self.threads)
 
     # -----------------------------------------------------------------------------------------
@@ -324,9 +341,9 @@ class CoefficientsKernel:
         mPre: cute.Tensor,  # [T, 4] fp32 (next pre)
         mPartial: cute.Tensor,  # [>= G, >= T, 25] fp32 workspace
         mCounter: cute.Tensor,  # [>= ceil(T/TM)*8] int32 workspace, zero between calls
-        mPreMix: Optional[cute.Tensor],  # [T, 4] fp32 carried pre (layer_input == "carried")
-        mW: Optional[cute.Tensor],  # [H] bf16 norm weight (inline form)
-        mOut: Optional[cute.Tensor],  # [T, H] bf16 layer input (inline form)
+        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (layer_input == "carried")
+        mW: cute.Tensor | None,  # [H] bf16 norm weight (inline form)
+        mOut: cute.Tensor | None,  # [T, H] bf16 layer input (inline form)
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -366,9 +383,9 @@ class CoefficientsKernel:
         mPre: cute.Tensor,
         mPartial: cute.Tensor,
         mCounter: cute.Tensor,
-        mPreMix: Optional[cute.Tensor],
-        mW: Optional[cute.Tensor],
-        mOut: Optional[cute.Tensor],
+        mPreMix: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mOut: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -379,7 +396,7 @@ class CoefficientsKernel:
         tidx, _, _ = cute.arch.thread_idx()
         rank, cluster_id, _ = cute.arch.block_idx()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         mbar = smem.allocate_array(Int64, num_elems=1)
         if tidx == 0:
             cute.arch.mbarrier_init(mbar, 1)
@@ -404,7 +421,7 @@ class CoefficientsKernel:
     @cute.jit
     def projection_role(
         self,
-        smem: cutlass.utils.SmemAllocator,
+        smem: cutlass.memory.SmemAllocator,
         mbar: cute.Pointer,
         mX: cute.Tensor,
         mFn: cute.Tensor,
@@ -433,21 +450,30 @@ class CoefficientsKernel:
         tile_rows = cutlass.min(rows - row0, self.tm)
         share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
 
-        sWarp = smem.allocate_tensor(
-            Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16
-        )
+        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
         sMix = smem.allocate_tensor(Float32, cute.make_layout(self.share * NV), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        # The fn slice of this warp, before the wait: weights are not written by the previous kernel.
+        # Weights before the wait (the previous kernel does not write them): this warp's fn slice,
+        # and scale / base for whichever CTA ends up running the epilogue.
         col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
-        hi, lo = self.load_fn_fragments(mFn, col, lane)
+        fn = self.load_fn(mFn, col, lane)
+        if tidx < 3:
+            sParam[tidx] = mScale[tidx]
+        if tidx < MIX:
+            sParam[3 + tidx] = mBase[tidx]
         cute.arch.griddepcontrol_wait()
 
+        hi, lo = None, None
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
-            self.project_batch(mX, sWarp, hi, lo, row0 + batch_row0, tile_rows - batch_row0, col, warp, lane)
+            words = self.load_rows(mX, row0 + batch_row0, col, lane)
+            if const_expr(b == 0):
+                # Split fn once the first rows are in flight, not before the wait.
+                hi, lo = self.split_fn(fn)
+            self.project_batch(words, hi, lo, sWarp, tile_rows - batch_row0, warp, lane)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.sync_threads()
@@ -492,54 +518,64 @@ class CoefficientsKernel:
                 cute.arch.sync_threads()
                 if tidx < share_rows:
                     self.row_epilogue(
-                        sMix, tidx, share_row0 + tidx, mScale, mBase, mPost, mComb, mPre,
+                        sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
                         rms_eps, pre_eps, sinkhorn_eps, post_mult,
                     )  # fmt: skip
 
     @cute.jit
-    def load_fn_fragments(self, mFn: cute.Tensor, col: Int32, lane: Int32) -> tuple:
-        """B fragments of fn^T for this lane: [n-tile][pair] hi and lo words, pair p = columns 2p, 2p+1."""
+    def load_fn(self, mFn: cute.Tensor, col: Int32, lane: Int32) -> list:
+        """This lane's fp32 fn values: [n-tile j][8 columns] of fn row 8j + lane/4."""
         g = lane // 4
-        hi, lo = [], []
+        fn = []
         for j in cutlass.range_constexpr(3):
             base = mFn.iterator + ((8 * j + g) * self.K + col)
-            f = _ld_v4_f32(base) + _ld_v4_f32(base + 4)
+            fn.append(list(_ld_v4_f32(base) + _ld_v4_f32(base + 4)))
+        return fn
+
+    @cute.jit
+    def split_fn(self, fn: list) -> tuple:
+        """B fragments of fn^T: [n-tile][pair] hi and lo bf16x2 words, pair p = columns 2p, 2p+1."""
+        hi, lo = [], []
+        for j in cutlass.range_constexpr(3):
             hj, lj = [], []
             for p in cutlass.range_constexpr(4):
-                h, l = _split_bf16x2(f[2 * p], f[2 * p + 1])
+                h, low = _split_bf16x2(fn[j][2 * p], fn[j][2 * p + 1])
                 hj.append(h)
-                lj.append(l)
+                lj.append(low)
             hi.append(hj)
             lo.append(lj)
         return hi, lo
 
     @cute.jit
-    def project_batch(
-        self,
-        mX: cute.Tensor,
-        sWarp: cute.Tensor,
-        hi: list,
-        lo: list,
-        batch_row: Int32,
-        batch_rows: Int32,
-        col: Int32,
-        warp: Int32,
-        lane: Int32,
-    ):
-        """This warp's 25 partial sums over its 32 columns for each row of a batch, into sWarp."""
+    def load_rows(self, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32) -> list:
+        """[m-tile][rows g, g + 8] 16-byte words of this lane's columns; rows past the end read the last row."""
         rows = mX.shape[0]
         g = lane // 4
-        t = lane % 4
-        mt_count = const_expr(self.mtiles_per_batch)
-        # Every load of the batch first; rows past the end read the last row (their sums are dropped).
         words = []
-        for mt in cutlass.range_constexpr(mt_count):
+        for mt in cutlass.range_constexpr(self.mtiles_per_batch):
             pair = []
             for half in cutlass.range_constexpr(2):
                 row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
                 pair.append(_ld_v4_i32(mX.iterator + (row * self.row_stride + col)))
             words.append(pair)
-        for mt in cutlass.range_constexpr(mt_count):
+        return words
+
+    @cute.jit
+    def project_batch(
+        self,
+        words: list,
+        hi: list,
+        lo: list,
+        sWarp: cute.Tensor,
+        batch_rows: Int32,
+        warp: Int32,
+        lane: Int32,
+    ):
+        """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of a
+        batch (tensor-core MMAs on the loaded words), into sWarp; sums of rows past the end are dropped."""
+        g = lane // 4
+        t = lane % 4
+        for mt in cutlass.range_constexpr(self.mtiles_per_batch):
             if mt * 16 < batch_rows:
                 upper, lower = words[mt][0], words[mt][1]  # rows g and g + 8 of the m-tile
                 acc = [[Float32(0.0)] * 4 for _ in range(3)]
@@ -595,10 +631,9 @@ class CoefficientsKernel:
     def row_epilogue(
         self,
         sMix: cute.Tensor,
+        sParam: cute.Tensor,
         i: Int32,
         row: Int32,
-        mScale: cute.Tensor,
-        mBase: cute.Tensor,
         mPost: cute.Tensor,
         mComb: cute.Tensor,
         mPre: cute.Tensor,
@@ -610,8 +645,8 @@ class CoefficientsKernel:
         """The per-row math of SPEC §3 steps 1-4 from the 24 dot products and the sum of squares."""
         r = _rsqrt(_div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
         mixes = [sMix[i * NV + n] * r for n in range(MIX)]
-        scale = [mScale[k] for k in range(3)]
-        base = [mBase[n] for n in range(MIX)]
+        scale = [sParam[k] for k in range(3)]
+        base = [sParam[3 + n] for n in range(MIX)]
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * scale[0] + base[j]
             mPre[row, j] = _rcp(Float32(1.0) + _exp(-z)) + pre_eps
@@ -650,10 +685,10 @@ class CoefficientsKernel:
     @cute.jit
     def layer_input_role(
         self,
-        smem: cutlass.utils.SmemAllocator,
+        smem: cutlass.memory.SmemAllocator,
         mbar: cute.Pointer,
         mX: cute.Tensor,
-        mPreMix: Optional[cute.Tensor],
+        mPreMix: cute.Tensor | None,
         mW: cute.Tensor,
         mOut: cute.Tensor,
         norm_eps: Float32,
@@ -763,7 +798,9 @@ def compile_coefficients(
 ) -> Callable[..., Any]:
     """Compile one coefficients variant for `arch`; the row count and the workspace sizes stay dynamic."""
     check_arch(arch)
-    kernel = CoefficientsKernel(H, variant=variant, layer_input=layer_input, sinkhorn_repeat=sinkhorn_repeat, config=config)
+    kernel = CoefficientsKernel(
+        H, variant=variant, layer_input=layer_input, sinkhorn_repeat=sinkhorn_repeat, config=config
+    )
     T = cute.sym_int()
     K = kernel.K
     x = fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8)
@@ -789,3 +826,242 @@ def compile_coefficients(
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:
+    """The compile-time layer-input mode: none, the carried pre-mix collapse, or the one-hot stream 0."""
+    if not inline:
+        return "none"
+    return "carried" if carried and not broadcast else "one_hot"
+
+
+def coefficients_warmup_keys(
+    H: int, *, sinkhorn_repeat: int = 20, rows_per_tile: int = 64
+) -> list[tuple[int, str, str, int, CoefficientsConfig]]:
+    """The compile keys (positional args of compile_coefficients) every call path of hidden size H can need."""
+    keys = []
+    for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
+        config = CoefficientsConfig.for_shape(H, variant == "broadcast", rows_per_tile)
+        keys.extend((H, variant, mode, sinkhorn_repeat, config) for mode in modes)
+    return keys
+
+
+def coefficients_warmup_jobs(
+    H: int, *, arch: str, sinkhorn_repeat: int = 20, rows_per_tile: int = 64
+) -> list[WarmupJob]:
+    """WarmupJobs compiling every coefficients variant of hidden size H for `arch`."""
+    check_arch(arch)
+    return [
+        WarmupJob(
+            f"coefficients H={key[0]} {key[1]} layer_input={key[2]}", compile_coefficients, key, (("arch", arch),)
+        )
+        for key in coefficients_warmup_keys(H, sinkhorn_repeat=sinkhorn_repeat, rows_per_tile=rows_per_tile)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: workspace and call
+# ---------------------------------------------------------------------------------------------
+
+MAX_ROWS = 16384
+_BF16 = torch.bfloat16
+_F32 = torch.float32
+
+
+class CoefficientsWorkspace:
+    """Partials [groups, max_rows, 25] fp32 and per-(tile, CTA) arrival counters (int32, zero between calls).
+
+    One workspace serves every variant of hidden size H on one device, but one launch at a time:
+    two calls that may run concurrently (e.g. the main stream and an mHC side stream) need two
+    workspaces. Counters are zeroed here and left at zero by every completed launch.
+    """
+
+    def __init__(
+        self,
+        H: int,
+        max_rows: int,
+        device: Any,
+        *,
+        configs: tuple[CoefficientsConfig, ...] | None = None,
+    ) -> None:
+        _check_hidden(H)
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows must be an int in 1..{MAX_ROWS}, got {max_rows!r}")
+        if max_rows * HC * H >= 2**31:
+            raise ValueError(f"max_rows * 4 * H must stay below 2**31 (32-bit offsets), got {max_rows} * 4 * {H}")
+        if configs is None:
+            configs = (default_config(H, False), default_config(H, True))
+        self.H = H
+        self.max_rows = max_rows
+        self.groups = max(c.groups for c in configs)
+        self.partials = torch.empty((self.groups, max_rows, NV), dtype=_F32, device=device)
+        # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
+        self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
+        self.device = self.partials.device
+
+    def reset(self) -> None:
+        """Zero the arrival counters (only needed after a launch was aborted)."""
+        self.counters.zero_()
+
+
+def mhc_coefficients(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_eps: float,
+    pre_eps: float,
+    sinkhorn_eps: float,
+    post_mult: float,
+    sinkhorn_repeat: int,
+    broadcast: bool,
+    workspace: CoefficientsWorkspace,
+    post_out: torch.Tensor,
+    comb_out: torch.Tensor,
+    pre_out: torch.Tensor,
+    pre_mix: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
+    layer_input_out: torch.Tensor | None = None,
+    arch: str,
+    config: CoefficientsConfig | None = None,
+    stream: torch.cuda.Stream | None = None,
+    validate: bool = True,
+) -> None:
+    """Write post [T,4], comb [T,4,4] and next pre [T,4] of SPEC §3, and with `layer_input_out` the layer input.
+
+    `x` is the streams [T, 4, H] bf16 with `fn` [24, 4H], or with `broadcast` the first layer's
+    embedding [T, H] with `fn_broadcast` [24, H]. With `layer_input_out` [T, H] bf16 (inline form)
+    the kernel also writes RMSNorm_w(c): c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0] exactly
+    when `pre_mix` is None (the embedding row itself with `broadcast`). One launch on the current
+    torch stream, or on `stream` when given (the overlap form: the caller orders `stream` after the
+    producer of `x` and joins it before reading the outputs). Outputs may not alias inputs;
+    `post_out` may also be [T, 4, 1]. `validate=False` skips the host checks (hot path, inputs
+    already known good).
+    """
+    if validate:
+        _check_call(
+            x, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, sinkhorn_repeat, broadcast, workspace,
+            post_out, comb_out, pre_out, pre_mix, norm_weight, norm_eps, layer_input_out, arch, config, stream,
+        )  # fmt: skip
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    H = x.shape[-1]
+    if config is None:
+        config = default_config(H, broadcast)
+    mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None)
+    compiled = compile_coefficients(
+        H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
+    )
+    if post_out.dim() == 3:
+        post_out = post_out.view(rows, HC)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        compiled(
+            x, fn, scale, base, post_out, comb_out, pre_out, workspace.partials, workspace.counters,
+            pre_mix if mode == "carried" else None,
+            norm_weight if mode != "none" else None,
+            layer_input_out,
+            float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
+            float(norm_eps) if norm_eps is not None else 0.0,
+        )  # fmt: skip
+
+
+def _check_call(
+    x: Any, fn: Any, scale: Any, base: Any, rms_eps: Any, pre_eps: Any, sinkhorn_eps: Any, post_mult: Any,
+    sinkhorn_repeat: Any, broadcast: Any, workspace: Any, post_out: Any, comb_out: Any, pre_out: Any,
+    pre_mix: Any, norm_weight: Any, norm_eps: Any, layer_input_out: Any, arch: Any, config: Any, stream: Any,
+) -> None:  # fmt: skip
+    """Raise TypeError / ValueError naming the first bad argument; reads no device memory."""
+    if not isinstance(broadcast, bool):
+        raise TypeError(f"broadcast must be a bool, got {type(broadcast).__name__}")
+    _check_tensor("x", x, _BF16, (None, None) if broadcast else (None, HC, None))
+    rows, H = x.shape[0], x.shape[-1]
+    _check_hidden(H)
+    # (name, tensor, byte alignment the kernel relies on)
+    placed = [("x", x, 16)]
+    fn_name = "fn_broadcast" if broadcast else "fn"
+    placed.append((fn_name, _check_tensor(fn_name, fn, _F32, (MIX, projection_width(H, broadcast))), 16))
+    placed.append(("scale", _check_tensor("scale", scale, _F32, (3,)), 4))
+    placed.append(("base", _check_tensor("base", base, _F32, (MIX,)), 4))
+    post_shape = (rows, HC, 1) if isinstance(post_out, torch.Tensor) and post_out.dim() == 3 else (rows, HC)
+    placed.append(("post_out", _check_tensor("post_out", post_out, _F32, post_shape), 4))
+    placed.append(("comb_out", _check_tensor("comb_out", comb_out, _F32, (rows, HC, HC)), 4))
+    placed.append(("pre_out", _check_tensor("pre_out", pre_out, _F32, (rows, HC)), 4))
+    if layer_input_out is None:
+        for arg, val in (("pre_mix", pre_mix), ("norm_weight", norm_weight), ("norm_eps", norm_eps)):
+            if val is not None:
+                raise ValueError(f"{arg} is only used by the inline form: pass layer_input_out too")
+    else:
+        placed.append(("layer_input_out", _check_tensor("layer_input_out", layer_input_out, _BF16, (rows, H)), 16))
+        if norm_weight is None:
+            raise ValueError("the inline form (layer_input_out) needs norm_weight [H] bf16")
+        placed.append(("norm_weight", _check_tensor("norm_weight", norm_weight, _BF16, (H,)), 16))
+        _check_float("norm_eps", norm_eps, minimum=0.0)
+        if pre_mix is not None:
+            if broadcast:
+                raise ValueError("pre_mix must be None with broadcast: the first layer collapses to the embedding row")
+            placed.append(("pre_mix", _check_tensor("pre_mix", pre_mix, _F32, (rows, HC)), 16))
+            # The layer-input CTAs read pre_mix while the projection CTAs write pre_out.
+            if rows and pre_mix.data_ptr() == pre_out.data_ptr():
+                raise ValueError("pre_out must not alias pre_mix: write the next pre to a new tensor")
+    _check_float("rms_eps", rms_eps, minimum=0.0)
+    _check_float("pre_eps", pre_eps, minimum=0.0)
+    _check_float("sinkhorn_eps", sinkhorn_eps, minimum=0.0)
+    _check_float("post_mult", post_mult)
+    if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, int) or sinkhorn_repeat < 1:
+        raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
+    check_arch(arch)
+    if config is None:
+        config = default_config(H, broadcast)
+    elif not isinstance(config, CoefficientsConfig):
+        raise TypeError(f"config must be a CoefficientsConfig or None, got {type(config).__name__}")
+    config.validate(H, broadcast)
+    if not isinstance(workspace, CoefficientsWorkspace):
+        raise TypeError(f"workspace must be a CoefficientsWorkspace, got {type(workspace).__name__}")
+    if workspace.H != H:
+        raise ValueError(f"workspace is for H={workspace.H}, the call has H={H}")
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    if rows > workspace.max_rows:
+        raise ValueError(f"{rows} rows exceed the workspace capacity of {workspace.max_rows} rows")
+    if config.groups > workspace.groups:
+        raise ValueError(f"config needs {config.groups} partial groups, the workspace holds {workspace.groups}")
+    tiles = -(-rows // config.rows_per_tile)
+    norm_clusters = 0 if layer_input_out is None else -(-rows // norm_rows_per_cluster(H, config.warps))
+    if norm_clusters + tiles * config.groups > 65535:
+        raise ValueError(f"{rows} rows need more than 65535 clusters; use a larger rows_per_tile")
+    dev = x.device
+    if dev.type != "cuda":
+        raise ValueError(f"x must be on a CUDA device, got {dev}")
+    if workspace.device != dev:
+        raise ValueError(f"workspace is on {workspace.device}, x is on {dev}")
+    for name, t, align in placed:
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, x is on {dev}")
+        if t.data_ptr() % align:
+            raise ValueError(f"{name} must start on a {align}-byte boundary (address {t.data_ptr():#x})")
+
+
+def _check_tensor(name: str, t: Any, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """Type, dtype, shape (None = any size) and contiguity of one tensor argument."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def _check_float(name: str, value: Any, *, minimum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")

@@ -1,0 +1,226 @@
+"""The GPU benchmark: the fused kernels against the unfused chains and the copy bandwidth, one run.
+
+Writes a table to stdout and `bench/results/<gpu>-<date>.json` plus PNG plots of microseconds
+against rows. GPU time is a CUDA graph of back-to-back calls on rotating inputs after an L2
+flush, median of replays, per call (see bench/timing.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench import chains
+from bench.timing import GraphTimer, host_us_per_call
+from boundary import BoundaryAllReduce
+from boundary.reference import mxfp8_scale_bytes
+from cute_kernels import boundary_kernel as bk
+
+CALLS_PER_GRAPH = 20
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The benchmark's command line."""
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
+    p.add_argument("--parts", nargs="+", default=["boundary", "split"], choices=["boundary", "split"],
+                   help="what to measure")  # fmt: skip
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args(argv)
+
+
+def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """One set of inputs and preallocated outputs for a W = 1 boundary."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    return dict(
+        x=randn(rows, hidden).to(torch.bfloat16),
+        residual=randn(rows, 4, hidden).to(torch.bfloat16),
+        post=torch.rand(rows, 4, generator=g, device=device) * 2,
+        comb=torch.softmax(randn(rows, 4, 4), -1),
+        pre=torch.rand(rows, 4, generator=g, device=device),
+        norm_weight=(1 + 0.1 * randn(hidden)).to(torch.bfloat16),
+        new_residual=torch.empty(rows, 4, hidden, dtype=torch.bfloat16, device=device),
+        out=torch.empty(rows, hidden, dtype=torch.bfloat16, device=device),
+        mxfp8_data=torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=device),
+        mxfp8_scale=torch.empty(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=device),
+    )
+
+
+def boundary_bytes(rows: int, hidden: int, mxfp8: bool) -> int:
+    """The fewest bytes a W = 1 boundary moves: partial, streams in and out, layer input (+ MXFP8)."""
+    n = rows * hidden
+    total = 2 * n + 8 * n + 8 * n + 2 * n + 2 * hidden + rows * (4 + 16 + 4) * 4
+    if mxfp8:
+        total += n + mxfp8_scale_bytes(rows, hidden)
+    return total
+
+
+def fused_call(inp: dict[str, torch.Tensor], arch: str, mxfp8: bool, config: bk.BoundaryConfig | None = None):
+    """A closure running the fused kernel on one input set (host checks included)."""
+
+    def call() -> None:
+        bk.fused_boundary(
+            residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"],
+            norm_weight=inp["norm_weight"], norm_eps=1e-20, x=inp["x"], new_residual=inp["new_residual"],
+            out=inp["out"], mxfp8_data=inp["mxfp8_data"] if mxfp8 else None,
+            mxfp8_scale=inp["mxfp8_scale"] if mxfp8 else None, arch=arch, config=config,
+        )  # fmt: skip
+
+    return call
+
+
+def chain_call(fn: Any, inp: dict[str, torch.Tensor]):
+    """A closure running an unfused chain on one input set."""
+    return lambda: fn(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20)
+
+
+def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
+    """The fused boundary against the eager and compiled chains, per (H, rows)."""
+    device = timer.device
+    compiled_chain = None if args.no_compile else chains.compiled(chains.boundary_chain)
+    rows_list = sorted(args.rows)
+    out = []
+    shapes = [(h, r) for h in args.hidden for r in rows_list]
+    for hidden, rows in tqdm(shapes, desc="boundary", unit="shape"):
+        sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
+        row: dict[str, Any] = {"H": hidden, "rows": rows}
+        row["fused_us"] = timer.per_call_us([fused_call(s, arch, False) for s in sets])
+        row["fused_mxfp8_us"] = timer.per_call_us([fused_call(s, arch, True) for s in sets])
+        row["fused_latency_us"] = timer.per_call_us([fused_call(sets[0], arch, False)])
+        row["eager_chain_us"] = timer.per_call_us([chain_call(chains.boundary_chain, s) for s in sets])
+        if compiled_chain is not None:
+            row["compile_chain_us"] = timer.per_call_us([chain_call(compiled_chain, s) for s in sets])
+        row["host_fused_us"] = host_us_per_call(fused_call(sets[0], arch, False))
+        ar = BoundaryAllReduce(hidden, max_rows=rows, device=device)
+        s0 = sets[0]
+        row["host_boundary_all_reduce_us"] = host_us_per_call(
+            lambda ar=ar, s0=s0: ar(s0["x"], s0["residual"], s0["post"], s0["comb"], s0["pre"], s0["norm_weight"],
+                                    1e-20, None)  # fmt: skip
+        )
+        row["path"] = ar.path
+        for key, mx in (("fused_us", False), ("fused_mxfp8_us", True)):
+            bw = boundary_bytes(rows, hidden, mx) / (row[key] * 1e-6)
+            row[key.replace("_us", "_GBps")] = bw / 1e9
+            row[key.replace("_us", "_pct_copy")] = 100 * bw / copy_bw
+        row["eager_ratio"] = row["eager_chain_us"] / row["fused_us"]
+        if "compile_chain_us" in row:
+            row["compile_ratio"] = row["compile_chain_us"] / row["fused_us"]
+        out.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[dict]:
+    """One CTA per row against row splits over a cluster, at few rows, per H."""
+    device = timer.device
+    out = []
+    for hidden in tqdm(args.hidden, desc="split", unit="H"):
+        configs = []
+        for n in range(1, 9):
+            try:
+                configs.append(bk.BoundaryConfig.for_cluster(hidden, n))
+            except ValueError:
+                continue
+        for rows in (1, 4, 16, 64):
+            sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
+            for cfg in configs:
+                us = timer.per_call_us([fused_call(s, arch, False, cfg) for s in sets])
+                out.append({"H": hidden, "rows": rows, "cluster_n": cfg.cluster_n, "threads": cfg.threads, "us": us,
+                            "default": cfg == bk.default_config(hidden)})  # fmt: skip
+    return out
+
+
+def print_boundary(rows: list[dict], copy_bw: float) -> None:
+    """The boundary table."""
+    print(f"\nfused boundary (W=1, bf16 partial in, bf16 out), GPU us per call; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    head = f"{'H':>5} {'rows':>4} | {'fused':>7} {'+mxfp8':>7} {'1-call':>7} | {'eager':>7} {'compile':>8} | " \
+           f"{'x eager':>7} {'x comp':>7} | {'GB/s':>6} {'%copy':>6} | {'host us':>7}"  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        comp = r.get("compile_chain_us", float("nan"))
+        ratio = r.get("compile_ratio", float("nan"))
+        print(f"{r['H']:>5} {r['rows']:>4} | {r['fused_us']:7.2f} {r['fused_mxfp8_us']:7.2f} {r['fused_latency_us']:7.2f}"
+              f" | {r['eager_chain_us']:7.2f} {comp:8.2f} | {r['eager_ratio']:7.1f} {ratio:7.1f} | "
+              f"{r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}")  # fmt: skip
+
+
+def print_split(rows: list[dict]) -> None:
+    """The split table."""
+    print("\nrow split: GPU us per call by CTAs per row (cluster_n); * = the default for that H")
+    for r in rows:
+        mark = "*" if r["default"] else " "
+        print(f"  H {r['H']:>5} rows {r['rows']:>3}  cluster_n {r['cluster_n']} x {r['threads']:>3} threads{mark} "
+              f"{r['us']:7.2f} us")  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Microseconds against rows, one panel per H."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hiddens = sorted({r["H"] for r in rows})
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(5 * len(hiddens), 4), squeeze=False)
+    for ax, hidden in zip(axes[0], hiddens):
+        sel = [r for r in rows if r["H"] == hidden]
+        xs = [r["rows"] for r in sel]
+        for key, label in (("fused_us", "fused"), ("fused_mxfp8_us", "fused + MXFP8"),
+                           ("eager_chain_us", "torch eager chain"), ("compile_chain_us", "torch.compile chain")):  # fmt: skip
+            if key in sel[0]:
+                ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("us per call (GPU time)")
+        ax.set_title(f"H = {hidden}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None, *, arch: str) -> int:
+    """Run the selected parts and write the results."""
+    args = parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    timer = GraphTimer(device, replays=args.replays)
+    copy_bw = timer.copy_bandwidth()
+    print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    results: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": name, "arch": arch, "torch": torch.__version__, "python": platform.python_version(),
+        "copy_bandwidth_Bps": copy_bw, "calls_per_graph": CALLS_PER_GRAPH, "replays": args.replays,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
+    if "boundary" in args.parts:
+        results["boundary"] = bench_boundary(args, arch, timer, copy_bw)
+        print_boundary(results["boundary"], copy_bw)
+        plot(results["boundary"], args.out / f"{stem}-boundary.png")
+    if "split" in args.parts:
+        results["split"] = bench_split(args, arch, timer)
+        print_split(results["split"])
+    path = args.out / f"{stem}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {path}")
+    return 0

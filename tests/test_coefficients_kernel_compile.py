@@ -1,0 +1,254 @@
+"""The coefficients kernel on the CPU: split choices, every variant compiling for sm_90a and sm_100a, host checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_kernels import coefficients_kernel as ck
+from cute_kernels.coefficients_kernel import CoefficientsConfig, CoefficientsKernel, CoefficientsWorkspace
+
+ARCHS = ("sm_90a", "sm_100a")
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+# --- the split along K (a function of H only) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "H,broadcast,warps,groups",
+    [
+        (4096, False, 4, 16),
+        (5120, False, 5, 16),
+        (7168, False, 7, 16),
+        (4096, True, 2, 8),
+        (5120, True, 2, 10),
+        (7168, True, 2, 14),
+    ],
+)
+def test_default_split_for_the_real_hidden_sizes(H: int, broadcast: bool, warps: int, groups: int) -> None:
+    config = CoefficientsConfig.for_shape(H, broadcast)
+    assert (config.rows_per_tile, config.warps, config.groups) == (64, warps, groups)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_default_split_tiles_every_multiple_of_256(broadcast: bool) -> None:
+    for H in range(256, 16384 + 1, 256):
+        config = CoefficientsConfig.for_shape(H, broadcast)
+        config.validate(H, broadcast)
+        assert config.groups * ck.CLUSTER * config.warps * ck.CHUNK == ck.projection_width(H, broadcast)
+
+
+def test_config_validation_names_the_problem() -> None:
+    with pytest.raises(ValueError, match="rows_per_tile"):
+        CoefficientsConfig(48, 7, 16).validate(7168, False)
+    with pytest.raises(ValueError, match="warps"):
+        CoefficientsConfig(64, 9, 16).validate(7168, False)
+    with pytest.raises(ValueError, match="projection width 28672"):
+        CoefficientsConfig(64, 8, 16).validate(7168, False)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        CoefficientsConfig.for_shape(4000, False)
+
+
+def test_kernel_rejects_bad_variants() -> None:
+    with pytest.raises(ValueError, match="variant"):
+        CoefficientsKernel(4096, variant="wide")
+    with pytest.raises(ValueError, match="layer_input"):
+        CoefficientsKernel(4096, layer_input="own")
+    with pytest.raises(ValueError, match="broadcast"):
+        CoefficientsKernel(4096, variant="broadcast", layer_input="carried")
+    with pytest.raises(ValueError, match="sinkhorn_repeat"):
+        CoefficientsKernel(4096, sinkhorn_repeat=0)
+
+
+def test_warmup_keys_cover_every_call_path() -> None:
+    keys = ck.coefficients_warmup_keys(7168)
+    assert [(k[1], k[2]) for k in keys] == [
+        ("standard", "none"),
+        ("standard", "carried"),
+        ("standard", "one_hot"),
+        ("broadcast", "none"),
+        ("broadcast", "one_hot"),
+    ]
+    for H, variant, _mode, repeat, config in keys:
+        assert (H, repeat) == (7168, 20)
+        assert config == ck.default_config(H, variant == "broadcast")
+    jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
+    assert len(jobs) == len(keys) and all(dict(job.kwargs) == {"arch": "sm_90a"} for job in jobs)
+    with pytest.raises(ValueError, match="arch"):
+        ck.coefficients_warmup_jobs(7168, arch="sm_80")
+
+
+def test_layer_input_mode() -> None:
+    assert ck.layer_input_mode(False, False, True) == "none"
+    assert ck.layer_input_mode(False, True, True) == "carried"
+    assert ck.layer_input_mode(False, True, False) == "one_hot"
+    assert ck.layer_input_mode(True, True, False) == "one_hot"
+
+
+# --- every variant compiles for both targets --------------------------------------------------------
+
+
+COMPILE_CASES = [
+    (7168, variant, mode)
+    for variant, modes in (("standard", ck.LAYER_INPUTS), ("broadcast", ("none", "one_hot")))
+    for mode in modes
+]
+COMPILE_CASES += [(4096, "standard", "none"), (4096, "standard", "carried"), (4096, "broadcast", "one_hot")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("H,variant,mode", COMPILE_CASES)
+def test_variant_compiles(H: int, variant: str, mode: str, arch: str) -> None:
+    config = ck.default_config(H, variant == "broadcast")
+    compiled = ck.compile_coefficients(H, variant, mode, 20, config, arch=arch)
+    assert callable(compiled)
+
+
+@pytest.mark.parametrize("rows_per_tile", [16, 128])
+def test_other_tile_heights_compile(rows_per_tile: int) -> None:
+    config = CoefficientsConfig.for_shape(5120, False, rows_per_tile)
+    assert callable(ck.compile_coefficients(5120, "standard", "carried", 20, config, arch="sm_90a"))
+
+
+def test_compile_rejects_an_unknown_arch() -> None:
+    with pytest.raises(ValueError, match="arch"):
+        ck.compile_coefficients(4096, "standard", "none", 20, ck.default_config(4096, False), arch="sm_89")
+
+
+# --- host checks: a clear error before any launch ----------------------------------------------
+
+
+def call_args(rows: int = 3, H: int = 256, *, broadcast: bool = False, inline: bool = False, carried: bool = False):
+    """Well-formed CPU arguments (the device check comes last, so every other check is reachable)."""
+    width = H if broadcast else 4 * H
+    kwargs = dict(
+        rms_eps=1e-6,
+        pre_eps=1e-6,
+        sinkhorn_eps=1e-6,
+        post_mult=2.0,
+        sinkhorn_repeat=20,
+        broadcast=broadcast,
+        workspace=CoefficientsWorkspace(H, 16, "cpu"),
+        post_out=torch.empty(rows, 4),
+        comb_out=torch.empty(rows, 4, 4),
+        pre_out=torch.empty(rows, 4),
+        arch="sm_90a",
+    )
+    if inline:
+        kwargs.update(
+            norm_weight=torch.ones(H, dtype=BF16), norm_eps=1e-6, layer_input_out=torch.empty(rows, H, dtype=BF16)
+        )
+        if carried:
+            kwargs["pre_mix"] = torch.rand(rows, 4)
+    x = torch.zeros((rows, H) if broadcast else (rows, 4, H), dtype=BF16)
+    return (x, torch.zeros(24, width), torch.ones(3), torch.zeros(24)), kwargs
+
+
+@pytest.mark.parametrize("broadcast,inline,carried", [(False, False, False), (False, True, True), (True, True, False)])
+def test_well_formed_cpu_call_fails_only_on_the_device(broadcast: bool, inline: bool, carried: bool) -> None:
+    args, kwargs = call_args(broadcast=broadcast, inline=inline, carried=carried)
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        ck.mhc_coefficients(*args, **kwargs)
+
+
+def test_post_may_have_a_trailing_one() -> None:
+    args, kwargs = call_args()
+    kwargs["post_out"] = torch.empty(3, 4, 1)
+    with pytest.raises(ValueError, match="CUDA device"):
+        ck.mhc_coefficients(*args, **kwargs)
+
+
+BAD_CALLS = [
+    ("x dtype", lambda a, k: (a[0].float(), *a[1:]), {}, TypeError, "x must have dtype torch.bfloat16"),
+    ("x shape", lambda a, k: (a[0][:, :3], *a[1:]), {}, ValueError, r"x must have shape \[\*, 4, \*\]"),
+    (
+        "x strided",
+        lambda a, k: (a[0].transpose(0, 1).contiguous().transpose(0, 1), *a[1:]),
+        {},
+        ValueError,
+        "x must be contiguous",
+    ),
+    ("H", lambda a, k: (a[0][..., :128].contiguous(), *a[1:]), {}, ValueError, "multiple of 256"),
+    (
+        "fn width",
+        lambda a, k: (a[0], a[1][:, :256].contiguous(), *a[2:]),
+        {},
+        ValueError,
+        r"fn must have shape \[24, 1024\]",
+    ),
+    ("fn dtype", lambda a, k: (a[0], a[1].double(), *a[2:]), {}, TypeError, "fn must have dtype torch.float32"),
+    ("scale", lambda a, k: (a[0], a[1], torch.ones(4), a[3]), {}, ValueError, "scale must have shape"),
+    ("base", lambda a, k: (*a[:3], "base"), {}, TypeError, "base must be a torch.Tensor"),
+    ("comb", None, {"comb_out": torch.empty(3, 16)}, ValueError, "comb_out must have shape"),
+    ("post rows", None, {"post_out": torch.empty(2, 4)}, ValueError, "post_out must have shape"),
+    ("pre dtype", None, {"pre_out": torch.empty(3, 4, dtype=torch.float16)}, TypeError, "pre_out must have dtype"),
+    ("eps", None, {"rms_eps": float("nan")}, ValueError, "rms_eps must be finite"),
+    ("eps type", None, {"sinkhorn_eps": "1e-6"}, TypeError, "sinkhorn_eps must be a float"),
+    ("negative eps", None, {"pre_eps": -1.0}, ValueError, "pre_eps must be >= 0"),
+    ("repeat", None, {"sinkhorn_repeat": 0}, ValueError, "sinkhorn_repeat"),
+    ("arch", None, {"arch": "sm_80"}, ValueError, "arch must be one of"),
+    ("broadcast", None, {"broadcast": 1}, TypeError, "broadcast must be a bool"),
+    ("workspace type", None, {"workspace": object()}, TypeError, "workspace must be a CoefficientsWorkspace"),
+    ("workspace H", None, {"workspace": CoefficientsWorkspace(512, 16, "cpu")}, ValueError, "workspace is for H=512"),
+    (
+        "capacity",
+        None,
+        {"workspace": CoefficientsWorkspace(256, 2, "cpu")},
+        ValueError,
+        "exceed the workspace capacity",
+    ),
+    ("config", None, {"config": CoefficientsConfig(64, 3, 16)}, ValueError, "projection width"),
+    ("pre_mix alone", None, {"pre_mix": torch.rand(3, 4)}, ValueError, "pre_mix is only used by the inline form"),
+    ("norm_eps alone", None, {"norm_eps": 1e-6}, ValueError, "norm_eps is only used by the inline form"),
+    ("no norm weight", None, {"layer_input_out": torch.empty(3, 256, dtype=BF16)}, ValueError, "needs norm_weight"),
+    ("stream", None, {"stream": 7}, TypeError, "stream must be a torch.cuda.Stream"),
+]
+
+
+@pytest.mark.parametrize("name,edit_args,edit_kwargs,error,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_a_clear_error(name, edit_args, edit_kwargs, error, message) -> None:
+    args, kwargs = call_args()
+    if edit_args is not None:
+        args = edit_args(args, kwargs)
+    kwargs.update(edit_kwargs)
+    with pytest.raises(error, match=message):
+        ck.mhc_coefficients(*args, **kwargs)
+
+
+def test_inline_form_checks() -> None:
+    args, kwargs = call_args(inline=True, carried=True)
+    kwargs["pre_mix"] = torch.rand(3, 4).double()
+    with pytest.raises(TypeError, match="pre_mix must have dtype"):
+        ck.mhc_coefficients(*args, **kwargs)
+    args, kwargs = call_args(inline=True)
+    kwargs["layer_input_out"] = torch.empty(3, 255, dtype=BF16)
+    with pytest.raises(ValueError, match=r"layer_input_out must have shape \[3, 256\]"):
+        ck.mhc_coefficients(*args, **kwargs)
+    args, kwargs = call_args(inline=True)
+    kwargs["norm_eps"] = None
+    with pytest.raises(TypeError, match="norm_eps must be a float"):
+        ck.mhc_coefficients(*args, **kwargs)
+    args, kwargs = call_args(inline=True, carried=True)
+    kwargs["pre_out"] = kwargs["pre_mix"]
+    with pytest.raises(ValueError, match="pre_out must not alias pre_mix"):
+        ck.mhc_coefficients(*args, **kwargs)
+    args, kwargs = call_args(broadcast=True, inline=True)
+    kwargs["pre_mix"] = torch.rand(3, 4)
+    with pytest.raises(ValueError, match="pre_mix must be None with broadcast"):
+        ck.mhc_coefficients(*args, **kwargs)
+    args, kwargs = call_args(broadcast=True)
+    with pytest.raises(ValueError, match=r"fn_broadcast must have shape \[24, 256\]"):
+        ck.mhc_coefficients(args[0], torch.zeros(24, 1024), *args[2:], **kwargs)
+
+
+def test_workspace_checks_its_size() -> None:
+    with pytest.raises(ValueError, match="max_rows"):
+        CoefficientsWorkspace(4096, 0, "cpu")
+    with pytest.raises(ValueError, match="max_rows"):
+        CoefficientsWorkspace(4096, ck.MAX_ROWS + 1, "cpu")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        CoefficientsWorkspace(1000, 16, "cpu")
+    ws = CoefficientsWorkspace(7168, 100, "cpu")
+    assert ws.partials.shape == (16, 100, 25) and ws.partials.dtype == F32
+    assert ws.counters.shape == (7 * 8,) and ws.counters.dtype == torch.int32 and not ws.counters.any()

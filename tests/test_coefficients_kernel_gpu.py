@@ -1,0 +1,345 @@
+"""The coefficients kernel on the GPU against the fp32 reference: accuracy, batch invariance, inline form, graphs.
+
+Run: python -m pytest -q -m gpu tests/test_coefficients_kernel_gpu.py
+Timing sweep (not a test): python -m tests.test_coefficients_kernel_gpu
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from boundary import reference as ref
+from cute_kernels.coefficients_kernel import CoefficientsWorkspace, mhc_coefficients
+from cute_kernels.compile import arch_for_device
+from tests.bf16 import bitwise_equal, max_ulp
+
+pytestmark = pytest.mark.gpu
+
+BF16, F32 = torch.bfloat16, torch.float32
+HIDDEN = (4096, 5120, 7168)
+ROWS = (1, 2, 7, 16, 64, 129, 512)
+MAX_ROWS = 512
+EPS = dict(rms_eps=1e-6, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20)
+NORM_EPS = 1e-6
+
+
+class Weights(NamedTuple):
+    """One sublayer's mHC parameters on the GPU."""
+
+    fn: torch.Tensor  # [24, 4H]
+    fn_broadcast: torch.Tensor  # [24, H]
+    scale: torch.Tensor
+    base: torch.Tensor
+    norm_weight: torch.Tensor  # [H] bf16
+
+
+class Out(NamedTuple):
+    """What one call wrote."""
+
+    post: torch.Tensor
+    comb: torch.Tensor
+    pre: torch.Tensor
+    layer_input: torch.Tensor | None
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@functools.cache
+def weights(H: int) -> Weights:
+    g = gen(H)
+    fn = torch.randn(24, 4 * H, device="cuda", generator=g) * 1e-2
+    scale = torch.full((3,), 0.5, device="cuda")
+    base = torch.randn(24, device="cuda", generator=g) * 0.5
+    w = (1.0 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(BF16)
+    return Weights(fn, fn.view(24, 4, H).sum(1).contiguous(), scale, base, w)
+
+
+@functools.cache
+def workspace(H: int) -> CoefficientsWorkspace:
+    return CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+
+
+@functools.cache
+def arch() -> str:
+    return arch_for_device(torch.device("cuda"))
+
+
+def streams(rows: int, H: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, 4, H, device="cuda", generator=gen(seed)).to(BF16)
+
+
+def carried_pre(rows: int, seed: int = 2) -> torch.Tensor:
+    return torch.rand(rows, 4, device="cuda", generator=gen(seed)) + 1e-6
+
+
+def call(
+    x: torch.Tensor,
+    *,
+    broadcast: bool = False,
+    inline: bool = False,
+    pre_mix: torch.Tensor | None = None,
+    ws: CoefficientsWorkspace | None = None,
+    out: Out | None = None,
+    rms_eps: float = EPS["rms_eps"],
+    stream: torch.cuda.Stream | None = None,
+) -> Out:
+    """One kernel launch on the current stream; allocates the outputs unless given."""
+    rows, H = x.shape[0], x.shape[-1]
+    wt = weights(H)
+    if out is None:
+        out = Out(
+            torch.empty(rows, 4, device="cuda"),
+            torch.empty(rows, 4, 4, device="cuda"),
+            torch.empty(rows, 4, device="cuda"),
+            torch.empty(rows, H, dtype=BF16, device="cuda") if inline else None,
+        )
+    kwargs = dict(EPS, rms_eps=rms_eps)
+    mhc_coefficients(
+        x, wt.fn_broadcast if broadcast else wt.fn, wt.scale, wt.base, **kwargs,
+        broadcast=broadcast, workspace=ws if ws is not None else workspace(H),
+        post_out=out.post, comb_out=out.comb, pre_out=out.pre,
+        pre_mix=pre_mix if inline else None,
+        norm_weight=wt.norm_weight if inline else None,
+        norm_eps=NORM_EPS if inline else None,
+        layer_input_out=out.layer_input, arch=arch(), stream=stream,
+    )  # fmt: skip
+    return out
+
+
+def reference(x: torch.Tensor, *, broadcast: bool = False, rms_eps: float = EPS["rms_eps"]) -> ref.Coefficients:
+    """The fp32 torch math with fn unrounded (no TF32)."""
+    rows, H = x.shape[0], x.shape[-1]
+    wt = weights(H)
+    flat = x if broadcast else x.reshape(rows, 4 * H)
+    fn = wt.fn_broadcast if broadcast else wt.fn
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return ref.mhc_coefficients(flat, fn, wt.scale, wt.base, **dict(EPS, rms_eps=rms_eps))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def assert_matches(got: Out, want: ref.Coefficients) -> None:
+    torch.testing.assert_close(got.post, want.post, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got.comb, want.comb, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got.pre, want.pre, atol=1e-3, rtol=1e-3)
+    col_sums = got.comb.sum(-2)  # over the source index
+    assert (col_sums - 1).abs().max().item() <= 1e-4
+
+
+def assert_counters_clean(ws: CoefficientsWorkspace) -> None:
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0, "arrival counters were not reset"
+
+
+# --- accuracy ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("rows", ROWS)
+def test_standard_matches_reference(H: int, rows: int) -> None:
+    x = streams(rows, H, seed=rows)
+    got = call(x)
+    assert_matches(got, reference(x))
+    assert_counters_clean(workspace(H))
+
+
+@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("rows", (1, 16, 129, 512))
+def test_broadcast_matches_reference(H: int, rows: int) -> None:
+    e = torch.randn(rows, H, device="cuda", generator=gen(rows)).to(BF16)
+    got = call(e, broadcast=True)
+    assert_matches(got, reference(e, broadcast=True))
+    # The broadcast projection is the full projection of 4 identical streams (up to rounding).
+    full = reference(e.unsqueeze(1).expand(rows, 4, H).contiguous())
+    torch.testing.assert_close(got.comb, full.comb, atol=1e-3, rtol=1e-3)
+    assert_counters_clean(workspace(H))
+
+
+def test_tiny_eps_and_a_zero_row() -> None:
+    H = 7168
+    x = streams(9, H, seed=5)
+    x[3] = 0
+    got = call(x, rms_eps=1e-20)
+    assert_matches(got, reference(x, rms_eps=1e-20))
+
+
+# --- batch invariance --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("broadcast", (False, True))
+def test_a_row_gives_the_same_bits_whatever_the_row_count(H: int, broadcast: bool) -> None:
+    shape = (MAX_ROWS, H) if broadcast else (MAX_ROWS, 4, H)
+    x = torch.randn(*shape, device="cuda", generator=gen(7)).to(BF16)
+    full = call(x, broadcast=broadcast)
+    for start, rows in ((0, 1), (5, 1), (63, 1), (64, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
+        part = call(x[start : start + rows], broadcast=broadcast)
+        for name in ("post", "comb", "pre"):
+            whole = getattr(full, name)[start : start + rows]
+            assert bitwise_equal(getattr(part, name), whole), f"{name} of rows {start}..{start + rows - 1}"
+
+
+# --- the inline form: layer input ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("rows", (1, 16, 129))
+@pytest.mark.parametrize("carried", (True, False))
+def test_inline_layer_input(H: int, rows: int, carried: bool) -> None:
+    x = streams(rows, H, seed=11)
+    pre_mix = carried_pre(rows) if carried else None
+    got = call(x, inline=True, pre_mix=pre_mix)
+    c = ref.collapse(x, pre_mix) if carried else x[:, 0].clone()
+    want = ref.rms_norm(c, weights(H).norm_weight, NORM_EPS)
+    assert max_ulp(got.layer_input, want) <= 1
+    # The coefficients are the very same as without the layer input (same projection code).
+    alone = call(x)
+    for name in ("post", "comb", "pre"):
+        assert bitwise_equal(getattr(got, name), getattr(alone, name)), name
+    assert_counters_clean(workspace(H))
+
+
+@pytest.mark.parametrize("rows", (1, 16, 129))
+def test_inline_broadcast_normalizes_the_embedding_row(rows: int) -> None:
+    H = 7168
+    e = torch.randn(rows, H, device="cuda", generator=gen(13)).to(BF16)
+    got = call(e, broadcast=True, inline=True)
+    want = ref.rms_norm(e, weights(H).norm_weight, NORM_EPS)
+    assert max_ulp(got.layer_input, want) <= 1
+    assert_matches(got, reference(e, broadcast=True))
+
+
+def test_inline_collapse_is_exact_before_the_norm() -> None:
+    # Rows whose collapse is +-1 everywhere have sum(c^2)/H == 1, so with eps 0 the norm is exact
+    # and out must be c * w bit for bit: stream 0 copied for the one-hot pre, and for the carried
+    # pre a collapse of 1.003 that must be rounded to bf16 1.0 before the norm.
+    H, rows = 4096, 5
+    sign = torch.where(torch.rand(rows, H, device="cuda", generator=gen(17)) < 0.5, -1.0, 1.0)
+    x = torch.randn(rows, 4, H, device="cuda", generator=gen(19)).to(BF16)
+    x[:, 0] = sign.to(BF16)
+    wt = weights(H)
+    out = Out(*(torch.empty(rows, *s, device="cuda") for s in ((4,), (4, 4), (4,))), torch.empty(rows, H, dtype=BF16, device="cuda"))  # fmt: skip
+    kwargs = dict(EPS, broadcast=False, workspace=workspace(H), post_out=out.post, comb_out=out.comb, pre_out=out.pre)
+    mhc_coefficients(x, wt.fn, wt.scale, wt.base, **kwargs, norm_weight=wt.norm_weight, norm_eps=0.0,
+                     layer_input_out=out.layer_input, arch=arch())  # fmt: skip
+    assert bitwise_equal(out.layer_input, (sign * wt.norm_weight.float()).to(BF16))
+    x[:, 0] = (sign * 1.003).to(BF16)  # bf16(1.003) = 1.0
+    x[:, 1:] = 0
+    x[:, 1] = (sign * 0.003).to(BF16)
+    pre_mix = torch.ones(rows, 4, device="cuda")
+    assert torch.all(ref.collapse(x, pre_mix).abs() == 1.0)
+    mhc_coefficients(x, wt.fn, wt.scale, wt.base, **kwargs, pre_mix=pre_mix, norm_weight=wt.norm_weight,
+                     norm_eps=0.0, layer_input_out=out.layer_input, arch=arch())  # fmt: skip
+    assert bitwise_equal(out.layer_input, (sign * wt.norm_weight.float()).to(BF16))
+
+
+# --- launches in a row, streams, CUDA graphs, workspace reuse -----------------------------------
+
+
+def test_chained_launches_read_the_previous_output() -> None:
+    # Each call's carried pre is the previous call's output: the PDL wait must order them.
+    H, rows, steps = 7168, 16, 6
+    xs = [streams(rows, H, seed=100 + i) for i in range(steps)]
+    pre = carried_pre(rows)
+    outs = []
+    for x in xs:
+        outs.append(call(x, inline=True, pre_mix=pre))
+        pre = outs[-1].pre
+    torch.cuda.synchronize()
+    pre = carried_pre(rows)
+    for x, got in zip(xs, outs):
+        want = ref.rms_norm(ref.collapse(x, pre), weights(H).norm_weight, NORM_EPS)
+        assert max_ulp(got.layer_input, want) <= 1
+        assert_matches(got, reference(x))
+        pre = got.pre
+    assert_counters_clean(workspace(H))
+
+
+def test_side_stream_and_workspace_reuse_across_row_counts() -> None:
+    H = 5120
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    side = torch.cuda.Stream()
+    for rows in (512, 1, 129, 7, 64, 512, 2):
+        x = streams(rows, H, seed=rows + 1000)
+        side.wait_stream(torch.cuda.current_stream())
+        if rows % 2:
+            with torch.cuda.stream(side):
+                got = call(x, ws=ws)
+        else:
+            got = call(x, ws=ws, stream=side)
+        torch.cuda.current_stream().wait_stream(side)
+        assert_matches(got, reference(x))
+        e = x[:, 2].contiguous()
+        assert_matches(call(e, broadcast=True, ws=ws), reference(e, broadcast=True))
+        assert_counters_clean(ws)
+
+
+@pytest.mark.parametrize("inline", (False, True))
+def test_cuda_graph_replay_with_inputs_changed_in_place(inline: bool) -> None:
+    H, rows = 7168, 16
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    x = streams(rows, H, seed=21)
+    pre_mix = carried_pre(rows)
+    out = call(x, inline=inline, pre_mix=pre_mix, ws=ws)  # compiles before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(x, inline=inline, pre_mix=pre_mix, ws=ws, out=out)
+    for step in range(3):
+        x.copy_(streams(rows, H, seed=300 + step))
+        pre_mix.copy_(carried_pre(rows, seed=400 + step))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference(x))
+        if inline:
+            want = ref.rms_norm(ref.collapse(x, pre_mix), weights(H).norm_weight, NORM_EPS)
+            assert max_ulp(out.layer_input, want) <= 1
+        assert_counters_clean(ws)
+
+
+# --- timing sweep (python -m tests.test_coefficients_kernel_gpu) --------------------------------
+
+
+def _time_us(fn, launches: int = 20, reps: int = 20) -> float:
+    """GPU time per launch of `launches` back-to-back calls replayed as one CUDA graph (median)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / launches)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    print(f"{'H':>5} {'rows':>5} {'standard us':>12} {'broadcast us':>13} {'inline us':>10} {'floor us':>9}")
+    for H in HIDDEN:
+        for rows in (1, 4, 16, 64, 256, 512):
+            x = streams(rows, H)
+            e = x[:, 0].contiguous()
+            pre_mix = carried_pre(rows)
+            std = _time_us(functools.partial(call, x))
+            bc = _time_us(functools.partial(call, e, broadcast=True))
+            inl = _time_us(functools.partial(call, x, inline=True, pre_mix=pre_mix))
+            floor = (24 * 4 * H * 4 + rows * 4 * H * 2) / 4.3e6
+            print(f"{H:>5} {rows:>5} {std:>12.2f} {bc:>13.2f} {inl:>10.2f} {floor:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
