@@ -23,6 +23,7 @@ from bench.timing import GraphTimer, host_us_per_call
 from boundary import BoundaryAllReduce
 from boundary.reference import mxfp8_scale_bytes
 from cute_kernels import boundary_kernel as bk
+from cute_kernels import coefficients_kernel as ck
 
 CALLS_PER_GRAPH = 20
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -33,8 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
-    p.add_argument("--parts", nargs="+", default=["boundary", "split"], choices=["boundary", "split"],
-                   help="what to measure")  # fmt: skip
+    p.add_argument("--parts", nargs="+", default=["boundary", "split", "coefficients"],
+                   choices=["boundary", "split", "coefficients"], help="what to measure")  # fmt: skip
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -127,6 +128,95 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
     return out
 
 
+def coefficient_inputs(rows: int, hidden: int, device: torch.device, seed: int,
+                       workspace: ck.CoefficientsWorkspace | None = None) -> dict[str, Any]:  # fmt: skip
+    """One set of inputs (with its own fn, so that fn is read cold) and outputs for the coefficients."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    fn = torch.randn(24, 4 * hidden, generator=g, device=device) * 1e-2
+    return dict(
+        streams=torch.randn(rows, 4, hidden, generator=g, device=device).to(torch.bfloat16),
+        fn=fn,
+        fn_broadcast=fn.view(24, 4, hidden).sum(1).contiguous(),
+        scale=torch.full((3,), 0.5, device=device),
+        base=torch.randn(24, generator=g, device=device) * 0.5,
+        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16),
+        pre_mix=torch.rand(rows, 4, generator=g, device=device),
+        post=torch.empty(rows, 4, device=device),
+        comb=torch.empty(rows, 4, 4, device=device),
+        pre=torch.empty(rows, 4, device=device),
+        layer_input=torch.empty(rows, hidden, dtype=torch.bfloat16, device=device),
+        workspace=workspace if workspace is not None else ck.CoefficientsWorkspace(hidden, max(rows, 16), device),
+    )
+
+
+def coefficients_call(inp: dict[str, Any], arch: str, variant: str = "standard"):
+    """A closure running the coefficients kernel (standard, broadcast or inline) on one input set."""
+    broadcast, inline = variant == "broadcast", variant == "inline"
+    x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
+
+    def call() -> None:
+        ck.mhc_coefficients(
+            x, inp["fn_broadcast"] if broadcast else inp["fn"], inp["scale"], inp["base"], rms_eps=1e-20,
+            pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20, broadcast=broadcast,
+            workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"],
+            pre_mix=inp["pre_mix"] if inline else None, norm_weight=inp["norm_weight"] if inline else None,
+            norm_eps=1e-20 if inline else None, layer_input_out=inp["layer_input"] if inline else None, arch=arch,
+        )  # fmt: skip
+
+    return call
+
+
+def coefficients_bytes(rows: int, hidden: int, variant: str) -> int:
+    """The fewest bytes the coefficients move: fn, the projection input, the outputs (+ the layer input)."""
+    width = hidden if variant == "broadcast" else 4 * hidden
+    total = 24 * width * 4 + rows * width * 2 + rows * 24 * 4 + 27 * 4
+    if variant == "inline":
+        total += rows * hidden * 2 + hidden * 2
+    return total
+
+
+def bench_coefficients(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
+    """The coefficients kernel against the eager and compiled chains and the floor, per (H, rows)."""
+    device = timer.device
+    compiled_chain = None if args.no_compile else chains.compiled(chains.coefficients_chain)
+    out = []
+    shapes = [(h, r) for h in args.hidden for r in sorted(args.rows)]
+    for hidden, rows in tqdm(shapes, desc="coefficients", unit="shape"):
+        ws = ck.CoefficientsWorkspace(hidden, max(rows, 16), device)
+        sets = [coefficient_inputs(rows, hidden, device, seed, ws) for seed in range(CALLS_PER_GRAPH)]
+        row: dict[str, Any] = {"H": hidden, "rows": rows}
+        for variant in ("standard", "broadcast", "inline"):
+            us = timer.per_call_us([coefficients_call(s, arch, variant) for s in sets])
+            row[f"{variant}_us"] = us
+            row[f"{variant}_floor_us"] = coefficients_bytes(rows, hidden, variant) / copy_bw * 1e6
+        chain = lambda fn, s: (lambda: fn(s["streams"], s["fn"], s["scale"], s["base"]))  # noqa: E731
+        row["eager_chain_us"] = timer.per_call_us([chain(chains.coefficients_chain, s) for s in sets])
+        if compiled_chain is not None:
+            row["compile_chain_us"] = timer.per_call_us([chain(compiled_chain, s) for s in sets])
+        row["floor_ratio"] = row["standard_us"] / row["standard_floor_us"]
+        row["eager_ratio"] = row["eager_chain_us"] / row["standard_us"]
+        if "compile_chain_us" in row:
+            row["compile_ratio"] = row["compile_chain_us"] / row["standard_us"]
+        out.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_coefficients(rows: list[dict]) -> None:
+    """The coefficients table."""
+    print("\nmHC coefficients (mhc_pre_delayed), GPU us per call, fn read cold")
+    head = f"{'H':>5} {'rows':>4} | {'std':>6} {'bcast':>6} {'inline':>6} | {'floor':>6} {'x floor':>7} | " \
+           f"{'eager':>7} {'compile':>8} | {'x eager':>7} {'x comp':>7}"  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['H']:>5} {r['rows']:>4} | {r['standard_us']:6.2f} {r['broadcast_us']:6.2f} {r['inline_us']:6.2f} | "
+              f"{r['standard_floor_us']:6.2f} {r['floor_ratio']:7.2f} | {r['eager_chain_us']:7.2f} "
+              f"{r.get('compile_chain_us', float('nan')):8.2f} | {r['eager_ratio']:7.1f} "
+              f"{r.get('compile_ratio', float('nan')):7.1f}")  # fmt: skip
+
+
 def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[dict]:
     """One CTA per row against row splits over a cluster, at few rows, per H."""
     device = timer.device
@@ -138,7 +228,7 @@ def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[
                 configs.append(bk.BoundaryConfig.for_cluster(hidden, n))
             except ValueError:
                 continue
-        for rows in (1, 4, 16, 64):
+        for rows in (1, 4, 16, 64, 512):
             sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
             for cfg in configs:
                 us = timer.per_call_us([fused_call(s, arch, False, cfg) for s in sets])
@@ -220,6 +310,9 @@ def main(argv: list[str] | None, *, arch: str) -> int:
     if "split" in args.parts:
         results["split"] = bench_split(args, arch, timer)
         print_split(results["split"])
+    if "coefficients" in args.parts:
+        results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
+        print_coefficients(results["coefficients"])
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {path}")

@@ -1,0 +1,47 @@
+"""Launches one kernel a few times for a profiler: warm-up calls, then one call between profiler start and stop.
+
+python profiles/run_kernel.py --kernel boundary --hidden 7168 --rows 16 [--mxfp8]
+python profiles/run_kernel.py --kernel coefficients --hidden 7168 --rows 512 [--variant broadcast|inline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kernels import boundary_inputs, coefficient_inputs, coefficients_call, fused_call  # noqa: E402
+from cute_kernels.compile import arch_for_device  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", choices=("boundary", "coefficients"), required=True)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--mxfp8", action="store_true", help="boundary: also write the MXFP8 layer input")
+    p.add_argument("--variant", choices=("standard", "broadcast", "inline"), default="standard")
+    p.add_argument("--calls", type=int, default=3, help="warm-up calls before the profiled one")
+    args = p.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_for_device(device)
+    if args.kernel == "boundary":
+        call = fused_call(boundary_inputs(args.rows, args.hidden, device, 0), arch, args.mxfp8)
+    else:
+        call = coefficients_call(coefficient_inputs(args.rows, args.hidden, device, 0), arch, args.variant)
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled one {args.kernel} call: H={args.hidden} rows={args.rows}")
+
+
+if __name__ == "__main__":
+    main()
