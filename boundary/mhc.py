@@ -1,7 +1,12 @@
-"""The public mHC ops (coefficients, post) with their input checks and their dispatch."""
+"""The public mHC ops (coefficients, post) with their input checks and their dispatch.
+
+On a CUDA device with the kernels (sm_90a / sm_100a) the coefficients run as one CuTe DSL launch
+(`cute_kernels.coefficients_kernel`); on the CPU, or with `backend="reference"`, as torch ops.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -9,9 +14,57 @@ from torch import Tensor
 
 from boundary import checks, reference
 from boundary.reference import MIX_WIDTH
+from cute_kernels.compile import WarmupJob, arch_for_device
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+BACKENDS = ("auto", "kernel", "reference")
+_WORKSPACES: dict[tuple[torch.device, int], Any] = {}
+
+
+@functools.cache
+def _device_arch(device: torch.device) -> str:
+    return arch_for_device(device)
+
+
+def kernel_arch(device: torch.device, backend: str) -> str | None:
+    """The compile target the mHC ops use on `device`, or None for the torch reference."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"backend='kernel' needs a CUDA device, got {device}")
+    return _device_arch(device)  # raises, naming the GPU, where the kernels do not run
+
+
+def prepare_workspace(hidden: int, rows: int, device: torch.device) -> Any:
+    """The coefficients kernel's workspace for (device, H), grown to hold `rows` rows.
+
+    One workspace per device and H serves every call: the scheduler orders coefficient launches
+    (each side-stream launch is joined before the next boundary), so two never overlap. Growing
+    is not allowed during CUDA-graph capture: call BoundaryAllReduce.warmup(max_rows) first.
+    """
+    from cute_kernels.coefficients_kernel import CoefficientsWorkspace
+
+    key = (device, hidden)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.max_rows < rows:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the mHC coefficients workspace for H={hidden} must grow to {rows} rows during CUDA-graph "
+                "capture; call BoundaryAllReduce.warmup(max_rows) before capturing"
+            )
+        capacity = max(rows, 512 if ws is None else 2 * ws.max_rows)
+        ws = _WORKSPACES[key] = CoefficientsWorkspace(hidden, capacity, device)
+    return ws
+
+
+def warmup_jobs(hidden: int, arch: str) -> list[WarmupJob]:
+    """The compiles every mHC coefficients call of hidden size H can need."""
+    from cute_kernels.coefficients_kernel import coefficients_warmup_jobs
+
+    return coefficients_warmup_jobs(hidden, arch=arch)
 
 
 def _check_pre_delayed_args(
@@ -61,16 +114,35 @@ def mhc_pre_delayed(
     x: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
+    *,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(post, comb, layer_input, next_pre) of SPEC §3: the mixes of the streams and the delayed collapse."""
+    """(post, comb, layer_input, next_pre) of SPEC §3: the mixes of the streams and the delayed collapse.
+
+    On the kernels, one launch computes both the mixes and (with `norm_weight`) the layer input.
+    """
     _check_pre_delayed_args(
         residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
         hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
     )  # fmt: skip
-    return reference.mhc_pre_delayed(
-        residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-        hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
+    arch = kernel_arch(residual.device, backend)
+    if arch is not None:
+        _check_kernel_shape(residual.shape[1], residual.shape[2])
+    if arch is None:
+        return reference.mhc_pre_delayed(
+            residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+            hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
+        )  # fmt: skip
+    inline = norm_weight is not None
+    layer_input = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
+    post, comb, pre = _kernel_coefficients(
+        residual, x, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+        sinkhorn_repeat, arch, pre_mix=pre_mix if inline else None, norm_weight=norm_weight, norm_eps=norm_eps,
+        layer_input=layer_input,
     )  # fmt: skip
+    if not inline:  # the collapse alone, with no norm: torch ops
+        layer_input = delayed_layer_input(residual, pre_mix, None, norm_eps)
+    return post, comb, layer_input, pre
 
 
 def delayed_layer_input(residual: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float) -> Tensor:
@@ -96,6 +168,7 @@ def mhc_pre_delayed_overlap(
     *,
     stream: Any,
     layer_input: Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """mhc_pre_delayed split in two: the layer input on the current stream, the mixes on `stream`.
 
@@ -117,31 +190,82 @@ def mhc_pre_delayed_overlap(
     else:
         checks.tensor("layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]),
                       device=residual.device)  # fmt: skip
-    source = x if x is not None else residual.reshape(residual.shape[0], -1)
+    arch = kernel_arch(residual.device, backend)
+    if arch is not None:
+        _check_kernel_shape(residual.shape[1], residual.shape[2])
+    args = (residual, x, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+            sinkhorn_repeat, arch)  # fmt: skip
     if stream is None:
-        coeffs = _coefficients(source, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-                               hc_post_mult_value, sinkhorn_repeat)  # fmt: skip
-        return coeffs.post, coeffs.comb, layer_input, coeffs.pre
+        post, comb, pre = _coefficients(*args)
+        return post, comb, layer_input, pre
     stream.wait_stream(torch.cuda.current_stream(residual.device))
     with torch.cuda.stream(stream):
-        coeffs = _coefficients(source, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-                               hc_post_mult_value, sinkhorn_repeat)  # fmt: skip
-    source.record_stream(stream)
-    return coeffs.post, coeffs.comb, layer_input, coeffs.pre
+        post, comb, pre = _coefficients(*args)
+    (x if x is not None else residual).record_stream(stream)
+    return post, comb, layer_input, pre
 
 
 def _coefficients(
-    source: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, pre_eps: float,
-    sinkhorn_eps: float, post_mult: float, repeat: int,
-) -> reference.Coefficients:  # fmt: skip
-    """The coefficients of one projection input, on the current stream."""
-    return reference.mhc_coefficients(source, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat)
+    residual: Tensor, x: Tensor | None, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float,
+    pre_eps: float, sinkhorn_eps: float, post_mult: float, repeat: int, arch: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """post, comb and next pre of one projection input, on the current stream."""
+    if arch is None:
+        source = x if x is not None else residual.reshape(residual.shape[0], -1)
+        return tuple(reference.mhc_coefficients(source, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps,
+                                                post_mult, repeat))  # fmt: skip
+    return _kernel_coefficients(residual, x, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, arch)
 
 
-def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """The new streams R'[j] = bf16(post[j]*x + sum_k comb[k, j]*R[k]) from a reduced sublayer output."""
+def _kernel_coefficients(
+    residual: Tensor, x: Tensor | None, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float,
+    pre_eps: float, sinkhorn_eps: float, post_mult: float, repeat: int, arch: str, *,
+    pre_mix: Tensor | None = None, norm_weight: Tensor | None = None, norm_eps: float | None = None,
+    layer_input: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """One launch of the coefficients kernel (inline when `layer_input` is given); the args are checked."""
+    from cute_kernels.coefficients_kernel import mhc_coefficients
+
+    rows, hc, hidden = residual.shape
+    dev = residual.device
+    post = torch.empty(rows, hc, dtype=F32, device=dev)
+    comb = torch.empty(rows, hc, hc, dtype=F32, device=dev)
+    pre = torch.empty(rows, hc, dtype=F32, device=dev)
+    inline = layer_input is not None
+    mhc_coefficients(
+        x if x is not None else residual, fn, scale, base, rms_eps=rms_eps, pre_eps=pre_eps,
+        sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, sinkhorn_repeat=repeat, broadcast=x is not None,
+        workspace=prepare_workspace(hidden, rows, dev), post_out=post, comb_out=comb, pre_out=pre,
+        pre_mix=pre_mix, norm_weight=norm_weight if inline else None, norm_eps=norm_eps if inline else None,
+        layer_input_out=layer_input, arch=arch, validate=False,
+    )  # fmt: skip
+    return post, comb, pre
+
+
+def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto") -> Tensor:
+    """The new streams R'[j] = bf16(post[j]*x + sum_k comb[k, j]*R[k]) from a reduced sublayer output.
+
+    On the kernels this is the fused boundary's residual-only mode: one launch.
+    """
     residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
     rows, hc, hidden = residual.shape
     checks.tensor("x", x, dtype=BF16, shape=(rows, hidden), device=residual.device)
     post, comb, _ = checks.coefficients(rows, hc, residual.device, post, comb, None)
-    return reference.mhc_post(x, residual, post, comb)
+    arch = kernel_arch(residual.device, backend)
+    if arch is None:
+        return reference.mhc_post(x, residual, post, comb)
+    _check_kernel_shape(hc, hidden)
+    from cute_kernels.boundary_kernel import fused_boundary
+
+    new = torch.empty_like(residual)
+    fused_boundary(residual=residual, post=post, comb=comb, pre=None, norm_weight=None, norm_eps=0.0, x=x,
+                   new_residual=new, arch=arch)  # fmt: skip
+    return new
+
+
+def _check_kernel_shape(hc: int, hidden: int) -> None:
+    if hc != 4 or hidden % 256:
+        raise ValueError(
+            f"the mHC kernels serve hc = 4 and H a multiple of 256 (got hc={hc}, H={hidden}); "
+            "pass backend='reference' for other shapes"
+        )

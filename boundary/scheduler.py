@@ -65,6 +65,8 @@ class Boundaries:
         if not isinstance(all_reduce, BoundaryAllReduce):
             raise TypeError(f"all_reduce must be a BoundaryAllReduce, got {type(all_reduce).__name__}")
         self.all_reduce = all_reduce
+        # The mHC ops follow the boundary's path: torch ops beside the reference, kernels otherwise.
+        self.backend = "reference" if all_reduce.path == "reference" else "kernel"
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; input = RMSNorm(stream 0)."""
@@ -155,10 +157,11 @@ class Boundaries:
         if step.side_stream:
             if not isinstance(layer.mhc_stream, torch.cuda.Stream):
                 raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
-            return mhc.mhc_pre_delayed_overlap(*args, stream=layer.mhc_stream, layer_input=layer_input)
+            return mhc.mhc_pre_delayed_overlap(*args, stream=layer.mhc_stream, layer_input=layer_input,
+                                               backend=self.backend)  # fmt: skip
         if layer_input is not None:
-            return mhc.mhc_pre_delayed_overlap(*args, stream=None, layer_input=layer_input)
-        return mhc.mhc_pre_delayed(*args)
+            return mhc.mhc_pre_delayed_overlap(*args, stream=None, layer_input=layer_input, backend=self.backend)
+        return mhc.mhc_pre_delayed(*args, backend=self.backend)
 
     def _reduce(
         self, state: BoundaryState, pre: Tensor | None, norm_weight: Tensor | None, norm_eps: float,

@@ -162,32 +162,35 @@ class ToyModel:
         return F.silu(x @ layer.wq) @ layer.wo_b
 
     def moe(self, layer: ToyLayer, x: Tensor) -> MoEOutput:
-        """The MoE stand-in: top-k routing, experts over permuted rows, unfinalized (TP partials)."""
+        """The MoE stand-in: top-k routing, experts over permuted rows, unfinalized (TP partials).
+
+        Every shape is fixed by the row count (no host synchronisation), so a decode step can be
+        captured in a CUDA graph.
+        """
         c = self.config
-        rows = x.shape[0]
+        rows, pairs = x.shape[0], x.shape[0] * c.top_k
         logits = x.to(F32) @ layer.router
         top_logits, top_experts = logits.topk(c.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1) * 1.5
-        capacity = max(1, math.ceil(rows * c.top_k / c.num_experts * c.capacity_factor))
+        capacity = max(1, math.ceil(pairs / c.num_experts * c.capacity_factor))
         flat_experts = top_experts.reshape(-1)
-        order = torch.argsort(flat_experts * (rows * c.top_k) + torch.arange(flat_experts.numel(), device=x.device))
-        # Rank of each (token, slot) within its expert; over the capacity it is dropped (index -1).
+        # Pairs sorted by expert (stable in pair order): the permuted row of a pair is its sorted position.
+        order = torch.argsort(flat_experts * pairs + torch.arange(pairs, device=x.device))
         sorted_experts = flat_experts[order]
-        starts = torch.searchsorted(sorted_experts, sorted_experts, right=False)
-        rank_in_expert = torch.arange(order.numel(), device=x.device) - starts
-        keep = rank_in_expert < capacity
-        kept = order[keep]
-        permuted_idx = torch.full((rows * c.top_k,), -1, dtype=torch.int32, device=x.device)
-        permuted_idx[kept] = torch.arange(kept.numel(), dtype=torch.int32, device=x.device)
-        tokens, experts = kept // c.top_k, flat_experts[kept]
-        hidden = torch.empty(kept.numel() + 2, c.hidden_size, dtype=BF16, device=x.device)
-        hidden[kept.numel() :] = 7.0  # padding rows no index points at: a kernel must never read them
-        for e in range(c.num_experts):
-            sel = (experts == e).nonzero().squeeze(1)
-            if sel.numel():
-                hidden[sel] = F.silu(x[tokens[sel]] @ layer.w_up[e]) @ layer.w_down[e]
+        rank_in_expert = torch.arange(pairs, device=x.device) - torch.searchsorted(sorted_experts, sorted_experts)
+        position = torch.empty(pairs, dtype=torch.int64, device=x.device)
+        position[order] = torch.arange(pairs, device=x.device)
+        kept = torch.empty(pairs, dtype=torch.bool, device=x.device)
+        kept[order] = rank_in_expert < capacity  # over an expert's capacity a pair is dropped: index -1
+        permuted_idx = torch.where(kept, position, -1).to(torch.int32).view(rows, c.top_k)
+        # Every expert on every row (tiny experts), then each pair's row gathered into its slot.
+        up = F.silu(torch.einsum("th,ehi->eti", x, layer.w_up))
+        dense = torch.einsum("eti,eih->eth", up, layer.w_down)
+        token_of_sorted = order // c.top_k
+        hidden = torch.full((pairs + 2, c.hidden_size), 7.0, dtype=BF16, device=x.device)  # +2 unread padding rows
+        hidden[:pairs] = dense[sorted_experts, token_of_sorted]
         shared = F.silu(x @ layer.ws_up) @ layer.ws_down
-        routed = UnfinalizedMoEOutput(hidden, weights.contiguous(), permuted_idx.view(rows, c.top_k))
+        routed = UnfinalizedMoEOutput(hidden, weights.contiguous(), permuted_idx)
         return MoEOutput(routed=routed, shared_output=shared)
 
     def engram_inject(self, layer: ToyLayer, streams: Tensor, tokens: Tensor) -> Tensor:

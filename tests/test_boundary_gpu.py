@@ -1,0 +1,176 @@
+"""The package on the GPU: BoundaryAllReduce and the mHC ops on the kernels, held to the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundary import (
+    Boundaries,
+    BoundaryAllReduce,
+    DecodeStep,
+    empty_quantized_layer_input,
+    mhc_post,
+    mhc_pre_delayed,
+    mhc_pre_delayed_overlap,
+)
+from boundary import reference as ref
+from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
+from tests.bf16 import bitwise_equal, max_ulp
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+H = 5120
+
+
+def inputs(rows: int, hidden: int = H, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return dict(
+        x=torch.randn(rows, hidden, generator=g, device="cuda").to(BF16),
+        shared=torch.randn(rows, hidden, generator=g, device="cuda").to(BF16),
+        residual=torch.randn(rows, 4, hidden, generator=g, device="cuda").to(BF16),
+        post=torch.rand(rows, 4, generator=g, device="cuda") * 2,
+        comb=torch.softmax(torch.randn(rows, 4, 4, generator=g, device="cuda"), -1),
+        pre=torch.rand(rows, 4, generator=g, device="cuda"),
+        w=(1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(BF16),
+    )
+
+
+def check_against_reference(y, inp, new, out, q=None, aux=None, eps=1e-20):
+    """R' within 1 ulp of the reference; the rest against the reference applied to the kernel's own R'."""
+    want = ref.mhc_post(y, inp["residual"], inp["post"], inp["comb"])
+    assert max_ulp(new, want) <= 1
+    if out is not None:
+        assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["w"], eps)) <= 1
+    if q is not None:
+        data, scale = ref.mxfp8_quantize(out)
+        assert bitwise_equal(q.scale, scale)
+        assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+    if aux is not None:
+        assert max_ulp(aux, ref.mean_of_streams(new)) <= 1
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_boundary_all_reduce_kernel_path(rows: int) -> None:
+    ar = BoundaryAllReduce(H, max_rows=64, device="cuda")
+    assert ar.path == "kernel" and ar.arch in ("sm_90a", "sm_100a")
+    inp = inputs(rows)
+    before = {k: v.clone() for k, v in inp.items()}
+    q = empty_quantized_layer_input(rows, H, "cuda")
+    aux = torch.empty(rows, H, dtype=BF16, device="cuda")
+    new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q, aux_out=aux)
+    check_against_reference(inp["x"], inp, new, out, q, aux)
+    new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, None,
+                  shared_output=inp["shared"])  # fmt: skip
+    check_against_reference(ref.add_shared(inp["x"], inp["shared"]), inp, new, out)
+    new, none = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], None, None, 0.0, None)
+    assert none is None
+    check_against_reference(inp["x"], inp, new, None)
+    for k, v in inp.items():
+        assert bitwise_equal(v, before[k]), f"{k} was modified"
+    ar.check()
+
+
+def test_boundary_all_reduce_finalize_kernel_path() -> None:
+    rows, k = 9, 6
+    ar = BoundaryAllReduce(H, max_rows=16, device="cuda")
+    inp = inputs(rows)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    permuted = torch.randn(rows * k + 2, H, generator=g, device="cuda").to(BF16)
+    permuted[-2:] = float("nan")  # never read
+    weights = torch.rand(rows, k, generator=g, device="cuda")
+    idx = torch.randperm(rows * k, generator=g, device="cuda").to(torch.int32).view(rows, k)
+    idx[0, 2] = idx[5, 0] = -1
+    idx[3] = -1
+    new, out = ar.finalize(permuted, weights, idx, inp["shared"], inp["residual"], inp["post"], inp["comb"],
+                           inp["pre"], inp["w"], 1e-20, None)  # fmt: skip
+    # The MoE combine may fuse multiply-adds: y within 1 ulp of the reference, then as above.
+    y = ref.moe_finalize(permuted, weights, idx, inp["shared"])
+    want = ref.mhc_post(y, inp["residual"], inp["post"], inp["comb"])
+    assert max_ulp(new, want) <= 2 and not new.isnan().any()
+    assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["w"], 1e-20)) <= 1
+
+
+def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
+    rows = 16
+    inp = inputs(rows)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    fn = torch.randn(24, 4 * H, generator=g, device="cuda") * 1e-2
+    scale, base = torch.full((3,), 0.5, device="cuda"), torch.randn(24, generator=g, device="cuda") * 0.5
+    new = mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"])
+    assert max_ulp(new, ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"])) <= 1
+    args = (inp["residual"], fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
+    got = mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20)
+    want = ref.mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20)
+    for a, b in ((got[0], want[0]), (got[1], want[1]), (got[3], want[3])):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert max_ulp(got[2], want[2]) <= 1
+    side = torch.cuda.Stream()
+    overlap = mhc_pre_delayed_overlap(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20, stream=side)
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(overlap, got):
+        assert bitwise_equal(a, b) if a.dtype != BF16 else max_ulp(a, b) <= 1
+    broadcast = mhc_pre_delayed(inp["residual"][:, :1].expand(-1, 4, -1).contiguous(), fn.view(24, 4, H).sum(1),
+                                scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20, x=inp["residual"][:, 0].contiguous(),
+                                norm_weight=inp["w"], norm_eps=1e-20)  # fmt: skip
+    assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["w"], 1e-20)) <= 1
+
+
+def test_boundary_call_under_cuda_graph_replay_with_inputs_changed_in_place() -> None:
+    rows = 4
+    ar = BoundaryAllReduce(H, max_rows=8, device="cuda")
+    ar.warmup(progress=False)
+    inp = inputs(rows)
+    q = empty_quantized_layer_input(rows, H, "cuda")
+    ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q)
+    for seed in range(3):
+        fresh = inputs(rows, seed=10 + seed)
+        for k in inp:
+            inp[k].copy_(fresh[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_reference(inp["x"], inp, new, out, q)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_toy_decode_step_on_the_kernels_tracks_the_plain_step(rows: int) -> None:
+    config = ToyConfig(hidden_size=H, num_layers=4)
+    model = ToyModel(config, device="cuda")
+    boundaries = Boundaries(BoundaryAllReduce(H, max_rows=64, device="cuda"))
+    tokens = random_tokens(model, rows, 0)
+    out = decode_step(model, boundaries, tokens, DecodeStep.for_rows(rows))
+    plain = decode_step_plain(model, tokens)
+    diff = compare(out, plain)
+    # Each boundary may differ by a bf16 ulp and each mix by ~1e-3; over 4 layers that stays small.
+    assert diff["max_rel"] < 5e-2, diff
+    cos = torch.nn.functional.cosine_similarity(out.hidden.float().flatten(), plain.hidden.float().flatten(), dim=0)
+    assert cos > 0.999, float(cos)
+
+
+def test_toy_decode_step_captures_in_a_cuda_graph_with_side_streams() -> None:
+    rows = 4
+    config = ToyConfig(hidden_size=H, num_layers=3)
+    model = ToyModel(config, device="cuda")
+    ar = BoundaryAllReduce(H, max_rows=8, device="cuda")
+    ar.warmup(progress=False)
+    boundaries = Boundaries(ar)
+    step = DecodeStep(rows=rows, side_stream=True)
+    tokens = random_tokens(model, rows, 0)
+    eager = decode_step(model, boundaries, tokens, step)
+    torch.cuda.synchronize()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        captured = decode_step(model, boundaries, tokens, step)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert compare(captured, eager)["bitwise"]
+    tokens.copy_(random_tokens(model, rows, 1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert compare(captured, decode_step(model, boundaries, tokens, step))["bitwise"]
