@@ -113,8 +113,9 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
         ar = BoundaryAllReduce(hidden, max_rows=rows, device=device)
         s0 = sets[0]
         row["host_boundary_all_reduce_us"] = host_us_per_call(
-            lambda ar=ar, s0=s0: ar(s0["x"], s0["residual"], s0["post"], s0["comb"], s0["pre"], s0["norm_weight"],
-                                    1e-20, None)  # fmt: skip
+            lambda ar=ar, s0=s0: ar(
+                s0["x"], s0["residual"], s0["post"], s0["comb"], s0["pre"], s0["norm_weight"], 1e-20, None
+            )  # fmt: skip
         )
         row["path"] = ar.path
         for key, mx in (("fused_us", False), ("fused_mxfp8_us", True)):
@@ -191,7 +192,7 @@ def bench_coefficients(args: argparse.Namespace, arch: str, timer: GraphTimer, c
             us = timer.per_call_us([coefficients_call(s, arch, variant) for s in sets])
             row[f"{variant}_us"] = us
             row[f"{variant}_floor_us"] = coefficients_bytes(rows, hidden, variant) / copy_bw * 1e6
-        chain = lambda fn, s: (lambda: fn(s["streams"], s["fn"], s["scale"], s["base"]))  # noqa: E731
+        chain = lambda fn, s: lambda: fn(s["streams"], s["fn"], s["scale"], s["base"])  # noqa: E731
         row["eager_chain_us"] = timer.per_call_us([chain(chains.coefficients_chain, s) for s in sets])
         if compiled_chain is not None:
             row["compile_chain_us"] = timer.per_call_us([chain(compiled_chain, s) for s in sets])
@@ -257,7 +258,7 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
         for side in (True, False):
             step = DecodeStep(rows=rows, side_stream=side)
             key = "overlap_us" if side else "inline_us"
-            row[key] = timer.per_call_us([lambda step=step: decode_step(model, boundaries, tokens, step)])
+            row[key] = timer.per_call_us([lambda s=step, t=tokens: decode_step(model, boundaries, t, s)])
         row["overlap_gain"] = row["inline_us"] / row["overlap_us"]
         out.append(row)
     return out
@@ -277,7 +278,9 @@ def print_step(rows: list[dict]) -> None:
 
 def print_boundary(rows: list[dict], copy_bw: float) -> None:
     """The boundary table."""
-    print(f"\nfused boundary (W=1, bf16 partial in, bf16 out), GPU us per call; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    print(
+        f"\nfused boundary (W=1, bf16 partial in, bf16 out), GPU us per call; copy bandwidth {copy_bw / 1e12:.2f} TB/s"
+    )
     head = f"{'H':>5} {'rows':>4} | {'fused':>7} {'+mxfp8':>7} {'1-call':>7} | {'eager':>7} {'compile':>8} | " \
            f"{'x eager':>7} {'x comp':>7} | {'GB/s':>6} {'%copy':>6} | {'host us':>7}"  # fmt: skip
     print(head)

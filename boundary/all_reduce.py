@@ -250,7 +250,9 @@ class BoundaryAllReduce:
         if self.world_size == 1:
             return x
         # Gathered as int32 words (bf16 pairs) so that the bits travel untouched whatever the backend does with bf16.
-        parts = [torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.int32, device=x.device) for _ in range(self.world_size)]
+        parts = [
+            torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.int32, device=x.device) for _ in range(self.world_size)
+        ]
         dist.all_gather(parts, x.contiguous().view(torch.int32), group=self.group)
         return reference.rank_sum([p.view(BF16) for p in parts])
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from boundary import BoundaryAllReduce, Boundaries, DecodeStep
+from boundary import Boundaries, BoundaryAllReduce, DecodeStep
 from boundary.all_reduce import BACKENDS
 from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
 
@@ -24,8 +24,12 @@ from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The demo's command line."""
     p = argparse.ArgumentParser(prog="python -m boundary.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto: a GPU if present)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each (gloo on CPU, NCCL on GPUs)")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto: a GPU if present)"
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks, one process each (gloo on CPU, NCCL on GPUs)"
+    )
     p.add_argument("--hidden", type=int, default=5120, help="hidden size H (a multiple of 256)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (layer 1 is an Engram layer)")
     p.add_argument("--rows", type=int, default=4, help="decode rows per step")
@@ -48,7 +52,9 @@ def _device(args: argparse.Namespace, rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is available")
         if torch.cuda.device_count() < args.tp:
-            raise SystemExit(f"--tp {args.tp} on CUDA needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+            raise SystemExit(
+                f"--tp {args.tp} on CUDA needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}"
+            )
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     return torch.device("cpu")
@@ -91,9 +97,8 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
         agree = diff["bitwise"] or (all_reduce.path != "reference" and diff["max_rel"] < 5e-2)
         ok &= agree
         label = "warm-up" if index == 0 else f"step {index}"
-        say(f"  {label}: scheduler {elapsed * 1e3:8.2f} ms/step   vs plain: "
-            f"{'bitwise equal' if diff['bitwise'] else 'max |diff| %.3g (rel %.3g)' % (diff['max_abs'], diff['max_rel'])}"
-            f"   {'agree' if agree else 'DISAGREE'}")  # fmt: skip
+        how = "bitwise equal" if diff["bitwise"] else f"max |diff| {diff['max_abs']:.3g} (rel {diff['max_rel']:.3g})"
+        say(f"  {label}: scheduler {elapsed * 1e3:8.2f} ms/step   vs plain: {how}   {'agree' if agree else 'DISAGREE'}")
     all_reduce.check()
     if group is not None:
         flag = torch.tensor([int(ok)], dtype=torch.int32, device=device if dist.get_backend(group) == "nccl" else "cpu")

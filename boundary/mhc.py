@@ -134,7 +134,9 @@ def mhc_pre_delayed(
             hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
         )  # fmt: skip
     inline = norm_weight is not None
-    layer_input = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
+    layer_input = (
+        torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
+    )
     post, comb, pre = _kernel_coefficients(
         residual, x, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
         sinkhorn_repeat, arch, pre_mix=pre_mix if inline else None, norm_weight=norm_weight, norm_eps=norm_eps,
@@ -145,7 +147,9 @@ def mhc_pre_delayed(
     return post, comb, layer_input, pre
 
 
-def delayed_layer_input(residual: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float) -> Tensor:
+def delayed_layer_input(
+    residual: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float
+) -> Tensor:
     """The delayed collapse alone: RMSNorm(collapse(streams, carried pre)), or stream 0 without a pre."""
     c = residual[:, 0].clone() if pre_mix is None else reference.collapse(residual, pre_mix)
     return c if norm_weight is None else reference.rms_norm(c, norm_weight, norm_eps)

@@ -30,9 +30,7 @@ def rank_sum(partials: Sequence[Tensor]) -> Tensor:
     return acc.to(BF16)
 
 
-def moe_finalize(
-    gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, shared_output: Tensor | None
-) -> Tensor:
+def moe_finalize(gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, shared_output: Tensor | None) -> Tensor:
     """A rank's MoE partial: bf16(sum_i w[t,i] * gemm2_permuted[idx[t,i]] + shared[t]); idx -1 adds nothing."""
     rows, top_k = expert_weights.shape
     acc = torch.zeros(rows, gemm2_permuted.shape[1], dtype=F32, device=gemm2_permuted.device)

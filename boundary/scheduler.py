@@ -38,7 +38,7 @@ class DecodeStep:
     side_stream: bool
 
     @classmethod
-    def for_rows(cls, rows: int, overlap_max_rows: int | None = None) -> "DecodeStep":
+    def for_rows(cls, rows: int, overlap_max_rows: int | None = None) -> DecodeStep:
         """The step for `rows` rows: coefficients on side streams when CUDA is present and rows are few."""
         checks.positive_int("rows", rows)
         limit = MHC_OVERLAP_MAX_ROWS if overlap_max_rows is None else overlap_max_rows
@@ -78,7 +78,9 @@ class Boundaries:
         residual = x.unsqueeze(1).expand(-1, layer.hc_mult, -1).contiguous()
         return self._enter(layer, residual, None, layer.hc_attn_fn_broadcast, x, step)
 
-    def pre(self, layer: MHCLayer, residual: Tensor, state: BoundaryState, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
+    def pre(
+        self, layer: MHCLayer, residual: Tensor, state: BoundaryState, step: DecodeStep
+    ) -> tuple[BoundaryState, Tensor]:
         """An Engram layer's attention entry on injected streams: mixes, collapse with state.pre, norm."""
         self._check_step(step)
         self._check_state(state, step, pending=False)
@@ -112,9 +114,7 @@ class Boundaries:
         rows, hidden, dev = step.rows, self.all_reduce.hidden_size, self.all_reduce.device
         quantized = empty_quantized_layer_input(rows, hidden, dev) if quantize else None
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
-        residual, layer_input = self._reduce(
-            state, state.pre, norm.weight, norm.variance_epsilon, quantized, aux
-        )
+        residual, layer_input = self._reduce(state, state.pre, norm.weight, norm.variance_epsilon, quantized, aux)
         post, comb, _, pre = self._mixes(layer, residual, fn, scale, base, None, step, layer_input)
         return BoundaryState(residual, post, comb, pre), layer_input, quantized, aux
 

@@ -148,9 +148,16 @@ class ToyModel:
                 norm.weight = norm.weight.to(self.device)
             self.layers.append(
                 ToyLayer(
-                    index=index, hc_mult=hc, attn_norm=norms[0], ffn_norm=norms[1], rms_norm_eps=c.rms_norm_eps,
-                    hc_eps=c.hc_eps, hc_post_alpha=c.hc_post_alpha, hc_sinkhorn_iters=c.hc_sinkhorn_iters,
-                    engram=engram, engram_table=None if table is None else table.to(self.device),
+                    index=index,
+                    hc_mult=hc,
+                    attn_norm=norms[0],
+                    ffn_norm=norms[1],
+                    rms_norm_eps=c.rms_norm_eps,
+                    hc_eps=c.hc_eps,
+                    hc_post_alpha=c.hc_post_alpha,
+                    hc_sinkhorn_iters=c.hc_sinkhorn_iters,
+                    engram=engram,
+                    engram_table=None if table is None else table.to(self.device),
                     engram_gate=None if gate is None else gate.to(self.device),
                     mhc_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None,
                     **moved,
@@ -233,7 +240,10 @@ def _all_reduce_in_rank_order(partial: Tensor, group: Any, world_size: int) -> T
     """y = bf16(sum of every rank's partial in fp32, in rank order 0..W-1)."""
     if world_size == 1:
         return partial
-    parts = [torch.empty(partial.shape[0], partial.shape[1] // 2, dtype=torch.int32, device=partial.device) for _ in range(world_size)]
+    parts = [
+        torch.empty(partial.shape[0], partial.shape[1] // 2, dtype=torch.int32, device=partial.device)
+        for _ in range(world_size)
+    ]
     dist.all_gather(parts, partial.contiguous().view(torch.int32), group=group)
     acc = parts[0].view(BF16).to(F32)
     for p in parts[1:]:

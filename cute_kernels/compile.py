@@ -106,7 +106,7 @@ class _FileLock:
         self.path, self.exclusive, self.timeout = path, exclusive, timeout
         self.fd = -1
 
-    def __enter__(self) -> "_FileLock":
+    def __enter__(self) -> _FileLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         mode = fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH
         deadline = time.monotonic() + self.timeout

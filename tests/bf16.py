@@ -29,6 +29,8 @@ def max_ulp(a: Tensor, b: Tensor) -> int:
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors hold the very same bits."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )

@@ -52,7 +52,9 @@ def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
 
 def test_warmup_runs_every_job(capsys) -> None:
     seen = []
-    jobs = [cc.WarmupJob(f"job{i}", lambda i, arch: seen.append((i, arch)), (i,), (("arch", "sm_90a"),)) for i in range(3)]
+    jobs = [
+        cc.WarmupJob(f"job{i}", lambda i, arch: seen.append((i, arch)), (i,), (("arch", "sm_90a"),)) for i in range(3)
+    ]
     assert cc.warmup(jobs, progress=True, desc="test") == 3
     assert seen == [(0, "sm_90a"), (1, "sm_90a"), (2, "sm_90a")]
     assert "test" in capsys.readouterr().err

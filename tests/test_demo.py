@@ -26,7 +26,9 @@ def test_demo_two_ranks_agree() -> None:
     assert "TP=2" in out.stdout and "agree" in out.stdout
 
 
-@pytest.mark.parametrize("args,message", [(["--hidden", "1000"], "multiple of 256"), (["--rows", "0"], "must be positive")])
+@pytest.mark.parametrize(
+    "args,message", [(["--hidden", "1000"], "multiple of 256"), (["--rows", "0"], "must be positive")]
+)
 def test_demo_rejects_bad_arguments(args: list[str], message: str) -> None:
     out = demo(*args)
     assert out.returncode == 2 and message in out.stderr

@@ -257,7 +257,11 @@ def mx_inputs(rows: int, hidden: int, seed: int) -> torch.Tensor:
     """bf16 rows whose 32-blocks span a huge dynamic range, with every special block the SPEC names."""
     g = gen(seed)
     x = torch.randn(rows, hidden, generator=g, dtype=F64)
-    x *= torch.exp2(torch.randn(rows, hidden // 32, 1, generator=g, dtype=F64) * 30).expand(-1, -1, 32).reshape(rows, hidden)
+    x *= (
+        torch.exp2(torch.randn(rows, hidden // 32, 1, generator=g, dtype=F64) * 30)
+        .expand(-1, -1, 32)
+        .reshape(rows, hidden)
+    )
     x = x.to(BF16)
     specials = {
         0: 0.0,  # an all-zero block
@@ -314,4 +318,6 @@ def test_final_collapse() -> None:
     residual = streams(2, 512)
     _, _, pre = coefficients(2)
     w = torch.ones(512, dtype=BF16)
-    assert bitwise_equal(ref.final_collapse(residual, pre, w, 1e-20), ref.rms_norm(ref.collapse(residual, pre), w, 1e-20))
+    assert bitwise_equal(
+        ref.final_collapse(residual, pre, w, 1e-20), ref.rms_norm(ref.collapse(residual, pre), w, 1e-20)
+    )

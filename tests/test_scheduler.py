@@ -103,7 +103,11 @@ def test_public_mhc_ops_match_the_reference() -> None:
     rows, hidden = 4, 256
     inp = boundary_inputs(rows, hidden)
     g = torch.Generator().manual_seed(5)
-    fn, scale, base = torch.randn(24, 4 * hidden, generator=g) * 0.01, torch.full((3,), 0.5), torch.randn(24, generator=g)
+    fn, scale, base = (
+        torch.randn(24, 4 * hidden, generator=g) * 0.01,
+        torch.full((3,), 0.5),
+        torch.randn(24, generator=g),
+    )
     args = (inp["residual"], fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
     kwargs = dict(pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20)
     got = mhc_pre_delayed(*args, **kwargs)
@@ -223,7 +227,11 @@ def call(ar: BoundaryAllReduce, **overrides):
         (dict(norm_eps=float("nan")), ValueError, "norm_eps must be finite"),
         (dict(norm_eps=-1.0), ValueError, "norm_eps must be >= 0"),
         (dict(mxfp8_out=torch.zeros(2)), TypeError, "mxfp8_out must be a QuantizedActivation"),
-        (dict(mxfp8_out=empty_quantized_layer_input(3, 512, "cpu")), ValueError, r"mxfp8_out.data must have shape \[2, 512\]"),
+        (
+            dict(mxfp8_out=empty_quantized_layer_input(3, 512, "cpu")),
+            ValueError,
+            r"mxfp8_out.data must have shape \[2, 512\]",
+        ),
         (dict(pre=None), ValueError, "takes no norm_weight"),
         (dict(aux_out=torch.empty(2, 512)), TypeError, "aux_out must have dtype"),
     ],
