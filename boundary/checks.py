@@ -10,6 +10,15 @@ from torch import Tensor
 Dim = int | None  # None: any size
 
 
+def _shape_ok(actual: torch.Size, shape: Sequence[Dim]) -> bool:
+    if len(actual) != len(shape):
+        return False
+    for want, got in zip(shape, actual):
+        if want is not None and want != got:
+            return False
+    return True
+
+
 def tensor(
     name: str,
     value: object,
@@ -21,6 +30,16 @@ def tensor(
     align16: bool = False,
 ) -> Tensor:
     """Check one tensor argument and return it; the message names the argument and the expectation."""
+    # The common case in one pass of cheap attribute reads: boundaries run ~100 times per step.
+    if (
+        isinstance(value, Tensor)
+        and (dtype is None or value.dtype is dtype or (isinstance(dtype, tuple) and value.dtype in dtype))
+        and (shape is None or _shape_ok(value.shape, shape))
+        and (device is None or value.get_device() == (-1 if device.type == "cpu" else device.index))
+        and (not contiguous or value.is_contiguous())
+        and (not align16 or value.data_ptr() % 16 == 0)
+    ):
+        return value
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if dtype is not None:
@@ -28,11 +47,9 @@ def tensor(
         if value.dtype not in allowed:
             want = " or ".join(str(d) for d in allowed)
             raise TypeError(f"{name} must have dtype {want}, got {value.dtype}")
-    if shape is not None:
-        ok = value.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, value.shape))
-        if not ok:
-            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {want}, got {list(value.shape)}")
+    if shape is not None and not _shape_ok(value.shape, shape):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(value.shape)}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} must be on {device}, got {value.device}")
     if contiguous and not value.is_contiguous():
