@@ -19,6 +19,12 @@ def _shape_ok(actual: torch.Size, shape: Sequence[Dim]) -> bool:
     return True
 
 
+def _on(value: Tensor, device: torch.device) -> bool:
+    if device.type == "cuda":
+        return value.is_cuda and value.get_device() == device.index
+    return value.device == device
+
+
 def tensor(
     name: str,
     value: object,
@@ -35,7 +41,7 @@ def tensor(
         isinstance(value, Tensor)
         and (dtype is None or value.dtype is dtype or (isinstance(dtype, tuple) and value.dtype in dtype))
         and (shape is None or _shape_ok(value.shape, shape))
-        and (device is None or value.get_device() == (-1 if device.type == "cpu" else device.index))
+        and (device is None or _on(value, device))
         and (not contiguous or value.is_contiguous())
         and (not align16 or value.data_ptr() % 16 == 0)
     ):
