@@ -14,14 +14,20 @@ fragment is permuted (a lane holds 8 contiguous columns) identically for A and B
 Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory), then the 8
 CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
 partials for them with st.async into its shared memory), then the G clusters (global workspace
-partials [G, rows, 25]). A per-(tile, rank) arrival counter picks the last of the G CTAs that own
-those rows; it sums the G partials in order and runs the per-row epilogue (one thread per row),
-then puts the counter back to 0, so every call and every CUDA-graph replay starts clean.
+partials [G, rows, 25]). One of the G CTAs that own those rows sums the G partials in order and
+runs the per-row epilogue (one thread per row). Which one (config.handoff): "counter", the last
+to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
+a ticket when it starts (so every other one is resident and will finish), which keeps its own
+partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
+goes back to 0 and the slots back to the sentinel, so every call and every CUDA-graph replay
+starts clean. The config knobs never change the reduction order, only (warps, groups) do.
 
-Layer input (inline form): extra clusters, ahead of the projection clusters in the grid, each do
-NR rows: CTA r of the cluster owns the columns [r*H/8, (r+1)*H/8); c = bf16(sum_j pre_mix[j]*R[j])
-(or stream 0 / the embedding exactly), the sum of squares of the rounded c is exchanged across
-the cluster the same way, then out = bf16(c * rsqrt(sum/H + eps) * w).
+Layer input (inline form): extra clusters, after the projection clusters of the tile that reads
+the same rows (or all ahead of them, config.norm_order), each do NR rows: CTA r of the cluster
+owns the columns [r*H/8, (r+1)*H/8); c = bf16(sum_j pre_mix[j]*R[j]) (or stream 0 / the embedding
+exactly), the sum of squares of the rounded c is exchanged across the cluster the same way, then
+out = bf16(c * rsqrt(sum/H + eps) * w). LayerInputKernel (mhc_layer_input) runs those clusters
+alone, with the same bits, for a scheduler that runs the projection on a side stream.
 
 PDL: before griddepcontrol.wait a CTA reads only weights (fn, w); the streams, the carried
 pre-mix and the workspace come after it.
