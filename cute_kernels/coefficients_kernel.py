@@ -14,14 +14,20 @@ fragment is permuted (a lane holds 8 contiguous columns) identically for A and B
 Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory), then the 8
 CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
 partials for them with st.async into its shared memory), then the G clusters (global workspace
-partials [G, rows, 25]). A per-(tile, rank) arrival counter picks the last of the G CTAs that own
-those rows; it sums the G partials in order and runs the per-row epilogue (one thread per row),
-then puts the counter back to 0, so every call and every CUDA-graph replay starts clean.
+partials [G, rows, 25]). One of the G CTAs that own those rows sums the G partials in order and
+runs the per-row epilogue (one thread per row). Which one (config.handoff): "counter", the last
+to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
+a ticket when it starts (so every other one is resident and will finish), which keeps its own
+partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
+goes back to 0 and the slots back to the sentinel, so every call and every CUDA-graph replay
+starts clean. The config knobs never change the reduction order, only (warps, groups) do.
 
-Layer input (inline form): extra clusters, ahead of the projection clusters in the grid, each do
-NR rows: CTA r of the cluster owns the columns [r*H/8, (r+1)*H/8); c = bf16(sum_j pre_mix[j]*R[j])
-(or stream 0 / the embedding exactly), the sum of squares of the rounded c is exchanged across
-the cluster the same way, then out = bf16(c * rsqrt(sum/H + eps) * w).
+Layer input (inline form): extra clusters, after the projection clusters of the tile that reads
+the same rows (or all ahead of them, config.norm_order), each do NR rows: CTA r of the cluster
+owns the columns [r*H/8, (r+1)*H/8); c = bf16(sum_j pre_mix[j]*R[j]) (or stream 0 / the embedding
+exactly), the sum of squares of the rounded c is exchanged across the cluster the same way, then
+out = bf16(c * rsqrt(sum/H + eps) * w). LayerInputKernel (mhc_layer_input) runs those clusters
+alone, with the same bits, for a scheduler that runs the projection on a side stream.
 
 PDL: before griddepcontrol.wait a CTA reads only weights (fn, w); the streams, the carried
 pre-mix and the workspace come after it.
@@ -56,6 +62,13 @@ CHUNK = 32  # columns per warp: two k16 MMA steps, 8 contiguous columns (16 byte
 MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
+HANDOFFS = ("counter", "ticket")
+NORM_ORDERS = ("interleave", "front")
+NORM_ROWS = (0, 1, 2, 4, 8, 16)
+INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
+# The value of an empty workspace partial slot: a NaN that arithmetic never produces (the GPU's
+# NaN results are the canonical 0x7FFFFFFF), so a slot holding it has not been written yet.
+SENTINEL = -4137299  # 0xFFC0DEAD as int32: a negative quiet NaN with a payload
 LOG2E = 1.4426950408889634
 
 
@@ -66,14 +79,35 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class CoefficientsConfig:
-    """Compile-time launch shape: rows per tile, warps per CTA and clusters (groups) along K."""
+    """Compile-time launch shape: rows per tile, warps per CTA and clusters (groups) along K, plus knobs.
+
+    Only (warps, groups) fix the reduction order, so configs that share them give the very same
+    bits (the host may pick any of them per call, e.g. by row count, without breaking batch
+    invariance). The knobs:
+    - `handoff`: how the G clusters of a row tile meet. "counter": each CTA writes its partial,
+      fences and bumps an arrival counter; the last to arrive reads the G partials. "ticket": each
+      CTA takes a ticket when it starts; the last to start (so every other one is resident) keeps its
+      partial and polls the others' partials (workspace slots hold a NaN sentinel between calls),
+      which takes the fence and the atomic off the chain.
+    - `prefetch`: with more than one 64-row batch per tile, load the next batch's rows before the
+      current batch's MMAs.
+    - `norm_rows`: rows per layer-input cluster (inline form), 0 = as many as 2 (carried) or 4
+      (one-hot) 16-byte vectors per thread cover.
+    - `norm_order`: where the layer-input clusters sit in the grid: "interleave" (after the
+      projection clusters of the tile that reads the same rows, so their stream reads hit L2) or
+      "front" (all before the projection, the original order).
+    """
 
     rows_per_tile: int
     warps: int
     groups: int
+    handoff: str = "counter"
+    prefetch: bool = False
+    norm_rows: int = 0
+    norm_order: str = "interleave"
 
     @staticmethod
-    def for_shape(H: int, broadcast: bool, rows_per_tile: int = 64) -> CoefficientsConfig:
+    def for_shape(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs: Any) -> CoefficientsConfig:
         """The default split for hidden size H: about 128 CTAs along K, at least 2 warps when possible."""
         _check_hidden(H)
         chunks = projection_width(H, broadcast) // CHUNK
@@ -86,7 +120,7 @@ class CoefficientsConfig:
             if best is None or cost < best[0] - 1e-9:
                 best = (cost, warps, groups)
         assert best is not None  # warps = 1 always divides: chunks is a multiple of 8
-        return CoefficientsConfig(rows_per_tile, best[1], best[2])
+        return CoefficientsConfig(rows_per_tile, best[1], best[2], **knobs)
 
     def validate(self, H: int, broadcast: bool) -> None:
         """Raise ValueError unless this config tiles the projection of hidden size H."""
@@ -102,6 +136,30 @@ class CoefficientsConfig:
                 f"groups * {CLUSTER} CTAs * warps * {CHUNK} columns must equal the projection width {width}; "
                 f"got groups={g!r}, warps={w}"
             )
+        if self.handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {HANDOFFS}, got {self.handoff!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be a bool, got {self.prefetch!r}")
+        if self.norm_rows not in NORM_ROWS:
+            raise ValueError(f"norm_rows must be one of {NORM_ROWS} (0 = auto), got {self.norm_rows!r}")
+        if self.norm_rows > tm:
+            raise ValueError(f"norm_rows ({self.norm_rows}) must not exceed rows_per_tile ({tm})")
+        if self.norm_order not in NORM_ORDERS:
+            raise ValueError(f"norm_order must be one of {NORM_ORDERS}, got {self.norm_order!r}")
+
+
+@dataclass(frozen=True)
+class LayerInputConfig:
+    """Launch shape of the layer-input-only kernel: warps per CTA and rows per cluster (0 = auto)."""
+
+    warps: int = 8
+    norm_rows: int = 0
+
+    def validate(self) -> None:
+        if not (isinstance(self.warps, int) and not isinstance(self.warps, bool) and 1 <= self.warps <= MAX_WARPS):
+            raise ValueError(f"warps must be an int in 1..{MAX_WARPS}, got {self.warps!r}")
+        if self.norm_rows not in NORM_ROWS:
+            raise ValueError(f"norm_rows must be one of {NORM_ROWS} (0 = auto), got {self.norm_rows!r}")
 
 
 @functools.cache
@@ -110,9 +168,16 @@ def default_config(H: int, broadcast: bool) -> CoefficientsConfig:
     return CoefficientsConfig.for_shape(H, broadcast)
 
 
-def norm_rows_per_cluster(H: int, warps: int) -> int:
-    """Rows per layer-input cluster: as many as one vector per thread covers (at least 1)."""
-    return max(1, CHUNK * warps // (H // (CLUSTER * 8)))
+def norm_rows_per_cluster(H: int, threads: int, layer_input: str, requested: int = 0, budget: int = 2) -> int:
+    """Rows per layer-input cluster: `requested`, or as many as `budget` (carried: 4 stream reads per
+    vector) or 2*budget (one-hot) 16-byte vectors per thread cover, a power of two in 1..16. Budget 2
+    keeps the layer-input code from raising the projection's registers (inline form), and ptxas
+    from sinking the later vectors' loads below the first one's math (more vectors: one round trip each)."""
+    if requested:
+        return requested
+    per_thread = budget if layer_input == "carried" else 2 * budget
+    rows = max(1, min(16, per_thread * threads // (H // (CLUSTER * 8))))
+    return 1 << (rows.bit_length() - 1)
 
 
 def projection_width(H: int, broadcast: bool) -> int:
@@ -320,10 +385,14 @@ class CoefficientsKernel:
         self.mtiles_per_batch = min(4, self.tm // 16)
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch
+        self.handoff = config.handoff
+        self.prefetch = config.prefetch and self.batches > 1
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
-        self.norm_rows = norm_rows_per_cluster(H, self.warps)
+        self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
         self.norm_vpt = -(-(self.norm_rows * self.vecs_per_row) // self.threads)
+        self.norm_order = config.norm_order
+        self.norm_per_tile = self.tm // self.norm_rows  # layer-input clusters per tile (interleaved)
 
     # -----------------------------------------------------------------------------------------
     # Host side
@@ -354,13 +423,19 @@ class CoefficientsKernel:
         rows = mX.shape[0]
         tiles = (rows + (self.tm - 1)) // self.tm
         norm_clusters = Int32(0)
+        clusters = tiles * self.groups
         if const_expr(self.layer_input != "none"):
-            norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
+            if const_expr(self.norm_order == "front"):
+                norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
+                clusters = norm_clusters + tiles * self.groups
+            else:
+                norm_clusters = tiles * self.norm_per_tile
+                clusters = tiles * (self.groups + self.norm_per_tile)
         self.kernel(
             mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut,
             rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, norm_clusters,
         ).launch(
-            grid=[CLUSTER, norm_clusters + tiles * self.groups, 1],
+            grid=[CLUSTER, clusters, 1],
             block=[self.threads, 1, 1],
             cluster=[CLUSTER, 1, 1],
             stream=stream,
@@ -405,12 +480,24 @@ class CoefficientsKernel:
         cute.arch.cluster_arrive_relaxed()
 
         if const_expr(self.layer_input != "none"):
-            if cluster_id < norm_clusters:
-                self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
+            # Which role this cluster plays, and its index among the clusters of that role.
+            norm = cluster_id < norm_clusters
+            norm_cluster = cluster_id
+            proj_cluster = cluster_id - norm_clusters
+            if const_expr(self.norm_order == "interleave"):
+                # Per tile: its G projection clusters, then the layer-input clusters of its rows.
+                block = const_expr(self.groups + self.norm_per_tile)
+                tile = cluster_id // block
+                k = cluster_id - tile * block
+                norm = k >= self.groups
+                norm_cluster = tile * self.norm_per_tile + k - self.groups
+                proj_cluster = tile * self.groups + k
+            if norm:
+                self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
             else:
                 self.projection_role(
                     smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
-                    rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id - norm_clusters,
+                    rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
                 )  # fmt: skip
         else:
             self.projection_role(
@@ -466,16 +553,34 @@ class CoefficientsKernel:
             sParam[3 + tidx] = mBase[tidx]
         cute.arch.griddepcontrol_wait()
 
+        counter = mCounter.iterator + (tile * CLUSTER + rank)
+        ticket = Int32(0)
         hi, lo = None, None
+        words = self.load_rows(mX, row0, col, lane)
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
-            words = self.load_rows(mX, row0 + batch_row0, col, lane)
             if const_expr(b == 0):
+                if const_expr(self.handoff == "ticket"):
+                    # Take this CTA's ticket while the first rows are in flight.
+                    if tidx == 0:
+                        if share_rows > 0:
+                            ticket = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
                 # Split fn once the first rows are in flight, not before the wait.
                 hi, lo = self.split_fn(fn)
-            self.project_batch(words, hi, lo, sWarp, tile_rows - batch_row0, warp, lane)
+            current = words
+            if const_expr(self.prefetch and b < self.batches - 1):
+                words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane)
+            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(b == 0 and self.handoff == "ticket"):
+                if tidx == 0:
+                    last = Int32(0)
+                    if ticket == self.groups - 1:
+                        # The last of the G to start: every other CTA of these rows is resident.
+                        last = Int32(1)
+                        cute.arch.store(counter, Int32(0))
+                    sFlag[0] = last
             cute.arch.sync_threads()
             if const_expr(b == 0):
                 cute.arch.cluster_wait()
@@ -484,43 +589,101 @@ class CoefficientsKernel:
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * share_rows * NV * 4)
             self.push_batch(sWarp, sRecv, mbar, rank, batch_row0, tile_rows)
             if const_expr(b < self.batches - 1):
+                if const_expr(not self.prefetch):
+                    words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane)
                 cute.arch.sync_threads()
 
         if share_rows > 0:
             cute.arch.mbarrier_wait(mbar, 0)
             share_row0 = row0 + rank * self.share
-            # This cluster's partial of the share rows: peers summed in rank order.
-            for e in cutlass.range(tidx, share_rows * NV, self.threads):
-                acc = sRecv[e]
-                for r in cutlass.range_constexpr(1, CLUSTER):
-                    acc = acc + sRecv[r * (self.share * NV) + e]
-                mPartial[group, share_row0 + e // NV, e % NV] = acc
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            if tidx == 0:
-                counter = mCounter.iterator + (tile * CLUSTER + rank)
-                arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-                last = Int32(0)
-                if arrived == self.groups - 1:
-                    last = Int32(1)
-                    cute.arch.store(counter, Int32(0))
-                sFlag[0] = last
-            cute.arch.sync_threads()
-            if sFlag[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
+            if const_expr(self.handoff == "ticket"):
+                consumer = sFlag[0] != 0
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                    # This cluster's partial of the share rows: peers summed in rank order.
+                    acc = self.cluster_sum(sRecv, e)
                     grow = share_row0 + e // NV
                     n = e % NV
-                    acc = self.load_partial(mPartial, 0, grow, n)
-                    for g in cutlass.range_constexpr(1, self.groups):
-                        acc = acc + self.load_partial(mPartial, g, grow, n)
-                    sMix[e] = acc
+                    if consumer:
+                        sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
+                    else:
+                        ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
+                        cute.arch.store(ptr, acc, sem="relaxed", scope="gpu")
+                if consumer:
+                    cute.arch.sync_threads()
+                    if tidx < share_rows:
+                        self.row_epilogue(
+                            sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
+                            rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                        )  # fmt: skip
+            else:
+                for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                    acc = self.cluster_sum(sRecv, e)
+                    mPartial[group, share_row0 + e // NV, e % NV] = acc
                 cute.arch.sync_threads()
-                if tidx < share_rows:
-                    self.row_epilogue(
-                        sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
-                        rms_eps, pre_eps, sinkhorn_eps, post_mult,
-                    )  # fmt: skip
+                if tidx == 0:
+                    # Release (fence + relaxed atomic) on behalf of the whole CTA, after the barrier;
+                    # the last arrival's fence is the acquire for the reads below.
+                    cute.arch.fence_acq_rel_gpu()
+                    arrived = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+                    last = Int32(0)
+                    if arrived == self.groups - 1:
+                        last = Int32(1)
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.store(counter, Int32(0))
+                    sFlag[0] = last
+                cute.arch.sync_threads()
+                if sFlag[0] != 0:
+                    for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                        grow = share_row0 + e // NV
+                        n = e % NV
+                        vals = [self.load_partial(mPartial, g, grow, n) for g in range(self.groups)]
+                        acc = vals[0]
+                        for g in cutlass.range_constexpr(1, self.groups):
+                            acc = acc + vals[g]
+                        sMix[e] = acc
+                        self.clear_partials(mPartial, grow, n)
+                    cute.arch.sync_threads()
+                    if tidx < share_rows:
+                        self.row_epilogue(
+                            sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
+                            rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                        )  # fmt: skip
+
+    @cute.jit
+    def cluster_sum(self, sRecv: cute.Tensor, e: Int32) -> Float32:
+        """Element e of the share rows summed over the cluster's CTAs in rank order."""
+        acc = sRecv[e]
+        for r in cutlass.range_constexpr(1, CLUSTER):
+            acc = acc + sRecv[r * (self.share * NV) + e]
+        return acc
+
+    @cute.jit
+    def gather_partials(self, mPartial: cute.Tensor, group: Int32, row: Int32, n: Int32, own: Float32) -> Float32:
+        """The sum over the G groups in order of one partial, this CTA's own for `group`: polls the
+        other slots (all G reads in flight per round) until none holds the sentinel, then clears them."""
+        pending = Int32(1)
+        total = Float32(0.0)
+        while pending != 0:
+            vals = [self.load_partial(mPartial, g, row, n) for g in range(self.groups)]
+            pending = Int32(0)
+            total = own
+            for g in cutlass.range_constexpr(self.groups):
+                unset = vals[g].bitcast(Int32) == Int32(SENTINEL)
+                pending = pending + cutlass.select_(unset & (group != g), Int32(1), Int32(0))
+                v = cutlass.select_(group == g, own, vals[g])
+                if const_expr(g > 0):
+                    total = total + v
+                else:
+                    total = v
+        self.clear_partials(mPartial, row, n)
+        return total
+
+    @cute.jit
+    def clear_partials(self, mPartial: cute.Tensor, row: Int32, n: Int32):
+        """Put the sentinel back in the G slots of one partial, for the next call."""
+        for g in cutlass.range_constexpr(self.groups):
+            ptr = mPartial.iterator + cute.crd2idx((g, row, n), mPartial.layout)
+            cute.arch.store(ptr, Int32(SENTINEL).bitcast(Float32), sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_fn(self, mFn: cute.Tensor, col: Int32, lane: Int32) -> list:
@@ -695,6 +858,24 @@ class CoefficientsKernel:
         rank: Int32,
         cluster: Int32,
     ):
+        """One CTA of a layer-input cluster; a cluster past the last row (the tail of an interleaved
+        grid) has nothing to do."""
+        if cluster * self.norm_rows < mX.shape[0]:
+            self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster)
+
+    @cute.jit
+    def layer_input_rows(
+        self,
+        smem: cutlass.memory.SmemAllocator,
+        mbar: cute.Pointer,
+        mX: cute.Tensor,
+        mPreMix: cute.Tensor | None,
+        mW: cute.Tensor,
+        mOut: cute.Tensor,
+        norm_eps: Float32,
+        rank: Int32,
+        cluster: Int32,
+    ):
         """One CTA of a layer-input cluster: collapse and RMSNorm of H/8 columns of NR rows."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -720,15 +901,25 @@ class CoefficientsKernel:
         w_words = [_ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)]
         cute.arch.griddepcontrol_wait()
 
-        c_words = []
+        # Every read in flight before any math.
+        loaded = []
         for k in cutlass.range_constexpr(vpt):
             row = cutlass.min(row0 + vec_row[k], rows - 1)
-            x0 = _ld_v4_i32(mX.iterator + (row * self.row_stride + vec_col[k]))
+            nstreams = HC if self.layer_input == "carried" else 1
+            streams = [
+                _ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(nstreams)
+            ]
+            pre = _ld_v4_f32(mPreMix.iterator + row * HC) if self.layer_input == "carried" else None
+            loaded.append((streams, pre))
+        # ptxas would otherwise sink the later vectors' loads below the first vector's math (one
+        # memory round trip per vector); loads cannot move across a barrier.
+        if const_expr(vpt > 1):
+            cute.arch.sync_threads()
+
+        c_words = []
+        for k in cutlass.range_constexpr(vpt):
+            streams, pre = loaded[k]
             if const_expr(self.layer_input == "carried"):
-                pre = _ld_v4_f32(mPreMix.iterator + row * HC)
-                streams = [x0] + [
-                    _ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(1, HC)
-                ]
                 cw = []
                 for e in cutlass.range_constexpr(4):
                     vals = []
@@ -742,7 +933,7 @@ class CoefficientsKernel:
                     cw.append(_pack_bf16x2(vals[0], vals[1]))
                 c_words.append(cw)
             else:
-                c_words.append(list(x0))
+                c_words.append(list(streams[0]))
         cute.arch.griddepcontrol_launch_dependents()
 
         for k in cutlass.range_constexpr(vpt):
@@ -787,6 +978,67 @@ class CoefficientsKernel:
                     _st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
 
 
+class LayerInputKernel(CoefficientsKernel):
+    """The layer input alone (no projection, no workspace): c = the collapse (carried pre-mix) or
+    stream 0 / the embedding row (one-hot), then out = RMSNorm_w(c). The same cluster code as the
+    inline form, so the same bits; for the scheduler's main stream while the projection runs beside it."""
+
+    def __init__(self, H: int, *, variant: str = "standard", layer_input: str = "carried",
+                 config: LayerInputConfig | None = None) -> None:  # fmt: skip
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if layer_input not in ("carried", "one_hot"):
+            raise ValueError(f"layer_input must be 'carried' or 'one_hot', got {layer_input!r}")
+        if variant == "broadcast" and layer_input == "carried":
+            raise ValueError("the broadcast variant collapses to the embedding row: layer_input must be 'one_hot'")
+        _check_hidden(H)
+        config = config if config is not None else LayerInputConfig()
+        config.validate()
+        self.H = H
+        self.broadcast = variant == "broadcast"
+        self.layer_input = layer_input
+        self.row_stride = H if self.broadcast else HC * H
+        self.warps = config.warps
+        self.threads = CHUNK * config.warps
+        self.vecs_per_row = H // (CLUSTER * 8)
+        self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows, INPUT_ONLY_BUDGET)
+        self.norm_vpt = -(-(self.norm_rows * self.vecs_per_row) // self.threads)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [T, 4, H] bf16 streams, or [T, H] bf16 embedding (broadcast)
+        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (layer_input == "carried")
+        mW: cute.Tensor,  # [H] bf16 norm weight
+        mOut: cute.Tensor,  # [T, H] bf16 layer input
+        norm_eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        clusters = (mX.shape[0] + (self.norm_rows - 1)) // self.norm_rows
+        self.kernel(mX, mPreMix, mW, mOut, norm_eps).launch(
+            grid=[CLUSTER, clusters, 1],
+            block=[self.threads, 1, 1],
+            cluster=[CLUSTER, 1, 1],
+            stream=stream,
+            use_pdl=True,
+            # Without it ptxas aims at full occupancy (32 registers) and sinks loads below math.
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mPreMix: cute.Tensor | None, mW: cute.Tensor, mOut: cute.Tensor,
+               norm_eps: Float32):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, cluster_id, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_array(Int64, num_elems=1)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+        self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # Compile
 # ---------------------------------------------------------------------------------------------
@@ -828,6 +1080,24 @@ def compile_coefficients(
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
 
 
+@jit_cache
+def compile_layer_input(
+    H: int, variant: str, layer_input: str, config: LayerInputConfig, *, arch: str
+) -> Callable[..., Any]:
+    """Compile the layer-input-only kernel for `arch`; the row count stays dynamic."""
+    check_arch(arch)
+    kernel = LayerInputKernel(H, variant=variant, layer_input=layer_input, config=config)
+    T = cute.sym_int()
+    args = (
+        fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8),
+        fake_tensor(Float32, (T, HC), divisibility=4) if layer_input == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8),
+        fake_tensor(BFloat16, (T, H), divisibility=8),
+        Float32(0.0),
+    )
+    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
 def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:
     """The compile-time layer-input mode: none, the carried pre-mix collapse, or the one-hot stream 0."""
     if not inline:
@@ -846,17 +1116,32 @@ def coefficients_warmup_keys(
     return keys
 
 
+def layer_input_warmup_keys(H: int) -> list[tuple[int, str, str, LayerInputConfig]]:
+    """The compile keys (positional args of compile_layer_input) of the layer-input-only kernel of hidden size H."""
+    _check_hidden(H)
+    return [
+        (H, "standard", "carried", LayerInputConfig()),
+        (H, "standard", "one_hot", LayerInputConfig()),
+        (H, "broadcast", "one_hot", LayerInputConfig()),
+    ]
+
+
 def coefficients_warmup_jobs(
     H: int, *, arch: str, sinkhorn_repeat: int = 20, rows_per_tile: int = 64
 ) -> list[WarmupJob]:
-    """WarmupJobs compiling every coefficients variant of hidden size H for `arch`."""
+    """WarmupJobs compiling every coefficients variant (and layer-input-only kernel) of hidden size H for `arch`."""
     check_arch(arch)
-    return [
+    jobs = [
         WarmupJob(
             f"coefficients H={key[0]} {key[1]} layer_input={key[2]}", compile_coefficients, key, (("arch", arch),)
         )
         for key in coefficients_warmup_keys(H, sinkhorn_repeat=sinkhorn_repeat, rows_per_tile=rows_per_tile)
     ]
+    jobs += [
+        WarmupJob(f"layer input H={key[0]} {key[1]} {key[2]}", compile_layer_input, key, (("arch", arch),))
+        for key in layer_input_warmup_keys(H)
+    ]
+    return jobs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -873,7 +1158,8 @@ class CoefficientsWorkspace:
 
     One workspace serves every variant of hidden size H on one device, but one launch at a time:
     two calls that may run concurrently (e.g. the main stream and an mHC side stream) need two
-    workspaces. Counters are zeroed here and left at zero by every completed launch.
+    workspaces. Counters are zeroed and partial slots set to the sentinel here, and every completed
+    launch leaves them so.
     """
 
     def __init__(
@@ -894,14 +1180,16 @@ class CoefficientsWorkspace:
         self.H = H
         self.max_rows = max_rows
         self.groups = max(c.groups for c in configs)
-        self.partials = torch.empty((self.groups, max_rows, NV), dtype=_F32, device=device)
+        # Every slot holds the sentinel between calls (the ticket handoff polls for it to change).
+        self.partials = torch.full((self.groups, max_rows, NV), SENTINEL, dtype=torch.int32, device=device).view(_F32)
         # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
         self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
         self.device = self.partials.device
 
     def reset(self) -> None:
-        """Zero the arrival counters (only needed after a launch was aborted)."""
+        """Zero the arrival counters and clear the partials (only needed after a launch was aborted)."""
         self.counters.zero_()
+        self.partials.view(torch.int32).fill_(SENTINEL)
 
 
 def mhc_coefficients(
@@ -968,6 +1256,80 @@ def mhc_coefficients(
         )  # fmt: skip
 
 
+def mhc_layer_input(
+    x: torch.Tensor,
+    pre_mix: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    out: torch.Tensor,
+    *,
+    arch: str,
+    broadcast: bool = False,
+    config: LayerInputConfig | None = None,
+    stream: torch.cuda.Stream | None = None,
+    validate: bool = True,
+) -> None:
+    """Write the layer input alone: out = RMSNorm_w(c), c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0]
+    exactly when `pre_mix` is None (the embedding row itself with `broadcast`, x then [T, H]).
+
+    The same bits as the inline form of `mhc_coefficients`, without the projection and without a
+    workspace: the scheduler runs it on the main stream while the projection runs on a side stream
+    (first layer, Engram seams). One launch on the current torch stream, or on `stream`.
+    """
+    if validate:
+        _check_layer_input_call(x, pre_mix, norm_weight, norm_eps, out, arch, broadcast, config, stream)
+    if x.shape[0] == 0:
+        return
+    mode = "carried" if pre_mix is not None else "one_hot"
+    compiled = compile_layer_input(
+        x.shape[-1], "broadcast" if broadcast else "standard", mode,
+        config if config is not None else LayerInputConfig(), arch=arch,
+    )  # fmt: skip
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        compiled(x, pre_mix, norm_weight, out, float(norm_eps))
+
+
+def _check_layer_input_call(
+    x: Any, pre_mix: Any, norm_weight: Any, norm_eps: Any, out: Any, arch: Any, broadcast: Any, config: Any,
+    stream: Any,
+) -> None:  # fmt: skip
+    """Raise TypeError / ValueError naming the first bad argument of mhc_layer_input; reads no device memory."""
+    if not isinstance(broadcast, bool):
+        raise TypeError(f"broadcast must be a bool, got {type(broadcast).__name__}")
+    _check_tensor("x", x, _BF16, (None, None) if broadcast else (None, HC, None))
+    rows, H = x.shape[0], x.shape[-1]
+    _check_hidden(H)
+    placed = [("x", x, 16)]
+    placed.append(("out", _check_tensor("out", out, _BF16, (rows, H)), 16))
+    placed.append(("norm_weight", _check_tensor("norm_weight", norm_weight, _BF16, (H,)), 16))
+    if pre_mix is not None:
+        if broadcast:
+            raise ValueError("pre_mix must be None with broadcast: the first layer collapses to the embedding row")
+        placed.append(("pre_mix", _check_tensor("pre_mix", pre_mix, _F32, (rows, HC)), 16))
+    _check_float("norm_eps", norm_eps, minimum=0.0)
+    check_arch(arch)
+    if config is None:
+        config = LayerInputConfig()
+    elif not isinstance(config, LayerInputConfig):
+        raise TypeError(f"config must be a LayerInputConfig or None, got {type(config).__name__}")
+    config.validate()
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    mode = "carried" if pre_mix is not None else "one_hot"
+    if -(-rows // norm_rows_per_cluster(H, CHUNK * config.warps, mode, config.norm_rows, INPUT_ONLY_BUDGET)) > 65535:
+        raise ValueError(f"{rows} rows need more than 65535 clusters")
+    if rows and out.data_ptr() == x.data_ptr():
+        raise ValueError("out must not alias x")
+    dev = x.device
+    if dev.type != "cuda":
+        raise ValueError(f"x must be on a CUDA device, got {dev}")
+    for name, t, align in placed:
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, x is on {dev}")
+        if t.data_ptr() % align:
+            raise ValueError(f"{name} must start on a {align}-byte boundary (address {t.data_ptr():#x})")
+
+
 def _check_call(
     x: Any, fn: Any, scale: Any, base: Any, rms_eps: Any, pre_eps: Any, sinkhorn_eps: Any, post_mult: Any,
     sinkhorn_repeat: Any, broadcast: Any, workspace: Any, post_out: Any, comb_out: Any, pre_out: Any,
@@ -1029,7 +1391,13 @@ def _check_call(
     if config.groups > workspace.groups:
         raise ValueError(f"config needs {config.groups} partial groups, the workspace holds {workspace.groups}")
     tiles = -(-rows // config.rows_per_tile)
-    norm_clusters = 0 if layer_input_out is None else -(-rows // norm_rows_per_cluster(H, config.warps))
+    norm_clusters = 0
+    if layer_input_out is not None:
+        mode = layer_input_mode(broadcast, True, pre_mix is not None)
+        norm_rows = norm_rows_per_cluster(H, CHUNK * config.warps, mode, config.norm_rows)
+        norm_clusters = (
+            -(-rows // norm_rows) if config.norm_order == "front" else tiles * (config.rows_per_tile // norm_rows)
+        )
     if norm_clusters + tiles * config.groups > 65535:
         raise ValueError(f"{rows} rows need more than 65535 clusters; use a larger rows_per_tile")
     dev = x.device

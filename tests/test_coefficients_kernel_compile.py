@@ -74,7 +74,15 @@ def test_warmup_keys_cover_every_call_path() -> None:
         assert (H, repeat) == (7168, 20)
         assert config == ck.default_config(H, variant == "broadcast")
     jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
-    assert len(jobs) == len(keys) and all(dict(job.kwargs) == {"arch": "sm_90a"} for job in jobs)
+    layer_keys = ck.layer_input_warmup_keys(7168)
+    assert [(k[1], k[2]) for k in layer_keys] == [
+        ("standard", "carried"),
+        ("standard", "one_hot"),
+        ("broadcast", "one_hot"),
+    ]
+    assert len(jobs) == len(keys) + len(layer_keys) and all(dict(job.kwargs) == {"arch": "sm_90a"} for job in jobs)
+    assert [job.args for job in jobs] == keys + layer_keys
+    assert {job.compile_fn for job in jobs} == {ck.compile_coefficients, ck.compile_layer_input}
     with pytest.raises(ValueError, match="arch"):
         ck.coefficients_warmup_jobs(7168, arch="sm_80")
 
@@ -111,9 +119,150 @@ def test_other_tile_heights_compile(rows_per_tile: int) -> None:
     assert callable(ck.compile_coefficients(5120, "standard", "carried", 20, config, arch="sm_90a"))
 
 
+KNOBS = [
+    (7168, "standard", "none", dict(handoff="ticket")),
+    (7168, "standard", "carried", dict(handoff="ticket")),
+    (7168, "broadcast", "one_hot", dict(handoff="ticket")),
+    (7168, "standard", "carried", dict(norm_order="front", norm_rows=2)),
+    (5120, "standard", "one_hot", dict(norm_rows=16)),
+]
+
+
+@pytest.mark.parametrize("H,variant,mode,knobs", KNOBS)
+def test_knob_configs_compile(H: int, variant: str, mode: str, knobs: dict) -> None:
+    config = CoefficientsConfig.for_shape(H, variant == "broadcast", **knobs)
+    assert callable(ck.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
+
+
+@pytest.mark.parametrize("handoff", ck.HANDOFFS)
+def test_prefetched_tall_tiles_compile(handoff: str) -> None:
+    config = CoefficientsConfig.for_shape(7168, False, 128, prefetch=True, handoff=handoff)
+    assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
+
+
+def test_ticket_handoff_compiles_for_blackwell() -> None:
+    config = CoefficientsConfig.for_shape(4096, False, handoff="ticket")
+    assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
+
+
+def test_knob_validation_names_the_problem() -> None:
+    base = CoefficientsConfig.for_shape(7168, False)
+    for knobs, message in (
+        (dict(handoff="spin"), "handoff"),
+        (dict(prefetch=1), "prefetch"),
+        (dict(norm_rows=3), "norm_rows"),
+        (dict(norm_order="back"), "norm_order"),
+        (dict(rows_per_tile=16, norm_rows=32), "norm_rows"),
+    ):
+        fields = {**base.__dict__, **knobs}
+        with pytest.raises(ValueError, match=message):
+            CoefficientsConfig(**fields).validate(7168, False)
+    CoefficientsConfig(16, 7, 16, norm_rows=16).validate(7168, False)  # every allowed norm_rows fits any tile
+
+
+def test_norm_rows_per_cluster() -> None:
+    # Inline form (the projection's block): 2 vectors per thread carried, 4 one-hot.
+    assert ck.norm_rows_per_cluster(7168, 224, "carried") == 4
+    assert ck.norm_rows_per_cluster(7168, 224, "one_hot") == 8
+    assert ck.norm_rows_per_cluster(4096, 128, "carried") == 4
+    assert ck.norm_rows_per_cluster(7168, 64, "one_hot") == 2
+    assert ck.norm_rows_per_cluster(256, 64, "one_hot") == 16  # capped
+    assert ck.norm_rows_per_cluster(7168, 224, "carried", requested=16) == 16
+    for H in range(256, 16384 + 1, 256):
+        for mode in ("carried", "one_hot"):
+            rows = ck.norm_rows_per_cluster(H, 224, mode)
+            assert rows in ck.NORM_ROWS[1:] and 64 % rows == 0
+
+
 def test_compile_rejects_an_unknown_arch() -> None:
     with pytest.raises(ValueError, match="arch"):
         ck.compile_coefficients(4096, "standard", "none", 20, ck.default_config(4096, False), arch="sm_89")
+
+
+# --- the layer-input-only kernel ----------------------------------------------------------------
+
+
+LAYER_INPUT_CASES = [(7168, "standard", "carried"), (7168, "standard", "one_hot"), (7168, "broadcast", "one_hot")]
+LAYER_INPUT_CASES += [(4096, "standard", "carried"), (5120, "broadcast", "one_hot")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("H,variant,mode", LAYER_INPUT_CASES)
+def test_layer_input_kernel_compiles(H: int, variant: str, mode: str, arch: str) -> None:
+    compiled = ck.compile_layer_input(H, variant, mode, ck.LayerInputConfig(), arch=arch)
+    assert callable(compiled)
+
+
+def test_layer_input_kernel_rejects_bad_variants() -> None:
+    with pytest.raises(ValueError, match="layer_input"):
+        ck.LayerInputKernel(4096, layer_input="none")
+    with pytest.raises(ValueError, match="broadcast"):
+        ck.LayerInputKernel(4096, variant="broadcast", layer_input="carried")
+    with pytest.raises(ValueError, match="variant"):
+        ck.LayerInputKernel(4096, variant="wide")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ck.LayerInputKernel(1000)
+    with pytest.raises(ValueError, match="warps"):
+        ck.LayerInputKernel(4096, config=ck.LayerInputConfig(warps=9))
+    with pytest.raises(ValueError, match="norm_rows"):
+        ck.LayerInputKernel(4096, config=ck.LayerInputConfig(norm_rows=5))
+
+
+def layer_input_args(rows: int = 3, H: int = 256, *, broadcast: bool = False, carried: bool = True):
+    x = torch.zeros((rows, H) if broadcast else (rows, 4, H), dtype=BF16)
+    pre_mix = torch.rand(rows, 4) if carried else None
+    return (x, pre_mix, torch.ones(H, dtype=BF16), 1e-6, torch.empty(rows, H, dtype=BF16)), dict(
+        arch="sm_90a", broadcast=broadcast
+    )
+
+
+@pytest.mark.parametrize("broadcast,carried", [(False, True), (False, False), (True, False)])
+def test_layer_input_cpu_call_fails_only_on_the_device(broadcast: bool, carried: bool) -> None:
+    args, kwargs = layer_input_args(broadcast=broadcast, carried=carried)
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        ck.mhc_layer_input(*args, **kwargs)
+
+
+BAD_LAYER_INPUT_CALLS = [
+    ("x dtype", lambda a: (a[0].float(), *a[1:]), {}, TypeError, "x must have dtype torch.bfloat16"),
+    ("x shape", lambda a: (a[0][:, :2], *a[1:]), {}, ValueError, r"x must have shape \[\*, 4, \*\]"),
+    ("pre_mix shape", lambda a: (a[0], a[1][:, :3], *a[2:]), {}, ValueError, r"pre_mix must have shape \[3, 4\]"),
+    ("pre_mix dtype", lambda a: (a[0], a[1].double(), *a[2:]), {}, TypeError, "pre_mix must have dtype"),
+    ("weight", lambda a: (*a[:2], torch.ones(128, dtype=BF16), *a[3:]), {}, ValueError, "norm_weight must have shape"),
+    ("eps", lambda a: (*a[:3], -1.0, a[4]), {}, ValueError, "norm_eps must be >= 0"),
+    ("eps type", lambda a: (*a[:3], None, a[4]), {}, TypeError, "norm_eps must be a float"),
+    (
+        "out shape",
+        lambda a: (*a[:4], torch.empty(3, 255, dtype=BF16)),
+        {},
+        ValueError,
+        r"out must have shape \[3, 256\]",
+    ),
+    ("out dtype", lambda a: (*a[:4], torch.empty(3, 256)), {}, TypeError, "out must have dtype"),
+    ("arch", None, {"arch": "sm_89"}, ValueError, "arch must be one of"),
+    ("config", None, {"config": CoefficientsConfig(64, 1, 4)}, TypeError, "LayerInputConfig"),
+    ("config warps", None, {"config": ck.LayerInputConfig(warps=0)}, ValueError, "warps"),
+    ("stream", None, {"stream": 3}, TypeError, "stream must be a torch.cuda.Stream"),
+    ("broadcast pre", None, {"broadcast": True}, ValueError, r"x must have shape \[\*, \*\]"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,edit,edit_kwargs,error,message", BAD_LAYER_INPUT_CALLS, ids=[c[0] for c in BAD_LAYER_INPUT_CALLS]
+)
+def test_layer_input_bad_input_raises_a_clear_error(name, edit, edit_kwargs, error, message) -> None:
+    args, kwargs = layer_input_args()
+    if edit is not None:
+        args = edit(args)
+    kwargs.update(edit_kwargs)
+    with pytest.raises(error, match=message):
+        ck.mhc_layer_input(*args, **kwargs)
+
+
+def test_layer_input_broadcast_takes_no_pre_mix() -> None:
+    args, kwargs = layer_input_args(broadcast=True, carried=False)
+    with pytest.raises(ValueError, match="pre_mix must be None with broadcast"):
+        ck.mhc_layer_input(args[0], torch.rand(3, 4), *args[2:], **kwargs)
 
 
 # --- host checks: a clear error before any launch ----------------------------------------------
@@ -252,3 +401,14 @@ def test_workspace_checks_its_size() -> None:
     ws = CoefficientsWorkspace(7168, 100, "cpu")
     assert ws.partials.shape == (16, 100, 25) and ws.partials.dtype == F32
     assert ws.counters.shape == (7 * 8,) and ws.counters.dtype == torch.int32 and not ws.counters.any()
+
+
+def test_workspace_partials_hold_the_sentinel() -> None:
+    ws = CoefficientsWorkspace(4096, 20, "cpu")
+    bits = ws.partials.view(torch.int32)
+    assert bool((bits == ck.SENTINEL).all()) and bool(ws.partials.isnan().all())
+    assert ck.SENTINEL & 0xFFFFFFFF == 0xFFC0DEAD  # never the GPU's canonical NaN 0x7FFFFFFF
+    ws.partials.zero_()
+    ws.counters.fill_(3)
+    ws.reset()
+    assert bool((bits == ck.SENTINEL).all()) and not ws.counters.any()

@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from boundary import reference as ref
-from cute_kernels.coefficients_kernel import CoefficientsWorkspace, mhc_coefficients
+from cute_kernels.coefficients_kernel import (
+    SENTINEL,
+    CoefficientsConfig,
+    CoefficientsWorkspace,
+    LayerInputConfig,
+    mhc_coefficients,
+    mhc_layer_input,
+)
 from cute_kernels.compile import arch_for_device
 from tests.bf16 import bitwise_equal, max_ulp
 
@@ -88,6 +95,7 @@ def call(
     out: Out | None = None,
     rms_eps: float = EPS["rms_eps"],
     stream: torch.cuda.Stream | None = None,
+    config: CoefficientsConfig | None = None,
 ) -> Out:
     """One kernel launch on the current stream; allocates the outputs unless given."""
     rows, H = x.shape[0], x.shape[-1]
@@ -107,8 +115,23 @@ def call(
         pre_mix=pre_mix if inline else None,
         norm_weight=wt.norm_weight if inline else None,
         norm_eps=NORM_EPS if inline else None,
-        layer_input_out=out.layer_input, arch=arch(), stream=stream,
+        layer_input_out=out.layer_input, arch=arch(), stream=stream, config=config,
     )  # fmt: skip
+    return out
+
+
+def layer_input_only(
+    x: torch.Tensor,
+    pre_mix: torch.Tensor | None,
+    *,
+    broadcast: bool = False,
+    norm_eps: float = NORM_EPS,
+    config: LayerInputConfig | None = None,
+) -> torch.Tensor:
+    """One launch of the layer-input-only kernel; returns the new [T, H] bf16 layer input."""
+    rows, H = x.shape[0], x.shape[-1]
+    out = torch.empty(rows, H, dtype=BF16, device="cuda")
+    mhc_layer_input(x, pre_mix, weights(H).norm_weight, norm_eps, out, arch=arch(), broadcast=broadcast, config=config)
     return out
 
 
@@ -137,6 +160,7 @@ def assert_matches(got: Out, want: ref.Coefficients) -> None:
 def assert_counters_clean(ws: CoefficientsWorkspace) -> None:
     torch.cuda.synchronize()
     assert int(ws.counters.abs().sum()) == 0, "arrival counters were not reset"
+    assert bool((ws.partials.view(torch.int32) == SENTINEL).all()), "partial slots were not cleared"
 
 
 # --- accuracy ----------------------------------------------------------------------------------
@@ -239,6 +263,164 @@ def test_inline_collapse_is_exact_before_the_norm() -> None:
     mhc_coefficients(x, wt.fn, wt.scale, wt.base, **kwargs, pre_mix=pre_mix, norm_weight=wt.norm_weight,
                      norm_eps=0.0, layer_input_out=out.layer_input, arch=arch())  # fmt: skip
     assert bitwise_equal(out.layer_input, (sign * wt.norm_weight.float()).to(BF16))
+
+
+# --- the layer-input-only kernel -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H", (4096, 5120, 7168))
+@pytest.mark.parametrize("rows", (1, 3, 16, 129, 512))
+@pytest.mark.parametrize("carried", (True, False))
+def test_layer_input_only(H: int, rows: int, carried: bool) -> None:
+    x = streams(rows, H, seed=23)
+    pre_mix = carried_pre(rows) if carried else None
+    got = layer_input_only(x, pre_mix)
+    c = ref.collapse(x, pre_mix) if carried else x[:, 0].clone()
+    want = ref.rms_norm(c, weights(H).norm_weight, NORM_EPS)
+    assert max_ulp(got, want) <= 1
+    if rows <= 129:
+        # The very same bits as the inline form's layer input (same collapse and reduction order).
+        inline = call(x, inline=True, pre_mix=pre_mix)
+        assert bitwise_equal(got, inline.layer_input)
+
+
+@pytest.mark.parametrize("rows", (1, 16, 512))
+def test_layer_input_only_broadcast(rows: int) -> None:
+    H = 7168
+    e = torch.randn(rows, H, device="cuda", generator=gen(29)).to(BF16)
+    got = layer_input_only(e, None, broadcast=True)
+    assert max_ulp(got, ref.rms_norm(e, weights(H).norm_weight, NORM_EPS)) <= 1
+    # The embedding row is stream 0 of the broadcast streams.
+    assert bitwise_equal(got, layer_input_only(e.unsqueeze(1).expand(rows, 4, H).contiguous(), None))
+
+
+@pytest.mark.parametrize("config", (LayerInputConfig(), LayerInputConfig(warps=4), LayerInputConfig(8, 1)))
+def test_layer_input_only_is_exact_before_the_norm(config: LayerInputConfig) -> None:
+    # As test_inline_collapse_is_exact_before_the_norm: with eps 0 and c = +-1, out = c * w bit for bit.
+    H, rows = 4096, 37
+    sign = torch.where(torch.rand(rows, H, device="cuda", generator=gen(31)) < 0.5, -1.0, 1.0)
+    x = torch.randn(rows, 4, H, device="cuda", generator=gen(37)).to(BF16)
+    x[:, 0] = sign.to(BF16)
+    want = (sign * weights(H).norm_weight.float()).to(BF16)
+    assert bitwise_equal(layer_input_only(x, None, norm_eps=0.0, config=config), want)
+    x[:, 0] = (sign * 1.003).to(BF16)  # bf16(1.003) = 1.0
+    x[:, 1:] = 0
+    x[:, 1] = (sign * 0.003).to(BF16)
+    pre_mix = torch.ones(rows, 4, device="cuda")
+    assert bitwise_equal(layer_input_only(x, pre_mix, norm_eps=0.0, config=config), want)
+
+
+def test_layer_input_only_batch_invariance_and_graph() -> None:
+    H = 7168
+    x = streams(MAX_ROWS, H, seed=41)
+    pre_mix = carried_pre(MAX_ROWS)
+    full = layer_input_only(x, pre_mix)
+    for start, rows in ((0, 1), (77, 3), (300, 129)):
+        part = layer_input_only(x[start : start + rows], pre_mix[start : start + rows])
+        assert bitwise_equal(part, full[start : start + rows])
+    # Captured in a graph, and ordered after the producer of its pre-mix (PDL wait).
+    rows = 16
+    xs, pm = x[:rows].clone(), pre_mix[:rows].clone()
+    out = torch.empty(rows, H, dtype=BF16, device="cuda")
+    mhc_layer_input(xs, pm, weights(H).norm_weight, NORM_EPS, out, arch=arch())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_layer_input(xs, pm, weights(H).norm_weight, NORM_EPS, out, arch=arch())
+    for step in range(3):
+        xs.copy_(streams(rows, H, seed=500 + step))
+        pm.copy_(carried_pre(rows, seed=600 + step))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert max_ulp(out, ref.rms_norm(ref.collapse(xs, pm), weights(H).norm_weight, NORM_EPS)) <= 1
+
+
+def test_layer_input_only_after_the_projection_that_makes_its_pre() -> None:
+    # The next pre written by one coefficients launch is the next layer-input-only launch's pre_mix.
+    H, rows = 5120, 16
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    pre = carried_pre(rows)
+    layer_inputs, pres = [], [pre]
+    for step in range(4):
+        x = streams(rows, H, seed=700 + step)
+        layer_inputs.append((x, layer_input_only(x, pres[-1])))
+        pres.append(call(x, ws=ws).pre)
+    torch.cuda.synchronize()
+    for (x, got), pre in zip(layer_inputs, pres):
+        assert max_ulp(got, ref.rms_norm(ref.collapse(x, pre), weights(H).norm_weight, NORM_EPS)) <= 1
+
+
+# --- config knobs: the same bits as the default -----------------------------------------------
+
+
+def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
+    """Configs that share the default's reduction order (warps, groups), so must give its bits."""
+    f = CoefficientsConfig.for_shape
+    return [
+        f(H, broadcast, handoff="ticket"),
+        f(H, broadcast, 128, prefetch=True),
+        f(H, broadcast, 128, prefetch=True, handoff="ticket"),
+        f(H, broadcast, 32, handoff="ticket"),
+        f(H, broadcast, 16),
+        f(H, broadcast, norm_order="front", norm_rows=1),
+        f(H, broadcast, handoff="ticket", norm_rows=16),
+    ]
+
+
+@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("variant", ("standard", "broadcast", "inline"))
+def test_knob_configs_give_the_default_bits(H: int, variant: str) -> None:
+    broadcast, inline = variant == "broadcast", variant == "inline"
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    for rows in (1, 7, 129, 512):
+        x = streams(rows, H, seed=rows + 50)
+        if broadcast:
+            x = x[:, 1].contiguous()
+        pre_mix = carried_pre(rows) if inline else None
+        want = call(x, broadcast=broadcast, inline=inline, pre_mix=pre_mix, ws=ws)
+        if rows == 129:
+            assert_matches(want, reference(x, broadcast=broadcast))
+        for config in knob_configs(H, broadcast):
+            got = call(x, broadcast=broadcast, inline=inline, pre_mix=pre_mix, ws=ws, config=config)
+            for name in Out._fields:
+                a, b = getattr(got, name), getattr(want, name)
+                assert (a is None and b is None) or bitwise_equal(a, b), f"{name}, {rows} rows, {config}"
+            assert_counters_clean(ws)
+
+
+@pytest.mark.parametrize("H", (5120, 7168))
+def test_ticket_handoff_batch_invariance(H: int) -> None:
+    config = CoefficientsConfig.for_shape(H, False, 128, prefetch=True, handoff="ticket")
+    x = torch.randn(MAX_ROWS, 4, H, device="cuda", generator=gen(43)).to(BF16)
+    full = call(x, config=config)
+    for start, rows in ((0, 1), (63, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
+        part = call(x[start : start + rows], config=CoefficientsConfig.for_shape(H, False, handoff="ticket"))
+        for name in ("post", "comb", "pre"):
+            assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
+
+
+@pytest.mark.parametrize("handoff", ("counter", "ticket"))
+def test_graph_replay_and_mixed_handoffs_keep_the_workspace_clean(handoff: str) -> None:
+    H, rows = 7168, 40
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    config = CoefficientsConfig.for_shape(H, False, handoff=handoff)
+    other = CoefficientsConfig.for_shape(H, False, handoff="ticket" if handoff == "counter" else "counter")
+    x = streams(rows, H, seed=47)
+    pre_mix = carried_pre(rows)
+    out = call(x, inline=True, pre_mix=pre_mix, ws=ws, config=config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(x, inline=True, pre_mix=pre_mix, ws=ws, out=out, config=config)
+    for step in range(3):
+        x.copy_(streams(rows, H, seed=800 + step))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference(x))
+        assert_counters_clean(ws)
+        # The other handoff on the same workspace right after.
+        assert_matches(call(x, ws=ws, config=other), reference(x))
+        assert_counters_clean(ws)
 
 
 # --- launches in a row, streams, CUDA graphs, workspace reuse -----------------------------------

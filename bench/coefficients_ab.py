@@ -1,0 +1,192 @@
+"""A/B timing of the coefficients kernel's configs, fn cold: `python -m bench.coefficients_ab` (about 2-3 min).
+
+For each H and row count, 20 input sets (each with its own fn, streams and pre-mix) are run back to
+back in one CUDA graph; a 256 MiB buffer is zeroed before each replay (L2 flush), and the time is
+the median over replays / 20 (bench/timing.py). Columns: the standard projection, the broadcast
+(first layer) projection, the inline form (projection + layer input) and the layer-input-only
+kernel, each under the configs below; `*` marks the shipped default. Every projection config
+shares the default's reduction order (the GPU tests check the bits), so any of them may become
+the default, or be picked per row count. Writes bench/results/coefficients-ab-<gpu>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.timing import GraphTimer
+from cute_kernels import coefficients_kernel as ck
+
+SETS = 20
+RESULTS = Path(__file__).resolve().parent / "results"
+EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20)
+
+
+def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
+    """The projection alternatives: the default first."""
+    f = ck.CoefficientsConfig.for_shape
+    return {
+        "default*": f(H, broadcast),
+        "ticket": f(H, broadcast, handoff="ticket"),
+        "tm128+pf": f(H, broadcast, 128, prefetch=True),
+        "ticket+tm128+pf": f(H, broadcast, 128, prefetch=True, handoff="ticket"),
+        "ticket+tm32": f(H, broadcast, 32, handoff="ticket"),
+    }
+
+
+def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
+    """The inline alternatives: the original layout (layer-input clusters first, 32*warps/(H/64)
+    rows each), the new default (interleaved, 2 vectors per thread) and the handoff / tile knobs."""
+    f = ck.CoefficientsConfig.for_shape
+    warps = f(H, False).warps
+    old_rows = max(1, 32 * warps // (H // 64))
+    old_rows = 1 << (old_rows.bit_length() - 1)
+    return {
+        "original": f(H, False, norm_order="front", norm_rows=old_rows),
+        "default*": f(H, False),
+        "ticket": f(H, False, handoff="ticket"),
+        "ticket+tm128+pf": f(H, False, 128, prefetch=True, handoff="ticket"),
+        "front": f(H, False, norm_order="front"),
+    }
+
+
+def input_only_configs() -> dict[str, tuple[str, ck.LayerInputConfig]]:
+    """The layer-input-only alternatives: (mode, config)."""
+    return {
+        "carried*": ("carried", ck.LayerInputConfig()),
+        "carried w4": ("carried", ck.LayerInputConfig(warps=4)),
+        "carried 1 row": ("carried", ck.LayerInputConfig(norm_rows=1)),
+        "one-hot*": ("one_hot", ck.LayerInputConfig()),
+    }
+
+
+def make_sets(rows: int, H: int, device: torch.device) -> tuple[list[dict[str, Any]], ck.CoefficientsWorkspace]:
+    """SETS input sets with their own fn, streams and pre-mix, and outputs; one workspace (the calls run in turn)."""
+    sets = []
+    for seed in range(SETS):
+        g = torch.Generator(device=device).manual_seed(seed)
+        fn = torch.randn(24, 4 * H, generator=g, device=device) * 1e-2
+        x = torch.randn(rows, 4, H, generator=g, device=device).to(torch.bfloat16)
+        sets.append(
+            dict(
+                x=x,
+                e=x[:, 0].contiguous(),
+                fn=fn,
+                fn_broadcast=fn.view(24, 4, H).sum(1).contiguous(),
+                scale=torch.full((3,), 0.5, device=device),
+                base=torch.randn(24, generator=g, device=device) * 0.5,
+                w=(1 + 0.1 * torch.randn(H, generator=g, device=device)).to(torch.bfloat16),
+                pre_mix=torch.rand(rows, 4, generator=g, device=device),
+                post=torch.empty(rows, 4, device=device),
+                comb=torch.empty(rows, 4, 4, device=device),
+                pre=torch.empty(rows, 4, device=device),
+                out=torch.empty(rows, H, dtype=torch.bfloat16, device=device),
+            )
+        )
+    return sets, ck.CoefficientsWorkspace(H, max(rows, 16), device)
+
+
+def projection_call(s: dict, ws: ck.CoefficientsWorkspace, arch: str, variant: str, config: ck.CoefficientsConfig):
+    broadcast, inline = variant == "broadcast", variant == "inline"
+
+    def call() -> None:
+        ck.mhc_coefficients(
+            s["e"] if broadcast else s["x"], s["fn_broadcast"] if broadcast else s["fn"], s["scale"], s["base"],
+            **EPS, broadcast=broadcast, workspace=ws, post_out=s["post"], comb_out=s["comb"], pre_out=s["pre"],
+            pre_mix=s["pre_mix"] if inline else None, norm_weight=s["w"] if inline else None,
+            norm_eps=1e-20 if inline else None, layer_input_out=s["out"] if inline else None, arch=arch,
+            config=config, validate=False,
+        )  # fmt: skip
+
+    return call
+
+
+def input_only_call(s: dict, arch: str, mode: str, config: ck.LayerInputConfig):
+    def call() -> None:
+        ck.mhc_layer_input(s["x"], s["pre_mix"] if mode == "carried" else None, s["w"], 1e-20, s["out"], arch=arch,
+                           config=config, validate=False)  # fmt: skip
+
+    return call
+
+
+def floor_us(rows: int, H: int, variant: str, bandwidth: float) -> float:
+    """Bytes that must move over the copy bandwidth: fn, the projection input and the outputs; the
+    streams once and the layer input for the inline form; streams, pre-mix and layer input alone."""
+    if variant == "input-only":
+        total = rows * (4 * H * 2 + 16 + H * 2) + H * 2
+    else:
+        width = H if variant == "broadcast" else 4 * H
+        total = 24 * width * 4 + rows * (width * 2 + 24 * 4)
+        if variant == "inline":
+            total += rows * (H * 2 + 16) + H * 2
+    return total / bandwidth * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.coefficients_ab", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
+    p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--only", nargs="+", default=["standard", "broadcast", "inline", "input-only"],
+                   choices=["standard", "broadcast", "inline", "input-only"])  # fmt: skip
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    from cute_kernels.compile import arch_for_device
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_for_device(device)
+    name = torch.cuda.get_device_name(device)
+    timer = GraphTimer(device, replays=args.replays)
+    bandwidth = timer.copy_bandwidth()
+    print(f"{name} ({arch}), copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per call, fn cold, "
+          f"{SETS} input sets per graph, median of {args.replays} replays", flush=True)  # fmt: skip
+    t0 = time.time()
+    results = []
+    for H in args.hidden:
+        for rows in sorted(args.rows):
+            sets, ws = make_sets(rows, H, device)
+            row: dict[str, Any] = {"H": H, "rows": rows}
+            for variant in args.only:
+                if variant == "input-only":
+                    alts = {
+                        label: [input_only_call(s, arch, mode, cfg) for s in sets]
+                        for label, (mode, cfg) in input_only_configs().items()
+                    }
+                else:
+                    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, variant == "broadcast")
+                    alts = {
+                        label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()
+                    }
+                times = {label: timer.per_call_us(calls) for label, calls in alts.items()}
+                row[variant] = times
+                row[f"{variant}_floor_us"] = floor_us(rows, H, variant, bandwidth)
+                cells = "  ".join(f"{label} {us:6.2f}" for label, us in times.items())
+                print(f"H {H:>5} rows {rows:>3} {variant:<10} floor {row[f'{variant}_floor_us']:5.2f} | {cells}",
+                      flush=True)  # fmt: skip
+            torch.cuda.synchronize()
+            assert int(ws.counters.abs().sum()) == 0 and bool((ws.partials.view(torch.int32) == ck.SENTINEL).all())
+            results.append(row)
+            del sets, ws
+            torch.cuda.empty_cache()
+    print(f"done in {time.time() - t0:.0f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"coefficients-ab-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
+    path = args.out / f"{stem}.json"
+    path.write_text(
+        json.dumps({"gpu": name, "arch": arch, "copy_bandwidth_Bps": bandwidth, "results": results}, indent=1)
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
