@@ -147,6 +147,23 @@ def mhc_pre_delayed(
     return post, comb, layer_input, pre
 
 
+def _layer_input(
+    residual: Tensor, x: Tensor | None, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float,
+    arch: str | None,
+) -> Tensor:  # fmt: skip
+    """The layer input alone, on the current stream: one kernel launch, or torch ops on the reference."""
+    if arch is None or norm_weight is None:
+        return delayed_layer_input(residual, pre_mix, norm_weight, norm_eps)
+    from cute_kernels.coefficients_kernel import mhc_layer_input
+
+    out = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device)
+    if x is not None:  # the first layer: the collapse is the embedding row itself
+        mhc_layer_input(x, None, norm_weight, norm_eps, out, arch=arch, broadcast=True, validate=False)
+    else:
+        mhc_layer_input(residual, pre_mix, norm_weight, norm_eps, out, arch=arch, validate=False)
+    return out
+
+
 def delayed_layer_input(
     residual: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float
 ) -> Tensor:
@@ -189,14 +206,14 @@ def mhc_pre_delayed_overlap(
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
     if stream is not None and residual.device.type != "cuda":
         raise ValueError(f"stream is a CUDA stream but residual is on {residual.device}")
-    if layer_input is None:
-        layer_input = delayed_layer_input(residual, pre_mix, norm_weight, norm_eps)
-    else:
-        checks.tensor("layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]),
-                      device=residual.device)  # fmt: skip
     arch = kernel_arch(residual.device, backend)
     if arch is not None:
         _check_kernel_shape(residual.shape[1], residual.shape[2])
+    if layer_input is None:
+        layer_input = _layer_input(residual, x, pre_mix, norm_weight, norm_eps, arch)
+    else:
+        checks.tensor("layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]),
+                      device=residual.device)  # fmt: skip
     args = (residual, x, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
             sinkhorn_repeat, arch)  # fmt: skip
     if stream is None:

@@ -108,8 +108,8 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
     side = torch.cuda.Stream()
     overlap = mhc_pre_delayed_overlap(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20, stream=side)
     torch.cuda.current_stream().wait_stream(side)
-    for a, b in zip(overlap, got):
-        assert bitwise_equal(a, b) if a.dtype != BF16 else max_ulp(a, b) <= 1
+    for a, b in zip(overlap, got):  # the split form (layer input alone + mixes) gives the inline form's bits
+        assert bitwise_equal(a, b)
     broadcast = mhc_pre_delayed(inp["residual"][:, :1].expand(-1, 4, -1).contiguous(), fn.view(24, 4, H).sum(1),
                                 scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20, x=inp["residual"][:, 0].contiguous(),
                                 norm_weight=inp["w"], norm_eps=1e-20)  # fmt: skip
