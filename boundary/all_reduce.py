@@ -166,7 +166,7 @@ class BoundaryAllReduce:
         from cute_kernels.compile import warmup
 
         jobs = boundary_kernel.warmup_keys(self.hidden_size, arch=self.arch) + mhc.warmup_jobs(
-            self.hidden_size, self.arch
+            self.hidden_size, self.arch, rows
         )
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}")
         mhc.prepare_workspace(self.hidden_size, rows, self.device)

@@ -60,11 +60,11 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device) -> Any:
     return ws
 
 
-def warmup_jobs(hidden: int, arch: str) -> list[WarmupJob]:
-    """The compiles every mHC coefficients call of hidden size H can need."""
+def warmup_jobs(hidden: int, arch: str, max_rows: int) -> list[WarmupJob]:
+    """The compiles every mHC coefficients call of hidden size H and up to `max_rows` rows can need."""
     from cute_kernels.coefficients_kernel import coefficients_warmup_jobs
 
-    return coefficients_warmup_jobs(hidden, arch=arch)
+    return coefficients_warmup_jobs(hidden, arch=arch, max_rows=max_rows)
 
 
 def _check_pre_delayed_args(

@@ -162,10 +162,27 @@ class LayerInputConfig:
             raise ValueError(f"norm_rows must be one of {NORM_ROWS} (0 = auto), got {self.norm_rows!r}")
 
 
+# Measured on the H200 (docs/PERF.md, v2): the ticket handoff wins at every row count; 32-row tiles
+# win up to 256 rows, 64-row tiles above. Every choice here shares (warps, groups), so the bits of a
+# row do not depend on which one a call gets.
+DEFAULT_HANDOFF = "ticket"
+SMALL_TILE_MAX_ROWS = 256
+
+
+def default_tile(rows: int) -> int:
+    """The row tile the defaults use for a call of `rows` rows."""
+    return 32 if rows <= SMALL_TILE_MAX_ROWS else 64
+
+
 @functools.cache
-def default_config(H: int, broadcast: bool) -> CoefficientsConfig:
-    """CoefficientsConfig.for_shape(H, broadcast), memoized for the call path."""
-    return CoefficientsConfig.for_shape(H, broadcast)
+def default_config(H: int, broadcast: bool, rows: int = 1) -> CoefficientsConfig:
+    """The measured best config for a call of `rows` rows at hidden size H (memoized per tile size)."""
+    return _default_config(H, broadcast, default_tile(rows))
+
+
+@functools.cache
+def _default_config(H: int, broadcast: bool, rows_per_tile: int) -> CoefficientsConfig:
+    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF)
 
 
 def norm_rows_per_cluster(H: int, threads: int, layer_input: str, requested: int = 0, budget: int = 2) -> int:
@@ -1106,13 +1123,15 @@ def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:
 
 
 def coefficients_warmup_keys(
-    H: int, *, sinkhorn_repeat: int = 20, rows_per_tile: int = 64
+    H: int, *, sinkhorn_repeat: int = 20, max_rows: int = 512
 ) -> list[tuple[int, str, str, int, CoefficientsConfig]]:
-    """The compile keys (positional args of compile_coefficients) every call path of hidden size H can need."""
+    """The compile keys (positional args of compile_coefficients) every call of up to `max_rows` rows can need."""
+    tiles = sorted({default_tile(1), default_tile(max_rows)})
     keys = []
     for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
-        config = CoefficientsConfig.for_shape(H, variant == "broadcast", rows_per_tile)
-        keys.extend((H, variant, mode, sinkhorn_repeat, config) for mode in modes)
+        for tile in tiles:
+            config = _default_config(H, variant == "broadcast", tile)
+            keys.extend((H, variant, mode, sinkhorn_repeat, config) for mode in modes)
     return keys
 
 
@@ -1127,15 +1146,16 @@ def layer_input_warmup_keys(H: int) -> list[tuple[int, str, str, LayerInputConfi
 
 
 def coefficients_warmup_jobs(
-    H: int, *, arch: str, sinkhorn_repeat: int = 20, rows_per_tile: int = 64
+    H: int, *, arch: str, sinkhorn_repeat: int = 20, max_rows: int = 512
 ) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant (and layer-input-only kernel) of hidden size H for `arch`."""
     check_arch(arch)
     jobs = [
         WarmupJob(
-            f"coefficients H={key[0]} {key[1]} layer_input={key[2]}", compile_coefficients, key, (("arch", arch),)
+            f"coefficients H={key[0]} {key[1]} layer_input={key[2]} tile={key[4].rows_per_tile}",
+            compile_coefficients, key, (("arch", arch),),
         )
-        for key in coefficients_warmup_keys(H, sinkhorn_repeat=sinkhorn_repeat, rows_per_tile=rows_per_tile)
+        for key in coefficients_warmup_keys(H, sinkhorn_repeat=sinkhorn_repeat, max_rows=max_rows)
     ]
     jobs += [
         WarmupJob(f"layer input H={key[0]} {key[1]} {key[2]}", compile_layer_input, key, (("arch", arch),))
@@ -1238,7 +1258,7 @@ def mhc_coefficients(
         return
     H = x.shape[-1]
     if config is None:
-        config = default_config(H, broadcast)
+        config = default_config(H, broadcast, rows)
     mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None)
     compiled = compile_coefficients(
         H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
@@ -1376,7 +1396,7 @@ def _check_call(
         raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
     check_arch(arch)
     if config is None:
-        config = default_config(H, broadcast)
+        config = default_config(H, broadcast, rows)
     elif not isinstance(config, CoefficientsConfig):
         raise TypeError(f"config must be a CoefficientsConfig or None, got {type(config).__name__}")
     config.validate(H, broadcast)

@@ -62,17 +62,24 @@ def test_kernel_rejects_bad_variants() -> None:
 
 
 def test_warmup_keys_cover_every_call_path() -> None:
-    keys = ck.coefficients_warmup_keys(7168)
-    assert [(k[1], k[2]) for k in keys] == [
-        ("standard", "none"),
-        ("standard", "carried"),
-        ("standard", "one_hot"),
-        ("broadcast", "none"),
-        ("broadcast", "one_hot"),
+    keys = ck.coefficients_warmup_keys(7168, max_rows=512)
+    assert [(k[1], k[2], k[4].rows_per_tile) for k in keys] == [
+        ("standard", "none", 32),
+        ("standard", "carried", 32),
+        ("standard", "one_hot", 32),
+        ("standard", "none", 64),
+        ("standard", "carried", 64),
+        ("standard", "one_hot", 64),
+        ("broadcast", "none", 32),
+        ("broadcast", "one_hot", 32),
+        ("broadcast", "none", 64),
+        ("broadcast", "one_hot", 64),
     ]
     for H, variant, _mode, repeat, config in keys:
         assert (H, repeat) == (7168, 20)
-        assert config == ck.default_config(H, variant == "broadcast")
+        rows = 1 if config.rows_per_tile == 32 else 512
+        assert config == ck.default_config(H, variant == "broadcast", rows)
+    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 5
     jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
     layer_keys = ck.layer_input_warmup_keys(7168)
     assert [(k[1], k[2]) for k in layer_keys] == [
