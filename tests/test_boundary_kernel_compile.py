@@ -81,7 +81,9 @@ def test_engine_variants_and_warmup_keys() -> None:
     jobs = bk.warmup_keys(5120, arch="sm_90a")
     assert len(jobs) == 24 and len({j.name for j in jobs}) == 24
     assert jobs[0].compile_fn is bk.compile_fused_boundary
-    assert all(j.args[0] == 5120 and j.args[-2:] == (8, 96) and dict(j.kwargs) == {"arch": "sm_90a"} for j in jobs)
+    config = bk.default_config(5120)
+    assert (config.cluster_n, config.threads) == (8, 96)
+    assert all(j.args[0] == 5120 and j.args[-1] == config and dict(j.kwargs) == {"arch": "sm_90a"} for j in jobs)
     with pytest.raises(ValueError, match="arch"):
         bk.warmup_keys(5120, arch="sm_80")
 
