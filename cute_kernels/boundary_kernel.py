@@ -49,13 +49,12 @@ PREFETCH_DEPTHS = (0, 1, 2)
 CACHE_HINTS = ("none", "loads", "all")
 SCALE_PADS = ("tail", "early")
 # The default row schedule is sized for an H100/H200 (132 SMs; a B200 has more): launch bounds
-# cap the registers (80 per thread, 96 for CTAs of 2 warps or fewer) so that a known number of
-# CTAs fit on an SM, and the cluster cap takes 3/4 of the clusters that then fit, so that every
-# cluster is resident from the start (one that waited for a free slot would run its rows after
-# the others) with room left for the neighbouring kernels' CTAs.
+# cap the registers at 96 per thread so that a known number of CTAs fit on an SM, and the cluster
+# cap takes 90% of the clusters that then fit, so that every cluster is resident from the start
+# (one that waited for a free slot would run its rows after the others had finished theirs).
 SMS = 132
-REGISTER_BUDGET = 80, 96  # per thread: CTAs of more than 2 warps, of at most 2 warps
-RESIDENT_SHARE = 0.75
+REGISTER_BUDGET = 96
+RESIDENT_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -84,8 +83,7 @@ class BoundaryConfig:
         cap each row still has its own cluster; past it, clusters loop with one row prefetched.
         """
         base = BoundaryConfig.baseline(H)
-        budget = REGISTER_BUDGET[base.threads <= 64]
-        ctas_per_sm = min(32, 2048 // base.threads, 65536 // (budget * base.threads))
+        ctas_per_sm = min(32, 2048 // base.threads, 65536 // (REGISTER_BUDGET * base.threads))
         cap = int(RESIDENT_SHARE * (SMS * ctas_per_sm // base.cluster_n))
         return replace(
             base, max_clusters=cap, prefetch=1, cache_hints="loads", scale_pad="early", min_ctas_per_sm=ctas_per_sm
@@ -788,7 +786,8 @@ class FusedBoundaryKernel:
                         prim.st_global_v4_b32(addr, zero, zero, zero, zero)
                     if first == 1:
                         prim.st_global_b32(addr + 4, zero)
-                    if first <= 2 and first >= 1:
+                        prim.st_global_v2_b32(addr + 8, zero, zero)
+                    if first == 2:
                         prim.st_global_v2_b32(addr + 8, zero, zero)
                     if first == 3:
                         prim.st_global_b32(addr + 12, zero)

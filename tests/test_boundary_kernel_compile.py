@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,6 +69,40 @@ def test_config_validation(H: int, cluster_n: int, threads: int, match: str) -> 
         bk.BoundaryConfig(cluster_n, threads).validate(H)
 
 
+@pytest.mark.parametrize(
+    ("knobs", "match"),
+    [
+        (dict(max_clusters=-1), "max_clusters"),
+        (dict(max_clusters=True), "max_clusters"),
+        (dict(prefetch=1), "prefetch needs looping"),
+        (dict(max_clusters=8, prefetch=3, scale_pad="early"), "prefetch must be one of"),
+        (dict(cache_hints="some"), "cache_hints"),
+        (dict(scale_pad="late"), "scale_pad must be one of"),
+        (dict(max_clusters=8), 'scale_pad="tail"'),
+        (dict(min_ctas_per_sm=17), "min_ctas_per_sm"),
+    ],
+)
+def test_schedule_validation(knobs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        replace(bk.BoundaryConfig.baseline(7168), **knobs).validate(7168)
+
+
+def test_default_schedule() -> None:
+    for H in (256, 2560, 4096, 5120, 7168):
+        config, base = bk.default_config(H), bk.BoundaryConfig.baseline(H)
+        assert (config.cluster_n, config.threads) == (base.cluster_n, base.threads)  # the reduction order
+        assert config.looping and config.prefetch == 1 and config.scale_pad == "early"
+        assert config.min_ctas_per_sm * config.threads * bk.REGISTER_BUDGET <= 65536
+        # Every cluster fits at once on an H100/H200 at the launch bounds.
+        assert config.max_clusters * config.cluster_n <= bk.SMS * config.min_ctas_per_sm
+        assert base == bk.BoundaryConfig(base.cluster_n, base.threads)
+    config = bk.default_config(7168)
+    assert [config.clusters(t) for t in (0, 1, 16, 73, 74, 512)] == [0, 1, 16, 73, 37, 64]
+    for rows in range(1, 1200):  # balanced: every cluster takes ceil(rows / clusters) rows or one fewer
+        n = config.clusters(rows)
+        assert n <= config.max_clusters and -(-rows // n) == -(-rows // config.max_clusters)
+
+
 def test_kernel_rejects_bad_flags() -> None:
     with pytest.raises(ValueError, match="y_source"):
         bk.FusedBoundaryKernel(5120, y_source="peers")
@@ -108,10 +143,15 @@ def test_main_variant_compiles_at_every_h(H: int, arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
     ("H", "config"),
-    [(7168, bk.BoundaryConfig(1, 448)), (5120, bk.BoundaryConfig(5, 96)), (7168, bk.BoundaryConfig(7, 128))],
-)
+    [(7168, bk.BoundaryConfig(1, 448)), (5120, bk.BoundaryConfig(5, 96)), (7168, bk.BoundaryConfig(7, 128)),
+     (7168, bk.BoundaryConfig(1, 448, max_clusters=9, prefetch=2, scale_pad="early")),
+     (2560, bk.BoundaryConfig(5, 64, cache_hints="all", scale_pad="early")),
+     (4096, bk.BoundaryConfig(8, 64, max_clusters=3, scale_pad="early", min_ctas_per_sm=16))],
+)  # fmt: skip
 def test_other_configs_compile(H: int, config: bk.BoundaryConfig, arch: str) -> None:
     _compile(H, bk.BoundaryVariant("moe", True, True, True, True), arch, config)
+    if config.looping:
+        _compile(H, bk.BoundaryVariant("x", False, False, False, False), arch, config)  # residual-only
 
 
 # ---------------------------------------------------------------------------------------------
