@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import platform
 import re
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from cute_kernels import boundary_kernel as bk
 from cute_kernels import coefficients_kernel as ck
 
 CALLS_PER_GRAPH = 20
+SPLIT_ROWS = (1, 16, 64, 512)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -35,8 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
     p.add_argument("--parts", nargs="+", default=["boundary", "split", "coefficients", "step"],
-                   choices=["boundary", "split", "coefficients", "step"], help="what to measure")  # fmt: skip
-    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+                   choices=["boundary", "split", "widths", "coefficients", "step"], help="what to measure")  # fmt: skip
+    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--step-hidden", type=int, default=5120, help="hidden size of the toy decode step")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--replays", type=int, default=7)
@@ -220,11 +222,52 @@ def print_coefficients(rows: list[dict]) -> None:
               f"{r.get('compile_ratio', float('nan')):7.1f}")  # fmt: skip
 
 
-def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[dict]:
-    """One CTA per row against row splits over a cluster, at few rows, per H."""
+def split_configs(hidden: int) -> dict[str, bk.BoundaryConfig]:
+    """The row schedules to compare at one H: the first default, the new default, and each knob moved alone."""
+    base, default = bk.BoundaryConfig.baseline(hidden), bk.default_config(hidden)
+    full = int(default.max_clusters / bk.RESIDENT_SHARE)  # every cluster that fits at the launch bounds
+    configs = {
+        "baseline": base,
+        "default": default,
+        "prefetch0": replace(default, prefetch=0),
+        "prefetch2": replace(default, prefetch=2),
+        "hints-none": replace(default, cache_hints="none"),
+        "no-bounds": replace(default, min_ctas_per_sm=0),
+        "cap/2": replace(default, max_clusters=default.max_clusters // 2),
+        "cap-full": replace(default, max_clusters=full),
+    }
+    widest = bk.BoundaryConfig.widest(hidden)
+    if widest.cluster_n != base.cluster_n:  # v1's default width, without and with the row schedule
+        configs["v1-width"] = widest
+        configs["v1-width+schedule"] = bk.BoundaryConfig.scheduled(widest)
+    return configs
+
+
+def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
+    """Row schedules (one cluster per row, looping clusters, prefetch, hints, bounds) at rows 1, 16, 64, 512, per H."""
     device = timer.device
     out = []
     for hidden in tqdm(args.hidden, desc="split", unit="H"):
+        configs = split_configs(hidden)
+        for rows in SPLIT_ROWS:
+            sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
+            for name, cfg in configs.items():
+                row: dict[str, Any] = {"H": hidden, "rows": rows, "name": name, "config": asdict(cfg),
+                                       "clusters": cfg.clusters(rows)}  # fmt: skip
+                for key, mx in (("us", False), ("mxfp8_us", True)):
+                    row[key] = timer.per_call_us([fused_call(s, arch, mx, cfg) for s in sets])
+                row["pct_copy"] = 100 * boundary_bytes(rows, hidden, False) / (row["us"] * 1e-6) / copy_bw
+                out.append(row)
+            del sets
+            torch.cuda.empty_cache()
+    return out
+
+
+def bench_widths(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[dict]:
+    """One CTA per row against row splits over a cluster (one cluster per row), per H."""
+    device = timer.device
+    out = []
+    for hidden in tqdm(args.hidden, desc="widths", unit="H"):
         configs = []
         for n in range(1, 9):
             try:
@@ -236,7 +279,7 @@ def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[
             for cfg in configs:
                 us = timer.per_call_us([fused_call(s, arch, False, cfg) for s in sets])
                 out.append({"H": hidden, "rows": rows, "cluster_n": cfg.cluster_n, "threads": cfg.threads, "us": us,
-                            "default": cfg == bk.default_config(hidden)})  # fmt: skip
+                            "default": cfg == bk.BoundaryConfig.baseline(hidden)})  # fmt: skip
     return out
 
 
@@ -294,8 +337,24 @@ def print_boundary(rows: list[dict], copy_bw: float) -> None:
 
 
 def print_split(rows: list[dict]) -> None:
-    """The split table."""
-    print("\nrow split: GPU us per call by CTAs per row (cluster_n); * = the default for that H")
+    """The row-schedule table: GPU us per call (plain, + MXFP8), % of copy bandwidth, and the best per (H, rows)."""
+    print("\nrow schedules: GPU us per call (bf16 out | + MXFP8); clusters launched; % of copy bandwidth (bf16 out)")
+    for r in rows:
+        print(f"  H {r['H']:>5} rows {r['rows']:>3}  {r['name']:<17} clusters {r['clusters']:>5}  "
+              f"{r['us']:7.2f} | {r['mxfp8_us']:7.2f} us  {r['pct_copy']:5.1f}%")  # fmt: skip
+    print("\nbest per (H, rows), against the baseline and the default:")
+    for key in sorted({(r["H"], r["rows"]) for r in rows}):
+        sel = [r for r in rows if (r["H"], r["rows"]) == key]
+        by = {r["name"]: r for r in sel}
+        for metric in ("us", "mxfp8_us"):
+            best = min(sel, key=lambda r: r[metric])
+            print(f"  H {key[0]:>5} rows {key[1]:>3} {metric:<8}: best {best['name']:<17} {best[metric]:7.2f}  "
+                  f"baseline {by['baseline'][metric]:7.2f}  default {by['default'][metric]:7.2f}")  # fmt: skip
+
+
+def print_widths(rows: list[dict]) -> None:
+    """The row-split table."""
+    print("\nrow split: GPU us per call by CTAs per row (cluster_n); * = the default width for that H")
     for r in rows:
         mark = "*" if r["default"] else " "
         print(f"  H {r['H']:>5} rows {r['rows']:>3}  cluster_n {r['cluster_n']} x {r['threads']:>3} threads{mark} "
@@ -349,8 +408,11 @@ def main(argv: list[str] | None, *, arch: str) -> int:
         print_boundary(results["boundary"], copy_bw)
         plot(results["boundary"], args.out / f"{stem}-boundary.png")
     if "split" in args.parts:
-        results["split"] = bench_split(args, arch, timer)
+        results["split"] = bench_split(args, arch, timer, copy_bw)
         print_split(results["split"])
+    if "widths" in args.parts:
+        results["widths"] = bench_widths(args, arch, timer)
+        print_widths(results["widths"])
     if "coefficients" in args.parts:
         results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
         print_coefficients(results["coefficients"])

@@ -1,21 +1,28 @@
 """The fused decode boundary of one rank (SPEC §2 steps 2-6): mHC post, collapse, RMSNorm, MXFP8.
 
-Layout: one thread-block cluster of `cluster_n` CTAs per row (grid = [cluster_n, T]); CTA `r`
-of the cluster owns the contiguous columns [r*C, (r+1)*C) with C = H / cluster_n a multiple of
-128, and thread `t` owns the 8-element (16-byte) vectors t, t + threads, t + 2*threads, ... of
-that chunk (threads past the chunk on their last vector read a clamped duplicate and store
-nothing). Everything a thread needs stays in its registers; the only exchange is the RMS sum
-of squares: per-warp partials pushed to every CTA of the cluster with st.async into shared
-memory, one mbarrier wait, then every CTA reduces the same slots in the same order, so a row's
-bits never depend on T or on the grid. An MXFP8 block is 4 adjacent lanes (amax by shuffles),
-and the first lane of each 16 writes the 4 scale bytes of its 128 columns as one word.
+Layout: one thread-block cluster of `cluster_n` CTAs per row; CTA `r` of the cluster owns the
+contiguous columns [r*C, (r+1)*C) with C = H / cluster_n a multiple of 128, and thread `t` owns
+the 8-element (16-byte) vectors t, t + threads, t + 2*threads, ... of that chunk (threads past
+the chunk on their last vector read a clamped duplicate and store nothing). Everything a thread
+needs stays in its registers; the only exchange is the RMS sum of squares: per-warp partials
+pushed to every CTA of the cluster with st.async into shared memory, one mbarrier wait, then
+every CTA reduces the same slots in the same order, so a row's bits never depend on T or on the
+grid. An MXFP8 block is 4 adjacent lanes (amax by shuffles), and the first lane of each 16
+writes the 4 scale bytes of its 128 columns as one word.
+
+Row schedule (`BoundaryConfig`): by default every row has its own cluster (grid = [cluster_n, T]).
+With `max_clusters`, G = ceil(T / ceil(T / max_clusters)) clusters loop over the rows r, r + G,
+r + 2G, ... (every cluster takes the same number of rows, give or take one), and with `prefetch`
+the loads of the next rows stay in flight while the current row is reduced and stored. The
+exchange slots and mbarriers are then double-buffered by row parity. The per-row arithmetic and
+reduction order are the same in every schedule, so the schedule never changes a bit.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -37,22 +44,68 @@ MIN_CHUNK = 512  # the default split keeps at least this many columns per CTA
 Y_SOURCES = ("x", "moe")
 E4M3_NAN_WORD = 0x7F7F7F7F
 MAX_ROWS = 65535  # the grid's y extent
+COEFS = HC + HC * HC + HC  # post, comb ([src, dst], row-major) and pre of one row
+PREFETCH_DEPTHS = (0, 1, 2)
+CACHE_HINTS = ("none", "loads", "all")
+SCALE_PADS = ("tail", "early")
+# The default row schedule is sized for an H100/H200 (132 SMs; a B200 has more): launch bounds
+# cap the registers at 96 per thread so that a known number of CTAs fit on an SM, and the cluster
+# cap takes 90% of the clusters that then fit, so that every cluster is resident from the start
+# (one that waited for a free slot would run its rows after the others had finished theirs).
+SMS = 132
+REGISTER_BUDGET = 96
+RESIDENT_SHARE = 0.9
 
 
 @dataclass(frozen=True)
 class BoundaryConfig:
-    """Launch shape: CTAs per row (one cluster) and threads per CTA."""
+    """Launch shape (CTAs per row, threads per CTA) and row schedule; the knobs' defaults are one cluster per row."""
 
     cluster_n: int
     threads: int
+    # At most this many clusters, each looping over its rows (balanced); 0: one cluster per row.
+    max_clusters: int = 0
+    # Rows ahead whose loads stay in flight while a row is reduced and stored (looping clusters only).
+    prefetch: int = 0
+    # "loads": the read-once inputs skip L1 and are evict-first in L2; "all": also streaming (.cs) output stores.
+    cache_hints: str = "none"
+    # MXFP8 scale padding rows: "tail" (4-byte stores after each row), "early" (16-byte stores after the first loads).
+    scale_pad: str = "tail"
+    # CTAs per SM the register allocation must allow (launch bounds); 0: as many registers as the code wants.
+    min_ctas_per_sm: int = 0
 
     @staticmethod
     def for_hidden(H: int) -> BoundaryConfig:
-        """The default for hidden size H: the widest cluster (<= 8) whose CTAs own >= 512 columns.
+        """The default for hidden size H: the widest cluster (<= 8) whose CTAs own >= 512 columns, looping clusters.
 
         Every CTA's chunk is a multiple of 128 columns, so MXFP8 blocks and 4-block scale words
-        never straddle two CTAs.
+        never straddle two CTAs. The row schedule never changes a bit of the result: up to the
+        cap each row still has its own cluster; past it, clusters loop with one row prefetched.
         """
+        return BoundaryConfig.scheduled(BoundaryConfig.baseline(H))
+
+    @staticmethod
+    def scheduled(base: BoundaryConfig) -> BoundaryConfig:
+        """`base`'s split with the looping-cluster row schedule: a cap from the register budget, prefetch."""
+        ctas_per_sm = min(32, 2048 // base.threads, 65536 // (REGISTER_BUDGET * base.threads))
+        cap = int(RESIDENT_SHARE * (SMS * ctas_per_sm // base.cluster_n))
+        return replace(
+            base, max_clusters=cap, prefetch=1, cache_hints="loads", scale_pad="early", min_ctas_per_sm=ctas_per_sm
+        )
+
+    @staticmethod
+    def baseline(H: int) -> BoundaryConfig:
+        """The split, one cluster per row, plain loads and stores: 1024 columns (128 threads) per CTA when
+        H allows it, else the widest cluster. Measured on the H200 (docs/PERF.md v1), 128-thread CTAs
+        with no idle lane beat the widest split by 5-12 % at 512 rows and tie it at few rows."""
+        _check_hidden(H)
+        if H % 1024 == 0 and 2 <= H // 1024 <= MAX_CLUSTER:
+            return BoundaryConfig.for_cluster(H, H // 1024)
+        return BoundaryConfig.widest(H)
+
+    @staticmethod
+    def widest(H: int) -> BoundaryConfig:
+        """The widest cluster (<= 8) whose CTAs own >= 512 columns in multiples of 128 (v1's default)."""
         _check_hidden(H)
         widths = [n for n in range(1, MAX_CLUSTER + 1) if H % (n * SCALE_WORD_COLS) == 0 and H // n >= MIN_CHUNK]
         return BoundaryConfig.for_cluster(H, max(widths, default=1))
@@ -70,8 +123,13 @@ class BoundaryConfig:
         config.validate(H)
         return config
 
+    @property
+    def looping(self) -> bool:
+        """Whether clusters loop over several rows (a cap on the cluster count)."""
+        return self.max_clusters > 0
+
     def validate(self, H: int) -> None:
-        """Raise ValueError unless this config tiles a row of H columns."""
+        """Raise ValueError unless this config tiles a row of H columns and its schedule knobs are valid."""
         _check_cluster(H, self.cluster_n)
         vecs, t = H // self.cluster_n // VEC, self.threads
         if not (isinstance(t, int) and 32 <= t <= 1024 and t % 32 == 0 and t <= _round_up(vecs, 32)):
@@ -79,10 +137,33 @@ class BoundaryConfig:
                 f"threads must be a multiple of 32 in 32..1024 and leave no warp idle (<= {_round_up(vecs, 32)} "
                 f"for {vecs} vectors per CTA); got threads={t!r} for H={H}, cluster_n={self.cluster_n}"
             )
+        m = self.max_clusters
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= MAX_ROWS:
+            raise ValueError(f"max_clusters must be an int in 0..{MAX_ROWS} (0: one cluster per row), got {m!r}")
+        if self.prefetch not in PREFETCH_DEPTHS or isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be one of {PREFETCH_DEPTHS}, got {self.prefetch!r}")
+        if self.prefetch and not self.looping:
+            raise ValueError("prefetch needs looping clusters (max_clusters > 0): a lone row has nothing to prefetch")
+        if self.cache_hints not in CACHE_HINTS:
+            raise ValueError(f"cache_hints must be one of {CACHE_HINTS}, got {self.cache_hints!r}")
+        if self.scale_pad not in SCALE_PADS:
+            raise ValueError(f"scale_pad must be one of {SCALE_PADS}, got {self.scale_pad!r}")
+        c = self.min_ctas_per_sm
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 32 or c * self.threads > 2048:
+            raise ValueError(f"min_ctas_per_sm must be an int in 0..32 with at most 2048 threads per SM, got {c!r}")
+        if self.scale_pad == "tail" and self.looping:
+            raise ValueError('scale_pad="tail" pads after each row of its own cluster: looping clusters need "early"')
 
     def vecs_per_thread(self, H: int) -> int:
         """16-byte vectors each thread owns in its CTA's chunk (the last may be idle on some threads)."""
         return -(-(H // self.cluster_n // VEC) // self.threads)
+
+    def clusters(self, rows: int) -> int:
+        """Clusters launched for `rows` rows (the kernel computes the same on the device side of the launch)."""
+        if not self.looping or rows == 0:
+            return rows
+        per_cluster = -(-rows // self.max_clusters)
+        return -(-rows // per_cluster)
 
 
 def _round_up(a: int, b: int) -> int:
@@ -117,8 +198,27 @@ def _default_threads(chunk: int) -> int:
     return _round_up(-(-vecs // per_thread), 32)
 
 
+class _RowRegs:
+    """The registers one row's loads land in: the streams, the partial and addend, the coefficients."""
+
+    def __init__(self, kernel: FusedBoundaryKernel) -> None:
+        vpt = kernel.vpt
+        self.rR = cute.make_rmem_tensor(_row_major((vpt, HC, VEC)), BFloat16)
+        self.rX = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16) if kernel.y_source == "x" else None
+        self.rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16) if kernel.shared else None
+        # One per lane (lane i holds coefficient i) when prefetching, else all of them in every thread.
+        self.coef = cute.make_rmem_tensor((1 if kernel.lane_coefs else COEFS,), Float32)
+
+
+class _Ctx:
+    """What every row of a CTA shares: the tensors, this thread's columns, the norm weight, the exchange."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
 class FusedBoundaryKernel:
-    """One fused-boundary kernel: the y source, the outputs and the launch shape are compile-time."""
+    """One fused-boundary kernel: the y source, the outputs, the launch shape and the row schedule are compile-time."""
 
     def __init__(
         self,
@@ -151,9 +251,20 @@ class FusedBoundaryKernel:
         # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
         self.tail = self.vpt * self.threads != self.vecs
         self.warps = config.threads // 32
+        self.slots = self.warps * config.cluster_n  # RMS partials per row
         # Only the RMS needs cross-CTA traffic: the residual-only kernel launches no cluster.
         self.use_cluster = pre and config.cluster_n > 1
         self.scale_cols = H // MXFP8_BLOCK  # Kp: H is a multiple of 128, so no padded columns
+        self.max_clusters = config.max_clusters
+        self.looping = config.looping
+        self.prefetch = config.prefetch
+        self.stages = 2 if config.looping else 1  # exchange buffers, by row parity
+        # A prefetched row keeps its 24 coefficients in one register per lane, shuffled out when used.
+        self.lane_coefs = config.prefetch > 0
+        self.stream_loads = config.cache_hints != "none"
+        self.stream_stores = config.cache_hints == "all"
+        self.scale_pad = config.scale_pad
+        self.min_ctas_per_sm = config.min_ctas_per_sm
 
     @cute.jit
     def __call__(
@@ -177,12 +288,20 @@ class FusedBoundaryKernel:
         stream: cuda.CUstream,
     ):
         rows = mR.shape[0]
+        clusters = rows
+        if const_expr(self.looping):
+            # The fewest rows per cluster under the cap, then the fewest clusters that give each that many.
+            per_cluster = (rows + (self.max_clusters - 1)) // self.max_clusters
+            clusters = (rows + per_cluster - 1) // per_cluster
         self.kernel(mR, mPost, mComb, mPre, mW, mX, mShared, mG, mEW, mIdx, mNewR, mOut, mQ, mScale, mAux, eps).launch(
-            grid=[self.cluster_n, rows, 1],
+            grid=[self.cluster_n, clusters, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster_n, 1, 1] if const_expr(self.use_cluster) else None,
             stream=stream,
             use_pdl=True,
+            min_blocks_per_mp=self.min_ctas_per_sm,
+            # Given, so that the compile never asks a GPU for its shared memory size (-1: the driver's default).
+            preferred_smem_carveout=-1 if const_expr(self.min_ctas_per_sm > 1) else None,
         )
 
     @cute.kernel
@@ -206,18 +325,19 @@ class FusedBoundaryKernel:
         eps: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, row, _ = cute.arch.block_idx()
+        cta, first_row, _ = cute.arch.block_idx()
         vpt = const_expr(self.vpt)
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
 
         smem = cutlass.memory.SmemAllocator()
         sRed, mbar = None, None
         if const_expr(self.pre):
-            sRed = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.cluster_n), byte_alignment=16)
+            sRed = smem.allocate_tensor(Float32, cute.make_layout(self.stages * self.slots), byte_alignment=16)
         if const_expr(self.use_cluster):
-            mbar = smem.allocate_array(cutlass.Int64, num_elems=1)
+            mbar = smem.allocate_array(cutlass.Int64, num_elems=self.stages)
             if tidx == 0:
-                cute.arch.mbarrier_init(mbar, 1)
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(mbar + s, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.cluster_arrive_relaxed()
 
@@ -238,19 +358,143 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
+        policy = prim.l2_evict_first_policy() if const_expr(self.stream_loads) else None
         cute.arch.griddepcontrol_wait()
 
-        post = [mPost[row, j] for j in range(HC)]
-        comb = [[mComb[row, k, j] for j in range(HC)] for k in range(HC)]
-        rR = cute.make_rmem_tensor(_row_major((vpt, HC, VEC)), BFloat16)
+        ctx = _Ctx(
+            mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
+            mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=mR.shape[0], cta=cta,
+            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, policy=policy,
+        )  # fmt: skip
+        if const_expr(not self.looping):
+            regs = _RowRegs(self)
+            self.load_row(ctx, regs, first_row)
+            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(self.mxfp8 and self.scale_pad == "early"):
+                self.zero_scale_padding_early(ctx, first_row, ctx.rows)
+            self.process_row(ctx, regs, first_row, 0, Int32(0), None)
+            if const_expr(self.mxfp8 and self.scale_pad == "tail"):
+                self.zero_scale_padding(mScale, first_row, cta, tidx)
+        else:
+            rows, clusters = ctx.rows, cute.arch.grid_dim()[1]
+            # Row i of this cluster (first_row + i*clusters) lands in regs[i % 2] at depth 2.
+            regs = [_RowRegs(self) for _ in range(2 if self.prefetch == 2 else 1)]
+            for i in cutlass.range_constexpr(self.prefetch):
+                if const_expr(i == 0):
+                    self.load_row(ctx, regs[0], first_row)
+                else:
+                    if first_row + clusters < rows:
+                        self.load_row(ctx, regs[1], first_row + clusters)
+            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(self.mxfp8):
+                self.zero_scale_padding_early(ctx, first_row, clusters)
+            if const_expr(self.use_cluster):
+                cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+            # Two rows per trip, so that each uses its own exchange stage with a static index. The
+            # row goes through an opaque move so that the compiler keeps no per-tensor row pointers
+            # alive across the loop.
+            row, phase = first_row, Int32(0)
+            while row < rows:
+                self.loop_row(ctx, regs[0], prim.opaque_i32(row), 0, phase, clusters)
+                if row + clusters < rows:
+                    self.loop_row(ctx, regs[-1], prim.opaque_i32(row + clusters), 1, phase, clusters)
+                row, phase = row + 2 * clusters, phase ^ 1
+
+    @cute.jit
+    def loop_row(self, ctx: _Ctx, regs: _RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
+        """One row of a looping cluster: its loads unless prefetched, then the row, prefetching `prefetch` rows on."""
+        ahead = None
+        if const_expr(self.prefetch == 0):
+            self.load_row(ctx, regs, row)
+        else:
+            ahead = row + self.prefetch * clusters
+        self.process_row(ctx, regs, row, stage, phase, ahead)
+
+    @cute.jit
+    def process_row(self, ctx: _Ctx, regs: _RowRegs, row: Int32, stage: int, phase: Int32, ahead: Int32 | None):
+        """New streams (and aux) of a loaded row, then its norm; the loads of row `ahead` go out in between."""
+        rC, sumsq = self.compute_row(ctx, regs, row)
+        if const_expr(ahead is not None):
+            # regs is consumed: refill it while this row's sum goes round the cluster.
+            if ahead < ctx.rows:
+                self.load_row(ctx, regs, ahead)
+        if const_expr(self.pre):
+            self.finish_row(ctx, row, rC, sumsq, stage, phase)
+
+    @cute.jit
+    def load_row(self, ctx: _Ctx, regs: _RowRegs, row: Int32):
+        """Issue every load of one row into `regs`; nothing waits for them here."""
+        vpt = const_expr(self.vpt)
+        self.load_coefs(ctx, regs.coef, row)
         for v in cutlass.range_constexpr(vpt):
             for k in cutlass.range_constexpr(HC):
-                cute.copy(copy16, cute.local_tile(mR[row, k, None], (VEC,), (vcols[v],)), rR[v, k, None])
-        pre = [mPre[row, j] for j in range(HC)] if const_expr(self.pre) else None
-        y = self.load_y(mX, mShared, mG, mEW, mIdx, row, vcols)
-        cute.arch.griddepcontrol_launch_dependents()
+                self.load16(ctx, cute.local_tile(ctx.mR[row, k, None], (VEC,), (ctx.vcols[v],)), regs.rR[v, k, None])
+        if const_expr(self.shared):
+            for v in cutlass.range_constexpr(vpt):
+                self.load16(ctx, cute.local_tile(ctx.mShared[row, None], (VEC,), (ctx.vcols[v],)), regs.rS[v, None])
+        if const_expr(self.y_source == "x"):
+            for v in cutlass.range_constexpr(vpt):
+                self.load16(ctx, cute.local_tile(ctx.mX[row, None], (VEC,), (ctx.vcols[v],)), regs.rX[v, None])
 
-        rStore = cute.make_rmem_tensor((VEC,), BFloat16)
+    @cute.jit
+    def load16(self, ctx: _Ctx, gSrc: cute.Tensor, rDst: cute.Tensor):
+        """One 16-byte vector of a read-once input into registers (L1-bypassing and L2 evict-first with hints)."""
+        if const_expr(ctx.policy is None):
+            copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            cute.copy(copy16, gSrc, rDst)
+        else:
+            words = prim.ld_global_v4_stream(gSrc.iterator.toint(), ctx.policy)
+            rw = cute.recast_tensor(rDst, Uint32)
+            for i in cutlass.range_constexpr(4):
+                rw[i] = words[i]
+
+    @cute.jit
+    def load_coefs(self, ctx: _Ctx, coef: cute.Tensor, row: Int32):
+        """post, comb and pre of a row: all 24 in every thread, or coefficient i in lane i (lane_coefs)."""
+        n = const_expr(COEFS if self.pre else HC + HC * HC)
+        if const_expr(self.lane_coefs):
+            # Flat offsets into the compact [T, 4], [T, 4, 4] and [T, 4] fp32 tensors.
+            lane = cute.arch.lane_idx()
+            addr = ctx.mPost.iterator.toint() + (Int64(row) * HC + Int64(cutlass.min(lane, HC - 1))) * 4
+            i_comb = cutlass.min(cutlass.max(lane - HC, Int32(0)), HC * HC - 1)
+            a_comb = ctx.mComb.iterator.toint() + (Int64(row) * (HC * HC) + Int64(i_comb)) * 4
+            addr = Int64(cutlass.select_(lane < HC, addr, a_comb))
+            if const_expr(self.pre):
+                i_pre = cutlass.min(cutlass.max(lane - HC - HC * HC, Int32(0)), HC - 1)
+                a_pre = ctx.mPre.iterator.toint() + (Int64(row) * HC + Int64(i_pre)) * 4
+                addr = Int64(cutlass.select_(lane < HC + HC * HC, addr, a_pre))
+            coef[0] = prim.f32_from_bits(prim.ld_global_b32_pred(addr, lane < n))
+        else:
+            for j in cutlass.range_constexpr(HC):
+                coef[j] = ctx.mPost[row, j]
+            for k in cutlass.range_constexpr(HC):
+                for j in cutlass.range_constexpr(HC):
+                    coef[HC + k * HC + j] = ctx.mComb[row, k, j]
+            if const_expr(self.pre):
+                for j in cutlass.range_constexpr(HC):
+                    coef[HC + HC * HC + j] = ctx.mPre[row, j]
+
+    @cute.jit
+    def coefs(self, coef: cute.Tensor) -> tuple[list, list, list | None]:
+        """(post[j], comb[k][j], pre[j]) of a loaded row."""
+        n = const_expr(COEFS if self.pre else HC + HC * HC)
+        if const_expr(self.lane_coefs):
+            vals = [cute.arch.shuffle_sync(coef[0], i) for i in range(n)]
+        else:
+            vals = [coef[i] for i in range(n)]
+        post = vals[:HC]
+        comb = [[vals[HC + k * HC + j] for j in range(HC)] for k in range(HC)]
+        pre = vals[HC + HC * HC :] if const_expr(self.pre) else None
+        return post, comb, pre
+
+    @cute.jit
+    def compute_row(self, ctx: _Ctx, regs: _RowRegs, row: Int32) -> tuple[cute.Tensor | None, Float32]:
+        """Store the new streams (and aux) of a loaded row; return its collapse (fp32 of bf16) and sum of squares."""
+        vpt = const_expr(self.vpt)
+        valid = ctx.valid
+        post, comb, pre = self.coefs(regs.coef)
+        y = self.make_y(ctx, regs, row)
+        rR = regs.rR
         rC = cute.make_rmem_tensor(_row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
         sumsq = Float32(0.0)
         for v in cutlass.range_constexpr(vpt):
@@ -268,7 +512,7 @@ class FusedBoundaryKernel:
                         pair.append(acc)
                     words.append(prim.cvt_bf16x2(pair[0], pair[1]))
                 new_streams.append(words)
-                self.store_words(words, rStore, cute.local_tile(mNewR[row, j, None], (VEC,), (vcols[v],)), valid[v])
+                self.store_words(words, cute.local_tile(ctx.mNewR[row, j, None], (VEC,), (ctx.vcols[v],)), valid[v])
             # The rounded new streams, back in fp32.
             rp = [[self.unpack(words, e) for e in range(VEC)] for words in new_streams]
             if const_expr(self.aux):
@@ -281,7 +525,7 @@ class FusedBoundaryKernel:
                         )
                         pair.append(prim.mul_rn(s, Float32(1.0 / HC)))
                     words.append(prim.cvt_bf16x2(pair[0], pair[1]))
-                self.store_words(words, rStore, cute.local_tile(mAux[row, None], (VEC,), (vcols[v],)), valid[v])
+                self.store_words(words, cute.local_tile(ctx.mAux[row, None], (VEC,), (ctx.vcols[v],)), valid[v])
             if const_expr(self.pre):
                 for e in cutlass.range_constexpr(0, VEC, 2):
                     pair = []
@@ -297,57 +541,45 @@ class FusedBoundaryKernel:
                         sumsq = sumsq + c0 * c0 + c1 * c1
                     else:
                         sumsq = sumsq + Float32(cutlass.select_(valid[v], c0 * c0 + c1 * c1, Float32(0.0)))
-
-        if const_expr(self.pre):
-            total = self.row_sum(sumsq, sRed, mbar, cta)
-            inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + eps)
-            for v in cutlass.range_constexpr(vpt):
-                wf = rW[v, None].load().to(Float32)
-                words = [
-                    prim.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1]) for e in range(0, VEC, 2)
-                ]
-                self.store_words(words, rStore, cute.local_tile(mOut[row, None], (VEC,), (vcols[v],)), valid[v])
-                if const_expr(self.mxfp8):
-                    self.quantize_vector(words, mQ, mScale, row, vcols[v], valid[v])
-            if const_expr(self.mxfp8):
-                self.zero_scale_padding(mScale, row, cta, tidx)
+        return rC, sumsq
 
     @cute.jit
-    def load_y(
-        self,
-        mX: cute.Tensor | None,
-        mShared: cute.Tensor | None,
-        mG: cute.Tensor | None,
-        mEW: cute.Tensor | None,
-        mIdx: cute.Tensor | None,
-        row: Int32,
-        vcols: list,
-    ) -> cute.Tensor:
+    def finish_row(self, ctx: _Ctx, row: Int32, rC: cute.Tensor, sumsq: Float32, stage: int, phase: Int32):
+        """The row's RMS over the cluster, then out (and MXFP8)."""
+        vpt = const_expr(self.vpt)
+        total = self.row_sum(sumsq, ctx.sRed, ctx.mbar, ctx.cta, stage, phase)
+        inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + ctx.eps)
+        for v in cutlass.range_constexpr(vpt):
+            if const_expr(self.looping):
+                # Unpacked per row: fp32 copies hoisted out of the loop would hold twice the registers.
+                rw = cute.recast_tensor(ctx.rW[v, None], Uint32)
+                packed = [prim.opaque_u32(rw[i]) for i in range(VEC // 2)]
+                wf = [self.unpack(packed, e) for e in range(VEC)]
+            else:
+                wf = ctx.rW[v, None].load().to(Float32)
+            words = [prim.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1]) for e in range(0, VEC, 2)]
+            self.store_words(words, cute.local_tile(ctx.mOut[row, None], (VEC,), (ctx.vcols[v],)), ctx.valid[v])
+            if const_expr(self.mxfp8):
+                self.quantize_vector(words, ctx.mQ, ctx.mScale, row, ctx.vcols[v], ctx.valid[v])
+
+    @cute.jit
+    def make_y(self, ctx: _Ctx, regs: _RowRegs, row: Int32) -> cute.Tensor:
         """y for this thread's vectors as a (vpt, 8) fp32 register tensor holding bf16 values.
 
         The one place that knows where y comes from (`y_source`): a later multi-rank kernel plugs
         its rank-order sum of peer partials in here.
         """
         vpt = const_expr(self.vpt)
-        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         y = cute.make_rmem_tensor(_row_major((vpt, VEC)), Float32)
-        rS = None
-        if const_expr(self.shared):
-            rS = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
-            for v in cutlass.range_constexpr(vpt):
-                cute.copy(copy16, cute.local_tile(mShared[row, None], (VEC,), (vcols[v],)), rS[v, None])
         if const_expr(self.y_source == "x"):
-            rX = cute.make_rmem_tensor(_row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
-                cute.copy(copy16, cute.local_tile(mX[row, None], (VEC,), (vcols[v],)), rX[v, None])
-            for v in cutlass.range_constexpr(vpt):
-                y[v, None].store(rX[v, None].load().to(Float32))
+                y[v, None].store(regs.rX[v, None].load().to(Float32))
         else:
-            self.moe_combine(y, mG, mEW, mIdx, row, vcols)
+            self.moe_combine(y, ctx.mG, ctx.mEW, ctx.mIdx, row, ctx.vcols)
         # y = bf16(partial + shared): the shared addend comes last, then one rounding.
         if const_expr(self.shared):
             for v in cutlass.range_constexpr(vpt):
-                ss = rS[v, None].load().to(Float32)
+                ss = regs.rS[v, None].load().to(Float32)
                 self.round_into(y, v, [prim.add_rn(y[v, e], ss[e]) for e in range(VEC)])
         elif const_expr(self.y_source == "moe"):
             for v in cutlass.range_constexpr(vpt):
@@ -402,42 +634,63 @@ class FusedBoundaryKernel:
         return prim.bf16_lo(words[e // 2]) if e % 2 == 0 else prim.bf16_hi(words[e // 2])
 
     @cute.jit
-    def store_words(self, words: list, rStore: cute.Tensor, gDst: cute.Tensor, valid: cutlass.Boolean | None):
-        """Store 4 packed bf16 words as one 16-byte vector (unless `valid` is False)."""
-        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        rw = cute.recast_tensor(rStore, Uint32)
-        for i in cutlass.range_constexpr(4):
-            rw[i] = words[i]
-        if const_expr(valid is None):
-            cute.copy(copy16, rStore, gDst)
+    def store_words(self, words: list, gDst: cute.Tensor, valid: cutlass.Boolean | None):
+        """Store 4 packed bf16 words as one 16-byte vector (unless `valid` is False); streaming with cache hints "all"."""
+        if const_expr(self.stream_stores):
+            addr = gDst.iterator.toint()
+            if const_expr(valid is None):
+                prim.st_global_v4_b32(addr, *words, streaming=True)
+            else:
+                if valid:
+                    prim.st_global_v4_b32(addr, *words, streaming=True)
         else:
-            if valid:
+            copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            rStore = cute.make_rmem_tensor((VEC,), BFloat16)
+            rw = cute.recast_tensor(rStore, Uint32)
+            for i in cutlass.range_constexpr(4):
+                rw[i] = words[i]
+            if const_expr(valid is None):
                 cute.copy(copy16, rStore, gDst)
+            else:
+                if valid:
+                    cute.copy(copy16, rStore, gDst)
 
     @cute.jit
-    def row_sum(self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32) -> Float32:
-        """The sum of `val` over every thread of the row's CTAs, in a fixed order, on every thread."""
+    def row_sum(
+        self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32, stage: int, phase: Int32
+    ) -> Float32:
+        """The sum of `val` over every thread of the row's CTAs, in a fixed order, on every thread.
+
+        Looping clusters alternate two exchange stages by row parity. A peer can only write a
+        stage again two rows later, after this CTA's every warp has sent the row in between,
+        which each warp does after reading the stage.
+        """
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         val = cute.arch.warp_reduction_sum(val)
+        base = const_expr(stage * self.slots)
         slot = cta * self.warps + warp
         if const_expr(self.use_cluster):
-            cute.arch.cluster_wait()  # every peer's mbarrier is initialised
+            if const_expr(not self.looping):
+                cute.arch.cluster_wait()  # every peer's mbarrier is initialised
             if warp == 0:
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.warps * self.cluster_n * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.slots * 4)
             if lane < self.cluster_n:
-                prim.st_async_remote_f32(val, sRed.iterator + slot, mbar, lane)
-            cute.arch.mbarrier_wait(mbar, 0)
+                prim.st_async_remote_f32(val, sRed.iterator + base + slot, mbar + stage, lane)
+            cute.arch.mbarrier_wait(mbar + stage, phase)
         else:
             if lane == 0:
-                sRed[slot] = val
+                sRed[base + slot] = val
             cute.arch.barrier()
-        slots = const_expr(self.warps * self.cluster_n)
+        slots = const_expr(self.slots)
         part = Float32(0.0)
         for i in cutlass.range_constexpr(cute.ceil_div(slots, 32)):
             if lane + i * 32 < slots:
-                part = part + sRed[lane + i * 32]
+                part = part + sRed[base + lane + i * 32]
+        if const_expr(self.use_cluster and self.looping):
+            # The peers' next writes to this stage come through the async proxy: order our reads first.
+            cute.arch.fence_view_async_shared()
         return cute.arch.warp_reduction_sum(part)
 
     @cute.jit
@@ -520,6 +773,43 @@ class FusedBoundaryKernel:
                 k = k0 + (item % words_per_row) * 4
                 prim.st_global_b32(base + self.scale_offset(m, k), Uint32(0))
 
+    @cute.jit
+    def zero_scale_padding_early(self, ctx: _Ctx, cluster: Int32, clusters: Int32):
+        """Zero this CTA's columns of the scale padding rows T..roundup(T, 128)-1, spread over every cluster.
+
+        16-byte segment s of a 512-byte block holds rows s, s+32, s+64, s+96 of the last 128-row
+        tile: past the real rows a whole segment is padding (one 16-byte store), before them the
+        padded rows of a segment are its tail (at most two stores). Right after the loads go out,
+        these stores stay off the row's critical path.
+        """
+        rows = ctx.rows
+        blocks = const_expr(self.chunk // SCALE_WORD_COLS)  # 512-byte blocks of this CTA per tile
+        tile = Int64((rows - 1) // 128) * (128 * self.scale_cols)
+        base = ctx.mScale.iterator.toint() + tile + Int64(ctx.cta * (blocks * 512))
+        start = cluster * self.threads + ctx.tidx
+        in_tile = (rows - 1) % 128 + 1  # real rows in the last tile
+        if in_tile < 128:
+            aligned = base % 16 == 0  # the buffer need only be 4-byte aligned
+            zero = Uint32(0)
+            for item in cutlass.range(start, blocks * 32, clusters * self.threads):
+                s = item % 32
+                addr = base + Int64((item // 32) * 512 + s * 16)
+                first = (in_tile - s + 31) // 32  # the first padding row s + 32*q of the segment; 4: none
+                if aligned:
+                    if first == 0:
+                        prim.st_global_v4_b32(addr, zero, zero, zero, zero)
+                    if first == 1:
+                        prim.st_global_b32(addr + 4, zero)
+                        prim.st_global_v2_b32(addr + 8, zero, zero)
+                    if first == 2:
+                        prim.st_global_v2_b32(addr + 8, zero, zero)
+                    if first == 3:
+                        prim.st_global_b32(addr + 12, zero)
+                else:
+                    for q in cutlass.range_constexpr(4):
+                        if first <= q:
+                            prim.st_global_b32(addr + 4 * q, zero)
+
 
 def mxfp8_scale_bytes(rows: int, H: int) -> int:
     """Bytes of the swizzled 128x4 scale buffer for [rows, H] (H a multiple of 128)."""
@@ -534,19 +824,17 @@ def compile_fused_boundary(
     pre: bool,
     mxfp8: bool,
     aux: bool,
-    cluster_n: int,
-    threads: int,
+    config: BoundaryConfig,
     *,
     arch: str,
 ) -> Callable[..., Any]:
-    """Compile one fused-boundary variant; the row count T (and P, top-k) stay dynamic.
+    """Compile one fused-boundary variant with its launch shape and row schedule; T (and P, top-k) stay dynamic.
 
     The compiled function takes, positionally, (residual, post, comb, pre, norm_weight, x,
     shared, gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale,
     aux, norm_eps), with None for every tensor the variant does not use.
     """
     check_arch(arch)
-    config = BoundaryConfig(cluster_n, threads)
     kernel = FusedBoundaryKernel(H, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux, config=config)
     T, top_k = cute.sym_int(), cute.sym_int()
     bf16 = lambda shape: fake_tensor(BFloat16, shape, divisibility=8)  # noqa: E731
@@ -594,7 +882,7 @@ ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = tuple(
 
 @functools.cache
 def default_config(H: int) -> BoundaryConfig:
-    """The launch shape used when none is given: a function of H only (batch invariance)."""
+    """The launch shape and row schedule used when none is given: a function of H only (batch invariance)."""
     return BoundaryConfig.for_hidden(H)
 
 
@@ -603,7 +891,7 @@ def compiled_boundary(
 ) -> Callable[..., Any]:
     """The compiled kernel of one variant (compiled or loaded on first use)."""
     config = default_config(H) if config is None else config
-    return compile_fused_boundary(H, *variant, config.cluster_n, config.threads, arch=arch)
+    return compile_fused_boundary(H, *variant, config, arch=arch)
 
 
 def warmup_keys(
@@ -621,7 +909,7 @@ def warmup_keys(
         WarmupJob(
             name=f"boundary H={H} {variant_name(v)}",
             compile_fn=compile_fused_boundary,
-            args=(H, *v, config.cluster_n, config.threads),
+            args=(H, *v, config),
             kwargs=(("arch", arch),),
         )
         for v in variants

@@ -177,3 +177,72 @@ def st_global_v2_b32(addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=None) 
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (createpolicy) that makes every line it touches evict-first."""
+    res = _asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    return Int64(res)
+
+
+@dsl_user_op
+def ld_global_v4_stream(addr: Int64, policy: Int64, *, loc=None, ip=None) -> tuple[Uint32, ...]:
+    """16 bytes read once: no L1 allocation, and the L2 lines evict-first under `policy`."""
+    # Side-effecting, like ld_global_v4_pred, so that LLVM keeps it after griddepcontrol.wait.
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+        "ld.global.L1::no_allocate.L2::cache_hint.v4.b32 {$0, $1, $2, $3}, [$4], $5;",
+        "=r,=r,=r,=r,l,l",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_b32_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Uint32:
+    """One 32-bit word from a global address when `pred`, else 0 without touching memory."""
+    res = _asm(
+        T.i32(),
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];\n\t}",
+        "=r,l,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(res)
+
+
+@dsl_user_op
+def st_global_v4_b32(
+    addr: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, streaming: bool = False, loc=None, ip=None
+) -> None:
+    """Store four 32-bit words (16 bytes, 16-byte aligned); `streaming` marks them evict-first (st.global.cs)."""
+    op = "st.global.cs.v4.b32" if streaming else "st.global.v4.b32"
+    cute.arch.inline_ptx(
+        op + " [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[Int64(addr), Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """x, through a move the compiler cannot see into (so nothing derived from it is strength-reduced or hoisted)."""
+    res = _asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+               side_effects=True, loc=loc, ip=ip)  # fmt: skip
+    return Int32(res)
+
+
+@dsl_user_op
+def opaque_u32(x: Uint32, *, loc=None, ip=None) -> Uint32:
+    """x, through a move the compiler cannot see into (so nothing derived from it is hoisted out of a loop)."""
+    res = _asm(T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+               side_effects=True, loc=loc, ip=ip)  # fmt: skip
+    return Uint32(res)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,8 +30,8 @@ def _compile(H: int, variant: bk.BoundaryVariant, arch: str, config: bk.Boundary
 
 @pytest.mark.parametrize(
     ("H", "expected"),
-    [(256, (1, 32)), (1024, (2, 64)), (2560, (5, 64)), (4096, (8, 64)), (5120, (8, 96)), (6144, (8, 96)),
-     (7168, (8, 128))],
+    [(256, (1, 32)), (1024, (2, 64)), (2560, (5, 64)), (4096, (4, 128)), (5120, (5, 128)), (6144, (6, 128)),
+     (7168, (7, 128)), (8192, (8, 128))],
 )  # fmt: skip
 def test_default_config_depends_on_h_only(H: int, expected: tuple[int, int]) -> None:
     config = bk.default_config(H)
@@ -68,6 +69,42 @@ def test_config_validation(H: int, cluster_n: int, threads: int, match: str) -> 
         bk.BoundaryConfig(cluster_n, threads).validate(H)
 
 
+@pytest.mark.parametrize(
+    ("knobs", "match"),
+    [
+        (dict(max_clusters=-1), "max_clusters"),
+        (dict(max_clusters=True), "max_clusters"),
+        (dict(prefetch=1), "prefetch needs looping"),
+        (dict(max_clusters=8, prefetch=3, scale_pad="early"), "prefetch must be one of"),
+        (dict(cache_hints="some"), "cache_hints"),
+        (dict(scale_pad="late"), "scale_pad must be one of"),
+        (dict(max_clusters=8), 'scale_pad="tail"'),
+        (dict(min_ctas_per_sm=17), "min_ctas_per_sm"),
+    ],
+)
+def test_schedule_validation(knobs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        replace(bk.BoundaryConfig.baseline(7168), **knobs).validate(7168)
+
+
+def test_default_schedule() -> None:
+    for H in (256, 2560, 4096, 5120, 7168):
+        config, base = bk.default_config(H), bk.BoundaryConfig.baseline(H)
+        assert (config.cluster_n, config.threads) == (base.cluster_n, base.threads)  # the reduction order
+        assert config.looping and config.prefetch == 1 and config.scale_pad == "early"
+        assert config.min_ctas_per_sm * config.threads * bk.REGISTER_BUDGET <= 65536
+        # Every cluster fits at once on an H100/H200 at the launch bounds.
+        assert config.max_clusters * config.cluster_n <= bk.SMS * config.min_ctas_per_sm
+        assert base == bk.BoundaryConfig(base.cluster_n, base.threads)
+    config = bk.default_config(7168)
+    cap = config.max_clusters
+    assert cap == 84  # 90 % of the 7-CTA clusters that fit at 5 CTAs per SM on 132 SMs
+    assert [config.clusters(t) for t in (0, 1, 16, cap, cap + 1, 512)] == [0, 1, 16, cap, 43, 74]
+    for rows in range(1, 1200):  # balanced: every cluster takes ceil(rows / clusters) rows or one fewer
+        n = config.clusters(rows)
+        assert n <= config.max_clusters and -(-rows // n) == -(-rows // config.max_clusters)
+
+
 def test_kernel_rejects_bad_flags() -> None:
     with pytest.raises(ValueError, match="y_source"):
         bk.FusedBoundaryKernel(5120, y_source="peers")
@@ -81,7 +118,9 @@ def test_engine_variants_and_warmup_keys() -> None:
     jobs = bk.warmup_keys(5120, arch="sm_90a")
     assert len(jobs) == 24 and len({j.name for j in jobs}) == 24
     assert jobs[0].compile_fn is bk.compile_fused_boundary
-    assert all(j.args[0] == 5120 and j.args[-2:] == (8, 96) and dict(j.kwargs) == {"arch": "sm_90a"} for j in jobs)
+    config = bk.default_config(5120)
+    assert (config.cluster_n, config.threads) == (5, 128)
+    assert all(j.args[0] == 5120 and j.args[-1] == config and dict(j.kwargs) == {"arch": "sm_90a"} for j in jobs)
     with pytest.raises(ValueError, match="arch"):
         bk.warmup_keys(5120, arch="sm_80")
 
@@ -106,10 +145,15 @@ def test_main_variant_compiles_at_every_h(H: int, arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
     ("H", "config"),
-    [(7168, bk.BoundaryConfig(1, 448)), (5120, bk.BoundaryConfig(5, 96)), (7168, bk.BoundaryConfig(7, 128))],
-)
+    [(7168, bk.BoundaryConfig(1, 448)), (5120, bk.BoundaryConfig(5, 96)), (7168, bk.BoundaryConfig(7, 128)),
+     (7168, bk.BoundaryConfig(1, 448, max_clusters=9, prefetch=2, scale_pad="early")),
+     (2560, bk.BoundaryConfig(5, 64, cache_hints="all", scale_pad="early")),
+     (4096, bk.BoundaryConfig(8, 64, max_clusters=3, scale_pad="early", min_ctas_per_sm=16))],
+)  # fmt: skip
 def test_other_configs_compile(H: int, config: bk.BoundaryConfig, arch: str) -> None:
     _compile(H, bk.BoundaryVariant("moe", True, True, True, True), arch, config)
+    if config.looping:
+        _compile(H, bk.BoundaryVariant("x", False, False, False, False), arch, config)  # residual-only
 
 
 # ---------------------------------------------------------------------------------------------

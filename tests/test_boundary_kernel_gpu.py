@@ -321,3 +321,113 @@ def test_post_with_a_trailing_one_and_zero_rows(arch: str) -> None:
     assert bitwise_equal(plain.new_residual, trailing.new_residual) and bitwise_equal(plain.out, trailing.out)
     empty = make_inputs(0, 5120, MAIN)
     run(empty, MAIN, arch)  # no launch, no error
+
+
+# ---------------------------------------------------------------------------------------------
+# Row schedules: looping clusters, prefetch, cache hints, scale padding and launch bounds change no
+# bit of any output (the per-row arithmetic and the RMS reduction order are the same), against the
+# first default (one cluster per row, plain loads and stores, scale padding after the row).
+
+ALL_OUTPUTS = bk.BoundaryVariant("x", shared=True, pre=True, mxfp8=True, aux=True)
+
+
+def _schedules(H: int) -> dict[str, bk.BoundaryConfig]:
+    """The schedules to hold bit-identical to the baseline: the default and each knob on its own."""
+    base, default = bk.BoundaryConfig.baseline(H), bk.default_config(H)
+    return {
+        "default": default,
+        "early-pad": replace(base, scale_pad="early"),
+        "hints-all": replace(base, cache_hints="all", scale_pad="early"),
+        # Tiny caps make each cluster loop over many rows (T=512: 171 and 103 rows), both parities.
+        "loop3-p0": replace(default, max_clusters=3, prefetch=0, cache_hints="none", min_ctas_per_sm=0),
+        "loop5-p2": replace(default, max_clusters=5, prefetch=2),
+        "loop2-p1-all": replace(default, max_clusters=2, cache_hints="all"),
+    }
+
+
+def _all_outputs(res: Outputs) -> list[Tensor]:
+    return [t for t in (res.new_residual, res.out, res.data, res.scale, res.aux) if t is not None]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 129, 512])
+@pytest.mark.parametrize("H", [2560, 7168])
+def test_schedules_are_bit_identical_to_the_baseline(H: int, rows: int, arch: str) -> None:
+    inp = make_inputs(rows, H, ALL_OUTPUTS, seed=rows + 100)
+    base = run(inp, ALL_OUTPUTS, arch, config=bk.BoundaryConfig.baseline(H))
+    check(inp, ALL_OUTPUTS, base)
+    for name, config in _schedules(H).items():
+        res = run(inp, ALL_OUTPUTS, arch, config=config)
+        for got, want in zip(_all_outputs(res), _all_outputs(base), strict=True):
+            assert bitwise_equal(got, want), f"{name} ({config}) differs from the baseline at H={H}, T={rows}"
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [bk.BoundaryVariant("moe", True, True, True, True), bk.BoundaryVariant("x", False, False, False, True),
+     bk.BoundaryVariant("moe", False, False, False, False), MAIN],
+    ids=_variant_id,
+)  # fmt: skip
+def test_looping_variants_are_bit_identical_to_the_baseline(variant: bk.BoundaryVariant, arch: str) -> None:
+    H, rows = 5120, 129
+    inp = make_inputs(rows, H, variant, seed=17)
+    base = run(inp, variant, arch, config=bk.BoundaryConfig.baseline(H))
+    check(inp, variant, base)
+    for config in (bk.default_config(H), replace(bk.default_config(H), max_clusters=4, prefetch=2)):
+        res = run(inp, variant, arch, config=config)
+        for got, want in zip(_all_outputs(res), _all_outputs(base), strict=True):
+            assert bitwise_equal(got, want), f"{config} differs from the baseline"
+
+
+@pytest.mark.parametrize("H", [2560, 7168])
+def test_looping_batch_invariance(H: int, arch: str) -> None:
+    """A row's bits are the same alone, among 64 rows, or among 512 rows on 5 clusters of ~103 rows."""
+    variant = ALL_OUTPUTS
+    looping = replace(bk.default_config(H), max_clusters=5, prefetch=2)
+    big = make_inputs(512, H, variant, seed=23)
+    full = run(big, variant, arch, config=looping)
+    first64 = run(big.rows(slice(0, 64)), variant, arch)
+    for r in (0, 4, 5, 63):
+        alone = run(big.rows(slice(r, r + 1)), variant, arch)
+        want = _row_outputs(alone, 0, 1, H)
+        for T, res in ((64, first64), (512, full)):
+            for got, exp in zip(_row_outputs(res, r, T, H), want):
+                assert bitwise_equal(got, exp), f"row {r} differs between T=1 and T={T}"
+    check(big, variant, full)
+
+
+def test_looping_cuda_graph_replay(arch: str) -> None:
+    """Replays of a looping launch: the mbarrier phases start afresh in every launch."""
+    variant = ALL_OUTPUTS
+    T, H = 300, 4096
+    config = replace(bk.default_config(H), max_clusters=7, prefetch=2)
+    inp = make_inputs(T, H, variant, seed=31)
+    res = empty_outputs(T, H, variant)
+    launch(inp, variant, res, arch, config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            launch(inp, variant, res, arch, config)
+    for seed in (32, 33):
+        fresh = make_inputs(T, H, variant, seed=seed)
+        for name in ("residual", "post", "comb", "pre", "w", "x", "shared"):
+            getattr(inp, name).copy_(getattr(fresh, name))
+        for t in _all_outputs(res):
+            t.view(torch.uint8).fill_(0xAA)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(inp, variant, res)
+
+
+def test_scale_padding_with_an_unaligned_buffer(arch: str) -> None:
+    """The early padding falls back to 4-byte stores when the scale buffer is only 4-byte aligned."""
+    variant = MAIN
+    T, H = 5, 2560
+    inp = make_inputs(T, H, variant, seed=41)
+    want = run(inp, variant, arch, config=bk.BoundaryConfig.baseline(H))
+    res = empty_outputs(T, H, variant)
+    backing = torch.full((res.scale.numel() + 4,), POISON_SCALE, dtype=torch.uint8, device="cuda")
+    res.scale = backing[4:]  # 4 bytes past a 256-byte aligned allocation
+    launch(inp, variant, res, arch, bk.default_config(H))
+    torch.cuda.synchronize()
+    assert bitwise_equal(res.scale, want.scale) and bitwise_equal(res.data, want.data)
