@@ -9,13 +9,15 @@ slice once (fp32, split into bf16 hi + lo, which is exact to 2^-17) and then, fo
 m-tile of its row tile, multiplies the bf16 rows by it on the tensor cores (mma.sync m16n8k16,
 fp32 accumulation): 3 n-tiles x (hi, lo) give the 24 dot products, and the rows' Gram block
 (the A fragment doubles as B) gives the sums of squares on its diagonal. The k order inside a
-fragment is permuted (a lane holds 8 contiguous columns) identically for A and B.
+fragment is permuted (a lane holds 8 contiguous columns) identically for A and B. With
+config.row_split > 1 several warps share a 32-column chunk, each with its own m-tiles.
 
 Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory), then the 8
 CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
 partials for them with st.async into its shared memory), then the G clusters (global workspace
-partials [G, rows, 25]). One of the G CTAs that own those rows sums the G partials in order and
-runs the per-row epilogue (one thread per row). Which one (config.handoff): "counter", the last
+partials [G, rows, 25]; a written partial never has the sentinel's bits, NaN rows included).
+One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue
+(one thread per row). Which one (config.handoff): "counter", the last
 to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
 a ticket when it starts (so every other one is resident and will finish), which keeps its own
 partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
