@@ -4,9 +4,11 @@ For each H and row count, 20 input sets (each with its own fn, streams and pre-m
 back in one CUDA graph; a 256 MiB buffer is zeroed before each replay (L2 flush), and the time is
 the median over replays / 20 (bench/timing.py). Columns: the standard projection, the broadcast
 (first layer) projection, the inline form (projection + layer input) and the layer-input-only
-kernel, each under the configs below; `*` marks the shipped default. Every projection config
-shares the default's reduction order (the GPU tests check the bits), so any of them may become
-the default, or be picked per row count. Writes bench/results/coefficients-ab-<gpu>-<date>.json.
+kernel, each under the configs below; `*` marks the shipped default for that row count. Every
+projection config shares the default's reduction order (the GPU tests check the bits), so any of
+them may become the default, or be picked per row count. The configs are compiled first in
+parallel processes (--jobs) into the disk cache. `--quick`: standard and inline at H 7168 and 4096
+only (about 1 min). Writes bench/results/coefficients-ab-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing
+import os
 import re
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,31 +36,78 @@ EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkho
 
 
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
-    """The projection alternatives: the default first."""
-    f = ck.CoefficientsConfig.for_shape
+    """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
+    (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
+    memory carveout (mbN), prefetch of the next batch (pf). tm32 and tm64 are the v2 defaults."""
+
+    def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
+        return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
+
     return {
-        "default*": f(H, broadcast),
-        "ticket": f(H, broadcast, handoff="ticket"),
-        "tm128+pf": f(H, broadcast, 128, prefetch=True),
-        "ticket+tm128+pf": f(H, broadcast, 128, prefetch=True, handoff="ticket"),
-        "ticket+tm32": f(H, broadcast, 32, handoff="ticket"),
+        "tm32": f(32),
+        "tm32 vec": f(32, push_vec=True),
+        "tm32 vec rs2": f(32, push_vec=True, row_split=2),
+        "tm32 vec mb4": f(32, push_vec=True, min_blocks=4),
+        "tm64": f(64),
+        "tm64 vec": f(64, push_vec=True),
+        "tm64 vec mb3": f(64, push_vec=True, min_blocks=3),
+        "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
+        "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 pf vec rs4": f(128, prefetch=True, push_vec=True, row_split=4),
     }
 
 
 def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
-    """The inline alternatives: the original layout (layer-input clusters first, 32*warps/(H/64)
-    rows each), the new default (interleaved, 2 vectors per thread) and the handoff / tile knobs."""
-    f = ck.CoefficientsConfig.for_shape
-    warps = f(H, False).warps
-    old_rows = max(1, 32 * warps // (H // 64))
-    old_rows = 1 << (old_rows.bit_length() - 1)
+    """The inline alternatives: the v2 defaults (interleaved layer-input clusters, ticket handoff)
+    and the projection knobs that look best for the standard projection."""
+
+    def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
+        return ck.CoefficientsConfig.for_shape(H, False, tm, handoff="ticket", **knobs)
+
     return {
-        "original": f(H, False, norm_order="front", norm_rows=old_rows),
-        "default*": f(H, False),
-        "ticket": f(H, False, handoff="ticket"),
-        "ticket+tm128+pf": f(H, False, 128, prefetch=True, handoff="ticket"),
-        "front": f(H, False, norm_order="front"),
+        "tm32": f(32),
+        "tm32 vec": f(32, push_vec=True),
+        "tm32 vec rs2": f(32, push_vec=True, row_split=2),
+        "tm64": f(64),
+        "tm64 vec": f(64, push_vec=True),
+        "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
+        "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
     }
+
+
+def mark_default(cfgs: dict[str, ck.CoefficientsConfig], H: int, broadcast: bool, rows: int) -> dict:
+    """The same configs, with `*` after the label of the one the defaults pick for `rows` rows."""
+    default = ck.default_config(H, broadcast, rows)
+    return {f"{label}*" if cfg == default else label: cfg for label, cfg in cfgs.items()}
+
+
+def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int) -> None:
+    """Compile every config in `jobs` processes, so the timing loop loads them from the disk cache."""
+    from cute_kernels.compile import disk_cache_enabled
+
+    keys = set()
+    for H in hidden:
+        for variant in variants:
+            if variant == "input-only":
+                continue
+            broadcast = variant == "broadcast"
+            cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
+            mode = "carried" if variant == "inline" else "none"
+            keys.update(
+                (H, "broadcast" if broadcast else "standard", mode, EPS["sinkhorn_repeat"], c) for c in cfgs.values()
+            )
+    if jobs <= 1 or not disk_cache_enabled():
+        return
+    t0 = time.time()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_key, sorted(keys, key=repr), [arch] * len(keys)))
+    print(f"compiled {len(keys)} configs in {time.time() - t0:.0f} s ({jobs} processes)", flush=True)
+
+
+def _compile_key(key: tuple, arch: str) -> None:
+    ck.compile_coefficients(*key, arch=arch)
 
 
 def input_only_configs() -> dict[str, tuple[str, ck.LayerInputConfig]]:
@@ -138,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=["standard", "broadcast", "inline", "input-only"],
                    choices=["standard", "broadcast", "inline", "input-only"])  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="only standard and inline at H 7168 and 4096")
+    p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compile processes (1 = none)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.only = [7168, 4096], ["standard", "inline"]
 
     from cute_kernels.compile import arch_for_device
 
@@ -149,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = timer.copy_bandwidth()
     print(f"{name} ({arch}), copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per call, fn cold, "
           f"{SETS} input sets per graph, median of {args.replays} replays", flush=True)  # fmt: skip
+    precompile(args.hidden, args.only, arch, args.jobs)
     t0 = time.time()
     results = []
     for H in args.hidden:
@@ -162,14 +219,16 @@ def main(argv: list[str] | None = None) -> int:
                         for label, (mode, cfg) in input_only_configs().items()
                     }
                 else:
-                    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, variant == "broadcast")
+                    broadcast = variant == "broadcast"
+                    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
+                    cfgs = mark_default(cfgs, H, broadcast, rows)
                     alts = {
                         label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()
                     }
                 times = {label: timer.per_call_us(calls) for label, calls in alts.items()}
                 row[variant] = times
                 row[f"{variant}_floor_us"] = floor_us(rows, H, variant, bandwidth)
-                cells = "  ".join(f"{label} {us:6.2f}" for label, us in times.items())
+                cells = "  ".join(f"{label} {us:5.2f}" for label, us in times.items())
                 print(f"H {H:>5} rows {rows:>3} {variant:<10} floor {row[f'{variant}_floor_us']:5.2f} | {cells}",
                       flush=True)  # fmt: skip
             torch.cuda.synchronize()

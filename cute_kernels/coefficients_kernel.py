@@ -9,13 +9,15 @@ slice once (fp32, split into bf16 hi + lo, which is exact to 2^-17) and then, fo
 m-tile of its row tile, multiplies the bf16 rows by it on the tensor cores (mma.sync m16n8k16,
 fp32 accumulation): 3 n-tiles x (hi, lo) give the 24 dot products, and the rows' Gram block
 (the A fragment doubles as B) gives the sums of squares on its diagonal. The k order inside a
-fragment is permuted (a lane holds 8 contiguous columns) identically for A and B.
+fragment is permuted (a lane holds 8 contiguous columns) identically for A and B. With
+config.row_split > 1 several warps share a 32-column chunk, each with its own m-tiles.
 
 Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory), then the 8
 CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
 partials for them with st.async into its shared memory), then the G clusters (global workspace
-partials [G, rows, 25]). One of the G CTAs that own those rows sums the G partials in order and
-runs the per-row epilogue (one thread per row). Which one (config.handoff): "counter", the last
+partials [G, rows, 25]; a written partial never has the sentinel's bits, NaN rows included).
+One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue
+(one thread per row). Which one (config.handoff): "counter", the last
 to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
 a ticket when it starts (so every other one is resident and will finish), which keeps its own
 partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
@@ -65,6 +67,10 @@ LAYER_INPUTS = ("none", "carried", "one_hot")
 HANDOFFS = ("counter", "ticket")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
+ROW_SPLITS = (1, 2, 4)
+MIN_BLOCKS = (0, 1, 2, 3, 4)
+MAX_THREADS_PER_SM = 2048
+CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
 INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
 # The value of an empty workspace partial slot: a NaN that arithmetic never produces (the GPU's
 # NaN results are the canonical 0x7FFFFFFF), so a slot holding it has not been written yet.
@@ -96,6 +102,14 @@ class CoefficientsConfig:
     - `norm_order`: where the layer-input clusters sit in the grid: "interleave" (after the
       projection clusters of the tile that reads the same rows, so their stream reads hit L2) or
       "front" (all before the projection, the original order).
+    - `row_split`: warps per 32-column chunk (1, 2 or 4): the CTA runs warps * row_split warps,
+      warp (w, s) reads the columns of chunk w for its own 1/row_split of a batch's m-tiles. More
+      loads in flight per CTA, fewer row registers per thread, a shorter MMA and push phase; the
+      partial of a row is still summed over the chunks in order, so the bits do not change.
+    - `push_vec`: push the summed warp partials to their owner CTA 16 bytes at a time
+      (st.async.v4, a quarter of the DSMEM transactions; needs rows_per_tile >= 32).
+    - `min_blocks`: 0, or the CTAs per SM the launch bound asks ptxas to fit (caps the registers;
+      with 2 or more the shared-memory carveout is set to its maximum as well).
     """
 
     rows_per_tile: int
@@ -105,6 +119,14 @@ class CoefficientsConfig:
     prefetch: bool = False
     norm_rows: int = 0
     norm_order: str = "interleave"
+    row_split: int = 1
+    push_vec: bool = False
+    min_blocks: int = 0
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: warps * row_split warps of 32."""
+        return CHUNK * self.warps * self.row_split
 
     @staticmethod
     def for_shape(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs: Any) -> CoefficientsConfig:
@@ -146,6 +168,20 @@ class CoefficientsConfig:
             raise ValueError(f"norm_rows ({self.norm_rows}) must not exceed rows_per_tile ({tm})")
         if self.norm_order not in NORM_ORDERS:
             raise ValueError(f"norm_order must be one of {NORM_ORDERS}, got {self.norm_order!r}")
+        if self.row_split not in ROW_SPLITS or isinstance(self.row_split, bool):
+            raise ValueError(f"row_split must be one of {ROW_SPLITS}, got {self.row_split!r}")
+        if min(4, tm // 16) % self.row_split:
+            raise ValueError(f"row_split ({self.row_split}) must divide the {min(4, tm // 16)} m-tiles of a batch")
+        if not isinstance(self.push_vec, bool):
+            raise ValueError(f"push_vec must be a bool, got {self.push_vec!r}")
+        if self.push_vec and tm < 32:
+            raise ValueError(f"push_vec needs rows_per_tile >= 32 (16-byte row shares), got {tm}")
+        if self.min_blocks not in MIN_BLOCKS or isinstance(self.min_blocks, bool):
+            raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
+        if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
+            raise ValueError(
+                f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
+            )
 
 
 @dataclass(frozen=True)
@@ -294,6 +330,13 @@ def _bf16_hi(word: Int32, *, loc=None, ip=None) -> Float32:
     return (Int32(word) & Int32(-65536)).bitcast(Float32, loc=loc, ip=ip)
 
 
+def _not_sentinel(x: Float32) -> Float32:
+    """x, or the canonical NaN where x has the sentinel's bits (arithmetic never gives them, this
+    makes sure): a written workspace slot never reads as empty, so a NaN row cannot stall the poll."""
+    bits = Float32(x).bitcast(Int32)
+    return Int32(cutlass.select_(bits == Int32(SENTINEL), Int32(CANONICAL_NAN), bits)).bitcast(Float32)
+
+
 def _f32_op(asm: str, *args, loc=None, ip=None) -> Float32:
     operands = [Float32(a).ir_value(loc=loc, ip=ip) for a in args]
     constraints = ",".join(["=f"] + ["f"] * len(args))
@@ -395,15 +438,20 @@ class CoefficientsKernel:
         self.K = projection_width(H, self.broadcast)
         self.row_stride = H if self.broadcast else HC * H  # elements per row of the input tensor
         self.tm = config.rows_per_tile
-        self.warps = config.warps
+        self.warps = config.warps  # 32-column chunks per CTA (with groups, the reduction order)
         self.groups = config.groups
-        self.threads = CHUNK * config.warps
+        self.row_split = config.row_split
+        self.cta_warps = config.warps * config.row_split
+        self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
         self.mtiles_per_batch = min(4, self.tm // 16)
+        self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch
         self.handoff = config.handoff
         self.prefetch = config.prefetch and self.batches > 1
+        self.push_vec = config.push_vec
+        self.min_blocks = config.min_blocks
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -457,6 +505,9 @@ class CoefficientsKernel:
             cluster=[CLUSTER, 1, 1],
             stream=stream,
             use_pdl=True,
+            min_blocks_per_mp=self.min_blocks,
+            # The largest carveout, so shared memory does not cap the CTAs per SM below the bound.
+            preferred_smem_carveout=100 if self.min_blocks > 1 else None,
         )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -547,6 +598,11 @@ class CoefficientsKernel:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        # Warp (chunk w, split s): the columns of chunk w, the m-tiles of split s of every batch.
+        split = 0
+        if const_expr(self.row_split > 1):
+            split = warp // self.warps
+            warp = warp - split * self.warps
         rows = mX.shape[0]
         tile = cluster // self.groups
         group = cluster - tile * self.groups
@@ -573,7 +629,7 @@ class CoefficientsKernel:
         counter = mCounter.iterator + (tile * CLUSTER + rank)
         ticket = Int32(0)
         hi, lo = None, None
-        words = self.load_rows(mX, row0, col, lane)
+        words = self.load_rows(mX, row0, col, lane, split)
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
             if const_expr(b == 0):
@@ -586,8 +642,8 @@ class CoefficientsKernel:
                 hi, lo = self.split_fn(fn)
             current = words
             if const_expr(self.prefetch and b < self.batches - 1):
-                words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane)
-            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane)
+                words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
+            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             if const_expr(b == 0 and self.handoff == "ticket"):
@@ -603,11 +659,11 @@ class CoefficientsKernel:
                 cute.arch.cluster_wait()
                 if tidx == 0:
                     if share_rows > 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * share_rows * NV * 4)
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * self.pushed(share_rows) * 4)
             self.push_batch(sWarp, sRecv, mbar, rank, batch_row0, tile_rows)
             if const_expr(b < self.batches - 1):
                 if const_expr(not self.prefetch):
-                    words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane)
+                    words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
                 cute.arch.sync_threads()
 
         if share_rows > 0:
@@ -624,7 +680,7 @@ class CoefficientsKernel:
                         sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
                     else:
                         ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
-                        cute.arch.store(ptr, acc, sem="relaxed", scope="gpu")
+                        cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
                 if consumer:
                     cute.arch.sync_threads()
                     if tidx < share_rows:
@@ -635,7 +691,7 @@ class CoefficientsKernel:
             else:
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
                     acc = self.cluster_sum(sRecv, e)
-                    mPartial[group, share_row0 + e // NV, e % NV] = acc
+                    mPartial[group, share_row0 + e // NV, e % NV] = _not_sentinel(acc)
                 cute.arch.sync_threads()
                 if tidx == 0:
                     # Release (fence + relaxed atomic) on behalf of the whole CTA, after the barrier;
@@ -727,12 +783,14 @@ class CoefficientsKernel:
         return hi, lo
 
     @cute.jit
-    def load_rows(self, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32) -> list:
-        """[m-tile][rows g, g + 8] 16-byte words of this lane's columns; rows past the end read the last row."""
+    def load_rows(self, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32, split) -> list:
+        """[m-tile of this warp's split][rows g, g + 8] 16-byte words of this lane's columns; rows past
+        the end read the last row."""
         rows = mX.shape[0]
         g = lane // 4
         words = []
-        for mt in cutlass.range_constexpr(self.mtiles_per_batch):
+        for i in cutlass.range_constexpr(self.mtiles_per_warp):
+            mt = split * self.mtiles_per_warp + i
             pair = []
             for half in cutlass.range_constexpr(2):
                 row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
@@ -750,14 +808,17 @@ class CoefficientsKernel:
         batch_rows: Int32,
         warp: Int32,
         lane: Int32,
+        split,
     ):
-        """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of a
-        batch (tensor-core MMAs on the loaded words), into sWarp; sums of rows past the end are dropped."""
+        """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of its
+        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp; sums of rows past the
+        end are dropped."""
         g = lane // 4
         t = lane % 4
-        for mt in cutlass.range_constexpr(self.mtiles_per_batch):
+        for i in cutlass.range_constexpr(self.mtiles_per_warp):
+            mt = split * self.mtiles_per_warp + i
             if mt * 16 < batch_rows:
-                upper, lower = words[mt][0], words[mt][1]  # rows g and g + 8 of the m-tile
+                upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
                 acc = [[Float32(0.0)] * 4 for _ in range(3)]
                 gram0 = [Float32(0.0)] * 4
                 gram1 = [Float32(0.0)] * 4
@@ -792,14 +853,38 @@ class CoefficientsKernel:
         tidx, _, _ = cute.arch.thread_idx()
         rows_here = cutlass.max(cutlass.min(tile_rows - batch_row0, self.batch_rows), 0)
         stride = const_expr(self.batch_rows * NV)
-        for e in cutlass.range(tidx, rows_here * NV, self.threads):
-            acc = sWarp[e]
-            for w in cutlass.range_constexpr(1, self.warps):
-                acc = acc + sWarp[w * stride + e]
-            flat = batch_row0 * NV + e  # element index within the tile
-            owner = flat // (self.share * NV)
-            slot = rank * (self.share * NV) + flat - owner * (self.share * NV)
-            cute.arch.store_async_dsmem(sRecv.iterator + slot, acc.bitcast(Int32), mbar, owner)
+        seg = const_expr(self.share * NV)  # elements of one owner's rows
+        if const_expr(self.push_vec):
+            # 4 elements per store. seg, stride and batch_row0 * NV are multiples of 4, so a vector
+            # never straddles two owners; the last one of an owner may run past its rows (padding
+            # that nobody reads, counted by pushed()).
+            for v in cutlass.range(tidx, (rows_here * NV + 3) // 4, self.threads):
+                e = cute.assume(v * 4, divby=4)
+                accs = []
+                for k in cutlass.range_constexpr(4):
+                    acc = sWarp[e + k]
+                    for w in cutlass.range_constexpr(1, self.warps):
+                        acc = acc + sWarp[w * stride + e + k]
+                    accs.append(acc.bitcast(Int32))
+                flat = batch_row0 * NV + e
+                owner = flat // seg
+                slot = cute.assume(rank * seg + flat - owner * seg, divby=4)
+                cute.arch.store_async_dsmem(sRecv.iterator + slot, tuple(accs), mbar, owner)
+        else:
+            for e in cutlass.range(tidx, rows_here * NV, self.threads):
+                acc = sWarp[e]
+                for w in cutlass.range_constexpr(1, self.warps):
+                    acc = acc + sWarp[w * stride + e]
+                flat = batch_row0 * NV + e  # element index within the tile
+                owner = flat // seg
+                slot = rank * seg + flat - owner * seg
+                cute.arch.store_async_dsmem(sRecv.iterator + slot, acc.bitcast(Int32), mbar, owner)
+
+    def pushed(self, share_rows: Int32) -> Int32:
+        """Elements each CTA of the cluster pushes to an owner of `share_rows` rows (whole vectors with push_vec)."""
+        if const_expr(self.push_vec):
+            return (share_rows * NV + 3) // 4 * 4
+        return share_rows * NV
 
     @cute.jit
     def load_partial(self, mPartial: cute.Tensor, g: int, row: Int32, n: Int32) -> Float32:
@@ -967,7 +1052,7 @@ class CoefficientsKernel:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * nr * 4)
         # One warp per row sums the row's vectors (fixed lane order, then a butterfly) and sends it
         # to every CTA of the cluster.
-        for rr in cutlass.range_constexpr(0, nr, self.warps):
+        for rr in cutlass.range_constexpr(0, nr, self.cta_warps):
             r = rr + warp
             if r < nr:
                 part = Float32(0.0)
@@ -1016,6 +1101,7 @@ class LayerInputKernel(CoefficientsKernel):
         self.layer_input = layer_input
         self.row_stride = H if self.broadcast else HC * H
         self.warps = config.warps
+        self.cta_warps = config.warps
         self.threads = CHUNK * config.warps
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows, INPUT_ONLY_BUDGET)
@@ -1414,7 +1500,7 @@ def _check_call(
     norm_clusters = 0
     if layer_input_out is not None:
         mode = layer_input_mode(broadcast, True, pre_mix is not None)
-        norm_rows = norm_rows_per_cluster(H, CHUNK * config.warps, mode, config.norm_rows)
+        norm_rows = norm_rows_per_cluster(H, config.threads, mode, config.norm_rows)
         norm_clusters = (
             -(-rows // norm_rows) if config.norm_order == "front" else tiles * (config.rows_per_tile // norm_rows)
         )

@@ -132,6 +132,10 @@ KNOBS = [
     (7168, "broadcast", "one_hot", dict(handoff="ticket")),
     (7168, "standard", "carried", dict(norm_order="front", norm_rows=2)),
     (5120, "standard", "one_hot", dict(norm_rows=16)),
+    (7168, "standard", "none", dict(handoff="ticket", push_vec=True, row_split=2, min_blocks=2)),
+    (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", push_vec=True, row_split=2)),
+    (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, push_vec=True, row_split=4)),
+    (5120, "standard", "none", dict(rows_per_tile=32, push_vec=True, min_blocks=4)),
 ]
 
 
@@ -147,6 +151,12 @@ def test_prefetched_tall_tiles_compile(handoff: str) -> None:
     assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
 
 
+def test_v3_knobs_compile_for_blackwell() -> None:
+    config = CoefficientsConfig.for_shape(7168, False, handoff="ticket", push_vec=True, row_split=2, min_blocks=2)
+    assert config.threads == 448
+    assert callable(ck.compile_coefficients(7168, "standard", "carried", 20, config, arch="sm_100a"))
+
+
 def test_ticket_handoff_compiles_for_blackwell() -> None:
     config = CoefficientsConfig.for_shape(4096, False, handoff="ticket")
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
@@ -160,6 +170,12 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(norm_rows=3), "norm_rows"),
         (dict(norm_order="back"), "norm_order"),
         (dict(rows_per_tile=16, norm_rows=32), "norm_rows"),
+        (dict(row_split=3), "row_split"),
+        (dict(rows_per_tile=32, row_split=4), "row_split"),
+        (dict(push_vec=1), "push_vec"),
+        (dict(rows_per_tile=16, push_vec=True), "push_vec"),
+        (dict(min_blocks=5), "min_blocks"),
+        (dict(row_split=4, min_blocks=3), "threads per SM"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):

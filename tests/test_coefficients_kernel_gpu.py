@@ -7,6 +7,7 @@ Timing sweep (not a test): python -m tests.test_coefficients_kernel_gpu
 from __future__ import annotations
 
 import functools
+import time
 from typing import NamedTuple
 
 import pytest
@@ -364,6 +365,12 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
         f(H, broadcast, 16),
         f(H, broadcast, norm_order="front", norm_rows=1),
         f(H, broadcast, handoff="ticket", norm_rows=16),
+        # v3 knobs: 16-byte DSMEM pushes, warps split over the m-tiles, launch bounds.
+        f(H, broadcast, handoff="ticket", push_vec=True),
+        f(H, broadcast, 32, handoff="ticket", push_vec=True, row_split=2),
+        f(H, broadcast, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
+        f(H, broadcast, 128, prefetch=True, handoff="ticket", push_vec=True, row_split=4),
+        f(H, broadcast, 32, handoff="ticket", push_vec=True, min_blocks=4),
     ]
 
 
@@ -397,6 +404,75 @@ def test_ticket_handoff_batch_invariance(H: int) -> None:
         part = call(x[start : start + rows], config=CoefficientsConfig.for_shape(H, False, handoff="ticket"))
         for name in ("post", "comb", "pre"):
             assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
+
+
+@pytest.mark.parametrize("H", (5120, 7168))
+def test_v3_knobs_batch_invariance(H: int) -> None:
+    # A call of the whole batch with one knob config, calls of row ranges with another: same bits.
+    f = CoefficientsConfig.for_shape
+    whole = f(H, False, handoff="ticket", push_vec=True, row_split=2, min_blocks=2)
+    ranges = f(H, False, 32, handoff="ticket", push_vec=True)
+    x = torch.randn(MAX_ROWS, 4, H, device="cuda", generator=gen(45)).to(BF16)
+    full = call(x, config=whole)
+    for start, rows in ((0, 1), (63, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
+        part = call(x[start : start + rows], config=ranges)
+        for name in ("post", "comb", "pre"):
+            assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
+
+
+def wait_or_fail(seconds: float = 20.0) -> None:
+    """Synchronize, or fail the test (instead of hanging the run) when the GPU has not finished in time."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the kernel has not finished after {seconds} s: the handoff hangs")
+        time.sleep(1e-3)
+
+
+NAN_CONFIGS = [
+    None,
+    CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket"),
+    CoefficientsConfig.for_shape(7168, False, 64, handoff="counter"),
+    CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", push_vec=True, row_split=2),
+    CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
+]
+
+
+@pytest.mark.parametrize("config", NAN_CONFIGS, ids=["default", "ticket", "counter", "vec-split", "vec-split-mb2"])
+@pytest.mark.parametrize("rows", (40, 512))
+def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: CoefficientsConfig | None, rows: int) -> None:
+    # The ticket handoff polls the workspace until no slot holds the NaN sentinel: a NaN partial
+    # (a NaN or an Inf in the streams) must never read as the sentinel, or the poll never ends.
+    H = 7168
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    clean = streams(rows, H, seed=49)
+    pre_mix = carried_pre(rows)
+    want = call(clean, inline=True, pre_mix=pre_mix, ws=ws, config=config)
+    wait_or_fail()
+    bad_rows = [3, 17, rows - 1]
+    x = clean.clone()
+    x[3, 1, 100] = float("nan")
+    x[17, 0, 5] = float("inf")
+    x[rows - 1, 3, H - 1] = float("-inf")
+    got = call(x, inline=True, pre_mix=pre_mix, ws=ws, config=config)
+    wait_or_fail()
+    good = torch.ones(rows, dtype=torch.bool, device="cuda")
+    good[bad_rows] = False
+    for name in Out._fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert bitwise_equal(a[good], b[good]), f"{name} of the finite rows changed"
+    for name in ("post", "comb", "pre"):
+        assert bool(getattr(got, name)[bad_rows].isnan().all()), f"{name} of the NaN / Inf rows is not all NaN"
+    assert bool(got.layer_input[3].isnan().all())
+    assert_counters_clean(ws)
+    # And the next call on the same workspace is unaffected.
+    again = call(clean, inline=True, pre_mix=pre_mix, ws=ws, config=config)
+    wait_or_fail()
+    for name in Out._fields:
+        assert bitwise_equal(getattr(again, name), getattr(want, name)), name
+    assert_counters_clean(ws)
 
 
 @pytest.mark.parametrize("handoff", ("counter", "ticket"))
