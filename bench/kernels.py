@@ -231,7 +231,7 @@ def split_configs(hidden: int) -> dict[str, bk.BoundaryConfig]:
         "default": default,
         "prefetch0": replace(default, prefetch=0),
         "prefetch2": replace(default, prefetch=2),
-        "hints-none": replace(default, cache_hints="none"),
+        "hints-loads": replace(default, cache_hints="loads"),
         "no-bounds": replace(default, min_ctas_per_sm=0),
         "cap/2": replace(default, max_clusters=default.max_clusters // 2),
         "cap-full": replace(default, max_clusters=full),

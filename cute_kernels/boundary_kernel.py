@@ -89,8 +89,9 @@ class BoundaryConfig:
         """`base`'s split with the looping-cluster row schedule: a cap from the register budget, prefetch."""
         ctas_per_sm = min(32, 2048 // base.threads, 65536 // (REGISTER_BUDGET * base.threads))
         cap = int(RESIDENT_SHARE * (SMS * ctas_per_sm // base.cluster_n))
+        # Cache hints measured no better than plain accesses on the H200 (docs/PERF.md v3): none by default.
         return replace(
-            base, max_clusters=cap, prefetch=1, cache_hints="loads", scale_pad="early", min_ctas_per_sm=ctas_per_sm
+            base, max_clusters=cap, prefetch=1, cache_hints="none", scale_pad="early", min_ctas_per_sm=ctas_per_sm
         )
 
     @staticmethod
