@@ -1231,15 +1231,15 @@ def layer_input_warmup_keys(H: int) -> list[tuple[int, str, str, LayerInputConfi
     ]
 
 
-def coefficients_warmup_jobs(
-    H: int, *, arch: str, sinkhorn_repeat: int = 20, max_rows: int = 512
-) -> list[WarmupJob]:
+def coefficients_warmup_jobs(H: int, *, arch: str, sinkhorn_repeat: int = 20, max_rows: int = 512) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant (and layer-input-only kernel) of hidden size H for `arch`."""
     check_arch(arch)
     jobs = [
         WarmupJob(
             f"coefficients H={key[0]} {key[1]} layer_input={key[2]} tile={key[4].rows_per_tile}",
-            compile_coefficients, key, (("arch", arch),),
+            compile_coefficients,
+            key,
+            (("arch", arch),),
         )
         for key in coefficients_warmup_keys(H, sinkhorn_repeat=sinkhorn_repeat, max_rows=max_rows)
     ]
