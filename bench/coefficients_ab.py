@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench.kernels import coefficient_inputs
 from bench.timing import GraphTimer
 from cute_kernels import coefficients_kernel as ck
 
@@ -122,28 +123,11 @@ def input_only_configs() -> dict[str, tuple[str, ck.LayerInputConfig]]:
 
 def make_sets(rows: int, H: int, device: torch.device) -> tuple[list[dict[str, Any]], ck.CoefficientsWorkspace]:
     """SETS input sets with their own fn, streams and pre-mix, and outputs; one workspace (the calls run in turn)."""
-    sets = []
-    for seed in range(SETS):
-        g = torch.Generator(device=device).manual_seed(seed)
-        fn = torch.randn(24, 4 * H, generator=g, device=device) * 1e-2
-        x = torch.randn(rows, 4, H, generator=g, device=device).to(torch.bfloat16)
-        sets.append(
-            dict(
-                x=x,
-                e=x[:, 0].contiguous(),
-                fn=fn,
-                fn_broadcast=fn.view(24, 4, H).sum(1).contiguous(),
-                scale=torch.full((3,), 0.5, device=device),
-                base=torch.randn(24, generator=g, device=device) * 0.5,
-                w=(1 + 0.1 * torch.randn(H, generator=g, device=device)).to(torch.bfloat16),
-                pre_mix=torch.rand(rows, 4, generator=g, device=device),
-                post=torch.empty(rows, 4, device=device),
-                comb=torch.empty(rows, 4, 4, device=device),
-                pre=torch.empty(rows, 4, device=device),
-                out=torch.empty(rows, H, dtype=torch.bfloat16, device=device),
-            )
-        )
-    return sets, ck.CoefficientsWorkspace(H, max(rows, 16), device)
+    ws = ck.CoefficientsWorkspace(H, max(rows, 16), device)
+    sets = [coefficient_inputs(rows, H, device, seed, ws) for seed in range(SETS)]
+    for s in sets:
+        s["embedding"] = s["streams"][:, 0].contiguous()
+    return sets, ws
 
 
 def projection_call(s: dict, ws: ck.CoefficientsWorkspace, arch: str, variant: str, config: ck.CoefficientsConfig):
@@ -151,10 +135,11 @@ def projection_call(s: dict, ws: ck.CoefficientsWorkspace, arch: str, variant: s
 
     def call() -> None:
         ck.mhc_coefficients(
-            s["e"] if broadcast else s["x"], s["fn_broadcast"] if broadcast else s["fn"], s["scale"], s["base"],
+            s["embedding"] if broadcast else s["streams"], s["fn_broadcast"] if broadcast else s["fn"], s["scale"],
+            s["base"],
             **EPS, broadcast=broadcast, workspace=ws, post_out=s["post"], comb_out=s["comb"], pre_out=s["pre"],
-            pre_mix=s["pre_mix"] if inline else None, norm_weight=s["w"] if inline else None,
-            norm_eps=1e-20 if inline else None, layer_input_out=s["out"] if inline else None, arch=arch,
+            pre_mix=s["pre_mix"] if inline else None, norm_weight=s["norm_weight"] if inline else None,
+            norm_eps=1e-20 if inline else None, layer_input_out=s["layer_input"] if inline else None, arch=arch,
             config=config, validate=False,
         )  # fmt: skip
 
@@ -163,8 +148,8 @@ def projection_call(s: dict, ws: ck.CoefficientsWorkspace, arch: str, variant: s
 
 def input_only_call(s: dict, arch: str, mode: str, config: ck.LayerInputConfig):
     def call() -> None:
-        ck.mhc_layer_input(s["x"], s["pre_mix"] if mode == "carried" else None, s["w"], 1e-20, s["out"], arch=arch,
-                           config=config, validate=False)  # fmt: skip
+        ck.mhc_layer_input(s["streams"], s["pre_mix"] if mode == "carried" else None, s["norm_weight"], 1e-20,
+                           s["layer_input"], arch=arch, config=config, validate=False)  # fmt: skip
 
     return call
 
