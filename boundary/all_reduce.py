@@ -12,7 +12,8 @@ from torch import Tensor
 from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
 from boundary.workspace import Workspace
-from cute_kernels.compile import arch_for_device
+from cute_kernels import boundary_kernel
+from cute_kernels.compile import arch_for_device, warmup
 
 log = logging.getLogger("boundary")
 
@@ -162,9 +163,6 @@ class BoundaryAllReduce:
         if self.arch is None:
             log.info("BoundaryAllReduce.warmup: the %s path has nothing to compile", self.path)
             return
-        from cute_kernels import boundary_kernel
-        from cute_kernels.compile import warmup
-
         jobs = boundary_kernel.warmup_keys(self.hidden_size, arch=self.arch) + mhc.warmup_jobs(
             self.hidden_size, self.arch, rows
         )
@@ -233,8 +231,6 @@ class BoundaryAllReduce:
         shared: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The one-rank fused kernel; the arguments were checked by the caller."""
-        from cute_kernels import boundary_kernel
-
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(residual.shape[0], self.hidden_size, dtype=BF16, device=self.device)
         boundary_kernel.fused_boundary(

@@ -14,6 +14,13 @@ from torch import Tensor
 
 from boundary import checks, reference
 from boundary.reference import MIX_WIDTH
+from cute_kernels.boundary_kernel import fused_boundary
+from cute_kernels.coefficients_kernel import (
+    CoefficientsWorkspace,
+    coefficients_warmup_jobs,
+    mhc_coefficients,
+    mhc_layer_input,
+)
 from cute_kernels.compile import WarmupJob, arch_for_device
 
 BF16 = torch.bfloat16
@@ -45,8 +52,6 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device) -> Any:
     (each side-stream launch is joined before the next boundary), so two never overlap. Growing
     is not allowed during CUDA-graph capture: call BoundaryAllReduce.warmup(max_rows) first.
     """
-    from cute_kernels.coefficients_kernel import CoefficientsWorkspace
-
     key = (device, hidden)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.max_rows < rows:
@@ -62,8 +67,6 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device) -> Any:
 
 def warmup_jobs(hidden: int, arch: str, max_rows: int) -> list[WarmupJob]:
     """The compiles every mHC coefficients call of hidden size H and up to `max_rows` rows can need."""
-    from cute_kernels.coefficients_kernel import coefficients_warmup_jobs
-
     return coefficients_warmup_jobs(hidden, arch=arch, max_rows=max_rows)
 
 
@@ -154,8 +157,6 @@ def _layer_input(
     """The layer input alone, on the current stream: one kernel launch, or torch ops on the reference."""
     if arch is None or norm_weight is None:
         return delayed_layer_input(residual, pre_mix, norm_weight, norm_eps)
-    from cute_kernels.coefficients_kernel import mhc_layer_input
-
     out = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device)
     if x is not None:  # the first layer: the collapse is the embedding row itself
         mhc_layer_input(x, None, norm_weight, norm_eps, out, arch=arch, broadcast=True, validate=False)
@@ -245,8 +246,6 @@ def _kernel_coefficients(
     layer_input: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """One launch of the coefficients kernel (inline when `layer_input` is given); the args are checked."""
-    from cute_kernels.coefficients_kernel import mhc_coefficients
-
     rows, hc, hidden = residual.shape
     dev = residual.device
     post = torch.empty(rows, hc, dtype=F32, device=dev)
@@ -276,8 +275,6 @@ def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
     if arch is None:
         return reference.mhc_post(x, residual, post, comb)
     _check_kernel_shape(hc, hidden)
-    from cute_kernels.boundary_kernel import fused_boundary
-
     new = torch.empty_like(residual)
     fused_boundary(residual=residual, post=post, comb=comb, pre=None, norm_weight=None, norm_eps=0.0, x=x,
                    new_residual=new, arch=arch)  # fmt: skip
