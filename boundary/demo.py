@@ -78,7 +78,7 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layers (Engram at {config.engram_layers}), "
         f"{args.rows} rows, TP={world}, device={device}, boundary path={all_reduce.path}, "
-        f"side streams={'on' if step.side_stream else 'off'}")  # fmt: skip
+        f"side streams={'on' if step.side_stream and device.type == 'cuda' else 'off'}")  # fmt: skip
     if device.type != "cuda" or all_reduce.path == "reference":
         say("note: the fused CuTe DSL kernels need an sm_90a (H100/H200) or sm_100a (B200) GPU; "
             "this run used the reference path (torch).")  # fmt: skip

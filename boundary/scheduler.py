@@ -131,9 +131,9 @@ class Boundaries:
         return residual
 
     def join(self, layer: MHCLayer, step: DecodeStep) -> None:
-        """Make the current stream wait for the layer's side stream (only when the step uses it)."""
+        """Make the current stream wait for the layer's side stream (only when the step uses it; a no-op on the CPU)."""
         self._check_step(step)
-        if step.side_stream:
+        if self._side(step):
             torch.cuda.current_stream(self.all_reduce.device).wait_stream(layer.mhc_stream)
 
     def _enter(
@@ -158,7 +158,7 @@ class Boundaries:
             residual, fn, scale, base, layer.rms_norm_eps, layer.hc_eps, layer.hc_eps, layer.hc_post_alpha,
             layer.hc_sinkhorn_iters, pre_mix, x, norm_weight, norm_eps,
         )  # fmt: skip
-        if step.side_stream:
+        if self._side(step):
             if not isinstance(layer.mhc_stream, torch.cuda.Stream):
                 raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
             return mhc.mhc_pre_delayed_overlap(*args, stream=layer.mhc_stream, layer_input=layer_input,
@@ -184,11 +184,13 @@ class Boundaries:
             )  # fmt: skip
         return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux)
 
+    def _side(self, step: DecodeStep) -> bool:
+        """Whether this step's mixes run on side streams: they fall away on a CPU boundary."""
+        return step.side_stream and self.all_reduce.device.type == "cuda"
+
     def _check_step(self, step: object) -> None:
         if not isinstance(step, DecodeStep):
             raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
-        if step.side_stream and self.all_reduce.device.type != "cuda":
-            raise ValueError("step.side_stream needs a CUDA device; this boundary runs on the CPU")
 
     def _check_state(self, state: object, step: DecodeStep | None, *, pending: bool) -> None:
         if not isinstance(state, BoundaryState):
