@@ -22,7 +22,3 @@ class Workspace:
         self.mailbox = torch.zeros(self.max_rows, self.hidden_size, dtype=torch.bfloat16, device=self.device)
         # Non-zero once a kernel gave up waiting for a peer: 1 + the missing rank.
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
-
-    def is_mailbox(self, x: Tensor) -> bool:
-        """Whether `x` is a leading-rows view of this rank's mailbox."""
-        return x.data_ptr() == self.mailbox.data_ptr() and x.device == self.mailbox.device

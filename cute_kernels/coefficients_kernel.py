@@ -54,6 +54,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import vector as mlir_vector
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_kernels import primitives as prim
 from cute_kernels.compile import WarmupJob, check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 HC = 4
@@ -304,32 +305,6 @@ def _split_bf16x2(f0: Float32, f1: Float32, *, loc=None, ip=None) -> tuple:
     return _unpack(res, 2, T.i32(), Int32, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def _pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
-    """Two fp32 -> one word of two bf16 (round to nearest even), `lo` in the low half."""
-    res = _asm(
-        T.i32(),
-        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $2, $1;",
-        "=r,f,f",
-        loc=loc,
-        ip=ip,
-    )
-    return Int32(res)
-
-
-@dsl_user_op
-def _bf16_lo(word: Int32, *, loc=None, ip=None) -> Float32:
-    """The fp32 value of the bf16 in the low half of a word (exact)."""
-    return (Int32(word) << 16).bitcast(Float32, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _bf16_hi(word: Int32, *, loc=None, ip=None) -> Float32:
-    """The fp32 value of the bf16 in the high half of a word (exact)."""
-    return (Int32(word) & Int32(-65536)).bitcast(Float32, loc=loc, ip=ip)
-
-
 def _not_sentinel(x: Float32) -> Float32:
     """x, or the canonical NaN where x has the sentinel's bits (arithmetic never gives them, this
     makes sure): a written workspace slot never reads as empty, so a NaN row cannot stall the poll."""
@@ -337,46 +312,10 @@ def _not_sentinel(x: Float32) -> Float32:
     return Int32(cutlass.select_(bits == Int32(SENTINEL), Int32(CANONICAL_NAN), bits)).bitcast(Float32)
 
 
-def _f32_op(asm: str, *args, loc=None, ip=None) -> Float32:
-    operands = [Float32(a).ir_value(loc=loc, ip=ip) for a in args]
-    constraints = ",".join(["=f"] + ["f"] * len(args))
-    return Float32(_asm(T.f32(), operands, asm, constraints, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a * b rounded once, never contracted into an FMA."""
-    return _f32_op("mul.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a + b rounded once, never contracted into an FMA."""
-    return _f32_op("add.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a / b, IEEE round to nearest even."""
-    return _f32_op("div.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _rsqrt(x: Float32, *, loc=None, ip=None) -> Float32:
-    """1/sqrt(x) by the MUFU unit (what torch.rsqrt uses on CUDA)."""
-    return _f32_op("rsqrt.approx.f32 $0, $1;", x, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _rcp(x: Float32, *, loc=None, ip=None) -> Float32:
-    """1/x by the MUFU unit (about 1 ulp)."""
-    return _f32_op("rcp.approx.ftz.f32 $0, $1;", x, loc=loc, ip=ip)
-
-
 @dsl_user_op
 def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
     """e^x as 2^(x*log2 e) by the MUFU unit."""
-    return _f32_op("ex2.approx.ftz.f32 $0, $1;", Float32(x) * Float32(LOG2E), loc=loc, ip=ip)
+    return prim.exp2_approx(Float32(x) * Float32(LOG2E), loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -908,28 +847,28 @@ class CoefficientsKernel:
         post_mult: Float32,
     ):
         """The per-row math of SPEC §3 steps 1-4 from the 24 dot products and the sum of squares."""
-        r = _rsqrt(_div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
+        r = prim.rsqrt_approx(prim.div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
         mixes = [sMix[i * NV + n] * r for n in range(MIX)]
         scale = [sParam[k] for k in range(3)]
         base = [sParam[3 + n] for n in range(MIX)]
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * scale[0] + base[j]
-            mPre[row, j] = _rcp(Float32(1.0) + _exp(-z)) + pre_eps
+            mPre[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps
         for j in cutlass.range_constexpr(HC):
             z = mixes[HC + j] * scale[1] + base[HC + j]
-            mPost[row, j] = _rcp(Float32(1.0) + _exp(-z)) * post_mult
+            mPost[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult
         c = [[Float32(0.0)] * HC for _ in range(HC)]
         for a in cutlass.range_constexpr(HC):
             logits = [mixes[2 * HC + HC * a + b] * scale[2] + base[2 * HC + HC * a + b] for b in range(HC)]
             top = cute.arch.fmax(cute.arch.fmax(logits[0], logits[1]), cute.arch.fmax(logits[2], logits[3]))
             ex = [_exp(logits[b] - top) for b in range(HC)]
-            inv = _rcp((ex[0] + ex[1]) + (ex[2] + ex[3]))
+            inv = prim.rcp_approx((ex[0] + ex[1]) + (ex[2] + ex[3]))
             for b in cutlass.range_constexpr(HC):
                 c[a][b] = ex[b] * inv + sinkhorn_eps
         c = self.normalize_columns(c, sinkhorn_eps)
         for _ in cutlass.range_constexpr(self.repeat - 1):
             for a in cutlass.range_constexpr(HC):
-                inv = _rcp((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
+                inv = prim.rcp_approx((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
                 for b in cutlass.range_constexpr(HC):
                     c[a][b] = c[a][b] * inv
             c = self.normalize_columns(c, sinkhorn_eps)
@@ -942,7 +881,7 @@ class CoefficientsKernel:
         """C[a][b] / (sum_a C[a][b] + eps)."""
         out = [[Float32(0.0)] * HC for _ in range(HC)]
         for b in cutlass.range_constexpr(HC):
-            inv = _rcp((c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
+            inv = prim.rcp_approx((c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
             for a in cutlass.range_constexpr(HC):
                 out[a][b] = c[a][b] * inv
         return out
@@ -1026,13 +965,13 @@ class CoefficientsKernel:
                 for e in cutlass.range_constexpr(4):
                     vals = []
                     for half in cutlass.range_constexpr(2):
-                        unpack = _bf16_lo if half == 0 else _bf16_hi
+                        unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
                         # Same order and roundings as the reference: pre0*R0, then + pre_j*R_j.
-                        acc = _mul_rn(pre[0], unpack(streams[0][e]))
+                        acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
                         for j in cutlass.range_constexpr(1, HC):
-                            acc = _add_rn(acc, _mul_rn(pre[j], unpack(streams[j][e])))
+                            acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
                         vals.append(acc)
-                    cw.append(_pack_bf16x2(vals[0], vals[1]))
+                    cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
                 c_words.append(cw)
             else:
                 c_words.append(list(streams[0]))
@@ -1041,8 +980,8 @@ class CoefficientsKernel:
         for k in cutlass.range_constexpr(vpt):
             part = Float32(0.0)
             for e in cutlass.range_constexpr(4):
-                c0 = _bf16_lo(c_words[k][e])
-                c1 = _bf16_hi(c_words[k][e])
+                c0 = prim.bf16_lo(c_words[k][e])
+                c1 = prim.bf16_hi(c_words[k][e])
                 part = part + c0 * c0 + c1 * c1
             if vec_in[k]:
                 sVec[tidx + k * self.threads] = part
@@ -1068,12 +1007,12 @@ class CoefficientsKernel:
             total = sRecv[vec_row[k]]
             for p in cutlass.range_constexpr(1, CLUSTER):
                 total = total + sRecv[p * nr + vec_row[k]]
-            inv = _rsqrt(_div_rn(total, Float32(self.H)) + norm_eps)
+            inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
             out = []
             for e in cutlass.range_constexpr(4):
-                lo_v = _mul_rn(_mul_rn(_bf16_lo(c_words[k][e]), inv), _bf16_lo(w_words[k][e]))
-                hi_v = _mul_rn(_mul_rn(_bf16_hi(c_words[k][e]), inv), _bf16_hi(w_words[k][e]))
-                out.append(_pack_bf16x2(lo_v, hi_v))
+                lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(c_words[k][e]), inv), prim.bf16_lo(w_words[k][e]))
+                hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(c_words[k][e]), inv), prim.bf16_hi(w_words[k][e]))
+                out.append(prim.cvt_bf16x2(lo_v, hi_v))
             row = row0 + vec_row[k]
             if vec_in[k]:
                 if row < rows:

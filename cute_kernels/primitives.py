@@ -65,6 +65,20 @@ def rsqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def rcp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """1/x by the MUFU unit (about 1 ulp), subnormals flushed."""
+    res = _asm(T.f32(), [_f32(x, loc, ip)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x by the MUFU unit, subnormals flushed."""
+    res = _asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
 def cvt_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """Two fp32 -> two bf16 (RNE; Inf kept, NaN stays NaN) packed in a word, `lo` in the low half."""
     # cvt.bf16x2 puts its first source in the upper half, hence the swapped operands.
