@@ -77,6 +77,11 @@ INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kern
 # NaN results are the canonical 0x7FFFFFFF), so a slot holding it has not been written yet.
 SENTINEL = -4137299  # 0xFFC0DEAD as int32: a negative quiet NaN with a payload
 LOG2E = 1.4426950408889634
+# The phases a trace build stamps, per projection CTA: [0, 8) globaltimer ns, [8, 16) clock64 of
+# the same points, then the SM id and whether this CTA ran the epilogue.
+TRACE_PHASES = ("entry", "wait", "first_mma", "cluster_wait", "pushed", "received", "partials", "epilogue")
+TRACE_SLOTS = 24
+TRACE_SM, TRACE_CONSUMER = 16, 17
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +116,8 @@ class CoefficientsConfig:
       (st.async.v4, a quarter of the DSMEM transactions; needs rows_per_tile >= 32).
     - `min_blocks`: 0, or the CTAs per SM the launch bound asks ptxas to fit (caps the registers;
       with 2 or more the shared-memory carveout is set to its maximum as well).
+    - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
+      to a trace buffer (see TRACE_PHASES); never a default.
     """
 
     rows_per_tile: int
@@ -123,6 +130,7 @@ class CoefficientsConfig:
     row_split: int = 1
     push_vec: bool = False
     min_blocks: int = 0
+    trace: bool = False
 
     @property
     def threads(self) -> int:
@@ -179,6 +187,8 @@ class CoefficientsConfig:
             raise ValueError(f"push_vec needs rows_per_tile >= 32 (16-byte row shares), got {tm}")
         if self.min_blocks not in MIN_BLOCKS or isinstance(self.min_blocks, bool):
             raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
+        if not isinstance(self.trace, bool):
+            raise ValueError(f"trace must be a bool, got {self.trace!r}")
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -391,6 +401,7 @@ class CoefficientsKernel:
         self.prefetch = config.prefetch and self.batches > 1
         self.push_vec = config.push_vec
         self.min_blocks = config.min_blocks
+        self.trace = config.trace
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -417,6 +428,7 @@ class CoefficientsKernel:
         mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (layer_input == "carried")
         mW: cute.Tensor | None,  # [H] bf16 norm weight (inline form)
         mOut: cute.Tensor | None,  # [T, H] bf16 layer input (inline form)
+        mTrace: cute.Tensor | None,  # [CTAs * TRACE_SLOTS] int64 (trace builds)
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -436,7 +448,7 @@ class CoefficientsKernel:
                 norm_clusters = tiles * self.norm_per_tile
                 clusters = tiles * (self.groups + self.norm_per_tile)
         self.kernel(
-            mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut,
+            mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut, mTrace,
             rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, norm_clusters,
         ).launch(
             grid=[CLUSTER, clusters, 1],
@@ -468,6 +480,7 @@ class CoefficientsKernel:
         mPreMix: cute.Tensor | None,
         mW: cute.Tensor | None,
         mOut: cute.Tensor | None,
+        mTrace: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -503,12 +516,12 @@ class CoefficientsKernel:
                 self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
             else:
                 self.projection_role(
-                    smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
+                    smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                     rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
                 )  # fmt: skip
         else:
             self.projection_role(
-                smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
+                smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                 rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
             )  # fmt: skip
 
@@ -526,6 +539,7 @@ class CoefficientsKernel:
         mPre: cute.Tensor,
         mPartial: cute.Tensor,
         mCounter: cute.Tensor,
+        mTrace: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -535,6 +549,7 @@ class CoefficientsKernel:
     ):
         """One CTA of a projection cluster: its K slice of one row tile, then its share of the rows."""
         tidx, _, _ = cute.arch.thread_idx()
+        self.stamp(mTrace, 0)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         # Warp (chunk w, split s): the columns of chunk w, the m-tiles of split s of every batch.
@@ -564,6 +579,7 @@ class CoefficientsKernel:
         if tidx < MIX:
             sParam[3 + tidx] = mBase[tidx]
         cute.arch.griddepcontrol_wait()
+        self.stamp(mTrace, 1)
 
         counter = mCounter.iterator + (tile * CLUSTER + rank)
         ticket = Int32(0)
@@ -595,7 +611,9 @@ class CoefficientsKernel:
                     sFlag[0] = last
             cute.arch.sync_threads()
             if const_expr(b == 0):
+                self.stamp(mTrace, 2)
                 cute.arch.cluster_wait()
+                self.stamp(mTrace, 3)
                 if tidx == 0:
                     if share_rows > 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * self.pushed(share_rows) * 4)
@@ -604,12 +622,17 @@ class CoefficientsKernel:
                 if const_expr(not self.prefetch):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
                 cute.arch.sync_threads()
+        self.stamp(mTrace, 4)
 
         if share_rows > 0:
             cute.arch.mbarrier_wait(mbar, 0)
+            self.stamp(mTrace, 5)
             share_row0 = row0 + rank * self.share
             if const_expr(self.handoff == "ticket"):
                 consumer = sFlag[0] != 0
+                if const_expr(self.trace):
+                    if tidx == 0:
+                        mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(sFlag[0])
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
                     # This cluster's partial of the share rows: peers summed in rank order.
                     acc = self.cluster_sum(sRecv, e)
@@ -620,6 +643,7 @@ class CoefficientsKernel:
                     else:
                         ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
                         cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
+                self.stamp(mTrace, 6)
                 if consumer:
                     cute.arch.sync_threads()
                     if tidx < share_rows:
@@ -627,6 +651,7 @@ class CoefficientsKernel:
                             sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
                             rms_eps, pre_eps, sinkhorn_eps, post_mult,
                         )  # fmt: skip
+                    self.stamp(mTrace, 7)
             else:
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
                     acc = self.cluster_sum(sRecv, e)
@@ -660,6 +685,23 @@ class CoefficientsKernel:
                             sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
                             rms_eps, pre_eps, sinkhorn_eps, post_mult,
                         )  # fmt: skip
+
+    def trace_base(self) -> Int32:
+        """This CTA's first slot in the trace buffer."""
+        rank, cluster_id, _ = cute.arch.block_idx()
+        return (cluster_id * CLUSTER + rank) * TRACE_SLOTS
+
+    @cute.jit
+    def stamp(self, mTrace: cute.Tensor | None, phase: int):
+        """Trace builds: thread 0 records the time it reached `phase` (and its SM, at entry)."""
+        if const_expr(self.trace):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == 0:
+                base = self.trace_base()
+                mTrace[base + phase] = prim.globaltimer()
+                mTrace[base + 8 + phase] = prim.clock64()
+                if const_expr(phase == 0):
+                    mTrace[base + TRACE_SM] = Int64(prim.smid())
 
     @cute.jit
     def cluster_sum(self, sRecv: cute.Tensor, e: Int32) -> Float32:
@@ -1113,6 +1155,7 @@ def compile_coefficients(
         f32((T, HC)) if layer_input == "carried" else None,
         fake_tensor(BFloat16, (H,), divisibility=8) if inline else None,
         fake_tensor(BFloat16, (T, H), divisibility=8) if inline else None,
+        fake_tensor(Int64, (cute.sym_int(),), divisibility=1) if config.trace else None,
         Float32(0.0),
         Float32(0.0),
         Float32(0.0),
@@ -1261,6 +1304,7 @@ def mhc_coefficients(
     config: CoefficientsConfig | None = None,
     stream: torch.cuda.Stream | None = None,
     validate: bool = True,
+    trace: torch.Tensor | None = None,
 ) -> None:
     """Write post [T,4], comb [T,4,4] and next pre [T,4] of SPEC §3, and with `layer_input_out` the layer input.
 
@@ -1271,7 +1315,8 @@ def mhc_coefficients(
     torch stream, or on `stream` when given (the overlap form: the caller orders `stream` after the
     producer of `x` and joins it before reading the outputs). Outputs may not alias inputs;
     `post_out` may also be [T, 4, 1]. `validate=False` skips the host checks (hot path, inputs
-    already known good).
+    already known good). `trace` (int64, trace_slots() entries) goes with a config whose `trace` is
+    set: a profiling build that writes the phase timestamps of every projection CTA there.
     """
     if validate:
         _check_call(
@@ -1284,6 +1329,12 @@ def mhc_coefficients(
     H = x.shape[-1]
     if config is None:
         config = default_config(H, broadcast, rows)
+    if config.trace != (trace is not None):
+        raise ValueError("trace must be given exactly when config.trace is set")
+    if trace is not None:
+        need = trace_slots(rows, config, broadcast, layer_input_out is not None)
+        if trace.dtype != torch.int64 or trace.device != x.device or not trace.is_contiguous() or trace.numel() < need:
+            raise ValueError(f"trace must be a contiguous int64 tensor of >= {need} entries on {x.device}")
     mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None)
     compiled = compile_coefficients(
         H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
@@ -1296,9 +1347,19 @@ def mhc_coefficients(
             pre_mix if mode == "carried" else None,
             norm_weight if mode != "none" else None,
             layer_input_out,
+            trace,
             float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
             float(norm_eps) if norm_eps is not None else 0.0,
         )  # fmt: skip
+
+
+def trace_slots(rows: int, config: CoefficientsConfig, broadcast: bool, inline: bool) -> int:
+    """Entries of the trace buffer a trace build of `config` needs for a call of `rows` rows."""
+    tiles = -(-rows // config.rows_per_tile)
+    clusters = tiles * config.groups
+    if inline:  # the layer-input clusters (front or interleaved) take grid slots too; over-allocate
+        clusters += rows
+    return clusters * CLUSTER * TRACE_SLOTS
 
 
 def mhc_layer_input(

@@ -260,3 +260,21 @@ def opaque_u32(x: Uint32, *, loc=None, ip=None) -> Uint32:
     res = _asm(T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
                side_effects=True, loc=loc, ip=ip)  # fmt: skip
     return Uint32(res)
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer (comparable across SMs)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def clock64(*, loc=None, ip=None) -> Int64:
+    """This SM's cycle counter (durations within one CTA)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    """The SM this thread runs on."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))

@@ -1,0 +1,120 @@
+"""Where the coefficients kernel spends its time: a phase timeline per CTA from a trace build.
+
+python -m bench.coefficients_trace --hidden 7168 --rows 1 16 512
+
+For each (H, rows): one call of the default config built with `trace=True` after an L2 flush (fn
+cold, eager launch), and per phase (cute_kernels.coefficients_kernel.TRACE_PHASES) the time since
+the first CTA started, over all CTAs and over the epilogue CTAs, plus the per-CTA phase durations
+in SM cycles. Then the graph timing of the shipped kernel against one with a single Sinkhorn step
+(what the 19 other steps cost). Writes the raw traces to bench/results/coefficients-trace-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.kernels import coefficient_inputs
+from bench.timing import GraphTimer
+from cute_kernels import coefficients_kernel as ck
+
+RESULTS = Path(__file__).resolve().parent / "results"
+EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0)
+
+
+def call_for(inp: dict, arch: str, config: ck.CoefficientsConfig, repeat: int, trace: torch.Tensor | None):
+    """A closure running the standard coefficients on one input set under `config`."""
+
+    def call() -> None:
+        ck.mhc_coefficients(
+            inp["streams"], inp["fn"], inp["scale"], inp["base"], **EPS, sinkhorn_repeat=repeat, broadcast=False,
+            workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"], arch=arch,
+            config=config, trace=trace,
+        )  # fmt: skip
+
+    return call
+
+
+def quantiles(v: torch.Tensor) -> str:
+    """min / median / max of a 1-D tensor, in the tensor's units."""
+    if v.numel() == 0:
+        return "        -"
+    v = v.double()
+    return f"{v.min():8.0f} {v.median():8.0f} {v.max():8.0f}"
+
+
+def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor) -> dict:
+    """One traced call: the per-CTA stamps, summarised on stdout and returned raw."""
+    inp = coefficient_inputs(rows, H, device, 0)
+    config = replace(ck.default_config(H, False, rows), trace=True)
+    trace = torch.zeros(ck.trace_slots(rows, config, False, False), dtype=torch.int64, device=device)
+    call = call_for(inp, arch, config, 20, trace)
+    for _ in range(3):
+        call()
+    trace.zero_()
+    flush.zero_()
+    torch.cuda.synchronize()
+    call()
+    torch.cuda.synchronize()
+    t = trace.view(-1, ck.TRACE_SLOTS).cpu()
+    t = t[t[:, 0] != 0]
+    start = t[:, 0].min()
+    consumer = t[:, ck.TRACE_CONSUMER] == 1
+    print(f"\nH {H} rows {rows}: {t.shape[0]} CTAs on {t[:, ck.TRACE_SM].unique().numel()} SMs, "
+          f"{int(consumer.sum())} ran the epilogue; config {config}")  # fmt: skip
+    print(f"  {'phase':<13} {'ns since the first CTA: all CTAs (min med max)':>44}   {'epilogue CTAs':>26}"
+          f"   {'cycles since the previous phase (min med max)':>40}")  # fmt: skip
+    for p, name in enumerate(ck.TRACE_PHASES):
+        seen = t[:, p] != 0
+        rel = t[seen, p] - start
+        relc = t[seen & consumer, p] - start
+        cyc = t[seen, 8 + p] - t[seen, 8 + p - 1] if p else torch.zeros(0)
+        print(f"  {name:<13} {quantiles(rel):>44}   {quantiles(relc):>26}   {quantiles(cyc):>40}")
+    end = t[consumer, 7].max() - start if consumer.any() else torch.tensor(0)
+    print(f"  first CTA start to last epilogue end: {int(end)} ns")
+    return {"H": H, "rows": rows, "config": str(config), "trace": t.tolist()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.coefficients_trace", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
+    p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    from cute_kernels.compile import arch_for_device
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_for_device(device)
+    name = torch.cuda.get_device_name(device)
+    timer = GraphTimer(device, replays=args.replays)
+    runs = []
+    for H in args.hidden:
+        for rows in args.rows:
+            runs.append(timeline(H, rows, device, arch, timer.flush))
+    print("\nGraph timing, fn cold, us per call (4 input sets per graph): shipped kernel vs 1 Sinkhorn step")
+    for H in args.hidden:
+        for rows in args.rows:
+            sets = [coefficient_inputs(rows, H, device, seed) for seed in range(4)]
+            config = ck.default_config(H, False, rows)
+            us = {r: timer.per_call_us([call_for(s, arch, config, r, None) for s in sets]) for r in (20, 1)}
+            print(f"  H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   difference {us[20] - us[1]:5.2f}")
+            runs.append({"H": H, "rows": rows, "sinkhorn_20_us": us[20], "sinkhorn_1_us": us[1]})
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"coefficients-trace-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
+    path = args.out / f"{stem}.json"
+    path.write_text(json.dumps({"gpu": name, "arch": arch, "runs": runs}))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
