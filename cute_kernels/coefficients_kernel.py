@@ -69,6 +69,7 @@ HANDOFFS = ("counter", "ticket")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
+ROW_STREAMS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
@@ -118,6 +119,13 @@ class CoefficientsConfig:
       with 2 or more the shared-memory carveout is set to its maximum as well).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
+    - `persistent`: the row schedule for many rows: `streams` x G clusters only, each CTA keeps its
+      K slice of fn in registers and walks the row tiles s, s + streams, ... (loads of the next
+      tile in flight while a tile is multiplied and reduced), one cluster exchange per tile; the
+      last CTA of the G to start (per stream and rank) gathers and finishes all of that rank's rows
+      at the end. Needs the ticket handoff, tiles of at most 64 rows and (inline form) the
+      layer-input clusters in front.
+    - `streams`: persistent only: row streams (1, 2 or 4), i.e. CTAs per K slice.
     """
 
     rows_per_tile: int
@@ -131,6 +139,8 @@ class CoefficientsConfig:
     push_vec: bool = False
     min_blocks: int = 0
     trace: bool = False
+    persistent: bool = False
+    streams: int = 1
 
     @property
     def threads(self) -> int:
@@ -189,6 +199,21 @@ class CoefficientsConfig:
             raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
         if not isinstance(self.trace, bool):
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
+        if self.streams not in ROW_STREAMS or isinstance(self.streams, bool):
+            raise ValueError(f"streams must be one of {ROW_STREAMS}, got {self.streams!r}")
+        if self.streams > 1 and not self.persistent:
+            raise ValueError("streams > 1 needs persistent=True (it is the persistent schedule's CTAs per K slice)")
+        if self.persistent:
+            if self.handoff != "ticket":
+                raise ValueError("persistent needs handoff='ticket' (its finishing CTA polls the others)")
+            if tm > 64:
+                raise ValueError(f"persistent needs rows_per_tile <= 64 (one batch per tile), got {tm}")
+            if self.prefetch:
+                raise ValueError("persistent always prefetches the next tile: leave prefetch=False")
+            if self.norm_order != "front":
+                raise ValueError("persistent needs norm_order='front' (its clusters walk every tile)")
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -402,6 +427,10 @@ class CoefficientsKernel:
         self.push_vec = config.push_vec
         self.min_blocks = config.min_blocks
         self.trace = config.trace
+        self.persistent = config.persistent
+        self.streams = config.streams
+        # Rows the finishing CTA of the persistent schedule gathers and finishes per round.
+        self.finish_rows = min(128, self.threads)
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -440,10 +469,12 @@ class CoefficientsKernel:
         tiles = (rows + (self.tm - 1)) // self.tm
         norm_clusters = Int32(0)
         clusters = tiles * self.groups
+        if const_expr(self.persistent):
+            clusters = Int32(self.streams * self.groups)
         if const_expr(self.layer_input != "none"):
             if const_expr(self.norm_order == "front"):
                 norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
-                clusters = norm_clusters + tiles * self.groups
+                clusters = norm_clusters + clusters
             else:
                 norm_clusters = tiles * self.norm_per_tile
                 clusters = tiles * (self.groups + self.norm_per_tile)
@@ -504,7 +535,7 @@ class CoefficientsKernel:
             norm = cluster_id < norm_clusters
             norm_cluster = cluster_id
             proj_cluster = cluster_id - norm_clusters
-            if const_expr(self.norm_order == "interleave"):
+            if const_expr(self.norm_order == "interleave" and not self.persistent):
                 # Per tile: its G projection clusters, then the layer-input clusters of its rows.
                 block = const_expr(self.groups + self.norm_per_tile)
                 tile = cluster_id // block
@@ -514,11 +545,21 @@ class CoefficientsKernel:
                 proj_cluster = tile * self.groups + k
             if norm:
                 self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
+            elif const_expr(self.persistent):
+                self.persistent_role(
+                    smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
+                    rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
+                )  # fmt: skip
             else:
                 self.projection_role(
                     smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                     rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
                 )  # fmt: skip
+        elif const_expr(self.persistent):
+            self.persistent_role(
+                smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
+                rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
+            )  # fmt: skip
         else:
             self.projection_role(
                 smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
@@ -685,6 +726,213 @@ class CoefficientsKernel:
                             sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
                             rms_eps, pre_eps, sinkhorn_eps, post_mult,
                         )  # fmt: skip
+
+    @cute.jit
+    def persistent_role(
+        self,
+        smem: cutlass.memory.SmemAllocator,
+        mbar: cute.Pointer,
+        mX: cute.Tensor,
+        mFn: cute.Tensor,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mPartial: cute.Tensor,
+        mCounter: cute.Tensor,
+        mTrace: cute.Tensor | None,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        rank: Int32,
+        cluster: Int32,
+    ):
+        """One CTA of the persistent schedule: its K slice of every `streams`-th row tile, then (the
+        finishing CTA of its stream and rank) the group sums and epilogues of that rank's rows.
+
+        Every partial is the very sum the one-tile-per-cluster schedule forms (same chunks, warp
+        order, rank order, group order), so the bits do not depend on the schedule."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        self.stamp(mTrace, 0)
+        split = 0
+        if const_expr(self.row_split > 1):
+            split = warp // self.warps
+            warp = warp - split * self.warps
+        rows = mX.shape[0]
+        stream = cluster // self.groups
+        group = cluster - stream * self.groups
+        tiles = (rows + (self.tm - 1)) // self.tm
+        step = const_expr(self.tm * self.streams)  # rows between two tiles of this stream
+
+        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
+        sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(self.finish_rows * NV), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+
+        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
+        fn = self.load_fn(mFn, col, lane)
+        if tidx < 3:
+            sParam[tidx] = mScale[tidx]
+        if tidx < MIX:
+            sParam[3 + tidx] = mBase[tidx]
+        cute.arch.griddepcontrol_wait()
+        self.stamp(mTrace, 1)
+
+        # The rows of tile i land in buffer i % 2 (two tiles per trip, so the index is static).
+        nwords = const_expr(self.mtiles_per_warp * 8)
+        bufs = [cute.make_rmem_tensor((nwords,), Int32) for _ in range(2)]
+        first = stream * self.tm
+        self.load_rows_into(bufs[0], mX, first, col, lane, split)
+        if tidx == 0:
+            last = Int32(0)
+            if first < rows:
+                counter = mCounter.iterator + (stream * CLUSTER + rank)
+                ticket = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+                if ticket == self.groups - 1:
+                    # The last of the G to start: every other CTA of this stream and rank is resident.
+                    last = Int32(1)
+                    cute.arch.store(counter, Int32(0))
+            sFlag[0] = last
+        hi, lo = self.split_fn(fn)
+
+        row0 = first
+        while row0 < rows:
+            self.persistent_tile(
+                bufs[0], bufs[1], hi, lo, sWarp, sRecv, mbar, mX, mPartial, mTrace, row0, 0, col, group, rank,
+                warp, lane, split,
+            )  # fmt: skip
+            if row0 + step < rows:
+                self.persistent_tile(
+                    bufs[1], bufs[0], hi, lo, sWarp, sRecv, mbar, mX, mPartial, mTrace, row0 + step, 1, col,
+                    group, rank, warp, lane, split,
+                )  # fmt: skip
+            row0 = row0 + 2 * step
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.sync_threads()  # sFlag, also for a CTA whose stream has no tile
+        self.stamp(mTrace, 4)
+
+        if sFlag[0] != 0:
+            if const_expr(self.trace):
+                if tidx == 0:
+                    mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(1)
+            # This rank's rows of this stream's tiles, `finish_rows` at a time: owned row q is row
+            # q % share of the rank's share of tile stream + (q // share) * streams.
+            mine = ((tiles - stream + (self.streams - 1)) // self.streams) * self.share
+            fr = const_expr(self.finish_rows)
+            for q0 in cutlass.range(0, mine, fr, unroll=1):
+                for e in cutlass.range(tidx, fr * NV, self.threads, unroll=1):
+                    q = q0 + e // NV
+                    row = self.owned_row(q, stream, rank)
+                    if q < mine and row < rows:
+                        sMix[e] = self.gather_all(mPartial, row, e % NV)
+                cute.arch.sync_threads()
+                self.stamp(mTrace, 6)
+                if tidx < fr:
+                    q = q0 + tidx
+                    row = self.owned_row(q, stream, rank)
+                    if q < mine and row < rows:
+                        self.row_epilogue(
+                            sMix, sParam, tidx, row, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                        )  # fmt: skip
+                cute.arch.sync_threads()
+            self.stamp(mTrace, 7)
+
+    def owned_row(self, q: Int32, stream: Int32, rank: Int32) -> Int32:
+        """Row of the q-th row a rank finishes in the persistent schedule."""
+        tile = stream + (q // self.share) * self.streams
+        return tile * self.tm + rank * self.share + q % self.share
+
+    @cute.jit
+    def persistent_tile(
+        self,
+        cur: cute.Tensor,
+        nxt: cute.Tensor,
+        hi: list,
+        lo: list,
+        sWarp: cute.Tensor,
+        sRecv: cute.Tensor,
+        mbar: cute.Pointer,
+        mX: cute.Tensor,
+        mPartial: cute.Tensor,
+        mTrace: cute.Tensor | None,
+        row0: Int32,
+        parity: int,
+        col: Int32,
+        group: Int32,
+        rank: Int32,
+        warp: Int32,
+        lane: Int32,
+        split,
+    ):
+        """One tile of the persistent schedule: the next tile's loads go out, this tile (in `cur`) is
+        multiplied, summed over the warps and the cluster, and its share written to the workspace."""
+        tidx, _, _ = cute.arch.thread_idx()
+        rows = mX.shape[0]
+        tile_rows = cutlass.min(rows - row0, self.tm)
+        share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
+        words = self.words_of(cur)
+        if row0 + self.tm * self.streams < rows:
+            self.load_rows_into(nxt, mX, row0 + self.tm * self.streams, col, lane, split)
+        self.project_batch(words, hi, lo, sWarp, tile_rows, warp, lane, split)
+        cute.arch.sync_threads()
+        self.stamp(mTrace, 2)
+        # Every CTA of the cluster has finished reading its sRecv of the previous tile.
+        cute.arch.cluster_wait()
+        self.stamp(mTrace, 3)
+        if tidx == 0:
+            if share_rows > 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * self.pushed(share_rows) * 4)
+        self.push_batch(sWarp, sRecv, mbar, rank, 0, tile_rows)
+        if share_rows > 0:
+            cute.arch.mbarrier_wait(mbar, parity)
+            self.stamp(mTrace, 5)
+            share_row0 = row0 + rank * self.share
+            for e in cutlass.range(tidx, share_rows * NV, self.threads, unroll=1):
+                acc = self.cluster_sum(sRecv, e)
+                ptr = mPartial.iterator + cute.crd2idx((group, share_row0 + e // NV, e % NV), mPartial.layout)
+                cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
+        # sWarp and sRecv are free again; the peers may push the next tile once all have arrived.
+        cute.arch.sync_threads()
+        if row0 + self.tm * self.streams < rows:
+            cute.arch.cluster_arrive_relaxed()
+
+    @cute.jit
+    def load_rows_into(self, buf: cute.Tensor, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32, split):
+        """load_rows into a register tensor: word k of row-half h of m-tile i at (i*2 + h)*4 + k."""
+        words = self.load_rows(mX, batch_row, col, lane, split)
+        for i in cutlass.range_constexpr(self.mtiles_per_warp):
+            for h in cutlass.range_constexpr(2):
+                for k in cutlass.range_constexpr(4):
+                    buf[(i * 2 + h) * 4 + k] = words[i][h][k]
+
+    def words_of(self, buf: cute.Tensor) -> list:
+        """The nested [m-tile][row half] 4-word tuples project_batch takes, from a register tensor."""
+        return [
+            [tuple(buf[(i * 2 + h) * 4 + k] for k in range(4)) for h in range(2)] for i in range(self.mtiles_per_warp)
+        ]
+
+    @cute.jit
+    def gather_all(self, mPartial: cute.Tensor, row: Int32, n: Int32) -> Float32:
+        """The sum over the G groups in order of one partial from the workspace: polls until no slot
+        holds the sentinel, then clears them."""
+        pending = Int32(1)
+        total = Float32(0.0)
+        while pending != 0:
+            vals = [self.load_partial(mPartial, g, row, n) for g in range(self.groups)]
+            pending = Int32(0)
+            total = vals[0]
+            for g in cutlass.range_constexpr(self.groups):
+                unset = vals[g].bitcast(Int32) == Int32(SENTINEL)
+                pending = pending + cutlass.select_(unset, Int32(1), Int32(0))
+                if const_expr(g > 0):
+                    total = total + vals[g]
+        self.clear_partials(mPartial, row, n)
+        return total
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
@@ -1270,8 +1518,9 @@ class CoefficientsWorkspace:
         self.groups = max(c.groups for c in configs)
         # Every slot holds the sentinel between calls (the ticket handoff polls for it to change).
         self.partials = torch.full((self.groups, max_rows, NV), SENTINEL, dtype=torch.int32, device=device).view(_F32)
-        # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
-        self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
+        # Sized for the smallest tile (16 rows) and for the most persistent row streams, so any config fits.
+        slots = max(-(-max_rows // 16), max(ROW_STREAMS)) * CLUSTER
+        self.counters = torch.zeros((slots,), dtype=torch.int32, device=device)
         self.device = self.partials.device
 
     def reset(self) -> None:
@@ -1356,7 +1605,7 @@ def mhc_coefficients(
 def trace_slots(rows: int, config: CoefficientsConfig, broadcast: bool, inline: bool) -> int:
     """Entries of the trace buffer a trace build of `config` needs for a call of `rows` rows."""
     tiles = -(-rows // config.rows_per_tile)
-    clusters = tiles * config.groups
+    clusters = config.streams * config.groups if config.persistent else tiles * config.groups
     if inline:  # the layer-input clusters (front or interleaved) take grid slots too; over-allocate
         clusters += rows
     return clusters * CLUSTER * TRACE_SLOTS
@@ -1504,8 +1753,14 @@ def _check_call(
         norm_clusters = (
             -(-rows // norm_rows) if config.norm_order == "front" else tiles * (config.rows_per_tile // norm_rows)
         )
-    if norm_clusters + tiles * config.groups > 65535:
+    projection_clusters = config.streams * config.groups if config.persistent else tiles * config.groups
+    if norm_clusters + projection_clusters > 65535:
         raise ValueError(f"{rows} rows need more than 65535 clusters; use a larger rows_per_tile")
+    if config.persistent and workspace.counters.numel() < config.streams * CLUSTER:
+        raise ValueError(
+            f"config has {config.streams} row streams: the workspace needs {config.streams * CLUSTER} counters, "
+            f"it has {workspace.counters.numel()} (make it for more rows)"
+        )
     dev = x.device
     if dev.type != "cuda":
         raise ValueError(f"x must be on a CUDA device, got {dev}")

@@ -136,7 +136,36 @@ KNOBS = [
     (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", push_vec=True, row_split=2)),
     (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, push_vec=True, row_split=4)),
     (5120, "standard", "none", dict(rows_per_tile=32, push_vec=True, min_blocks=4)),
+    # The persistent row schedule: every form, several row streams, with the v3 knobs.
+    (7168, "standard", "none", dict(handoff="ticket", persistent=True, norm_order="front")),
+    (7168, "standard", "carried", dict(handoff="ticket", persistent=True, norm_order="front", streams=2)),
+    (4096, "broadcast", "one_hot", dict(rows_per_tile=32, handoff="ticket", persistent=True, norm_order="front")),
+    (
+        5120,
+        "standard",
+        "none",
+        dict(rows_per_tile=16, handoff="ticket", persistent=True, norm_order="front", streams=4),
+    ),  # fmt: skip
+    (
+        7168,
+        "standard",
+        "none",
+        dict(handoff="ticket", persistent=True, norm_order="front", streams=2, push_vec=True, row_split=2),
+    ),  # fmt: skip
 ]
+
+
+def test_persistent_schedule_compiles_for_blackwell() -> None:
+    config = CoefficientsConfig.for_shape(7168, False, handoff="ticket", persistent=True, norm_order="front", streams=2)
+    assert callable(ck.compile_coefficients(7168, "standard", "carried", 20, config, arch="sm_100a"))
+
+
+def test_trace_build_compiles() -> None:
+    config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
+    assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
+    persistent = CoefficientsConfig.for_shape(7168, False, handoff="ticket", persistent=True, norm_order="front",
+                                              trace=True)  # fmt: skip
+    assert callable(ck.compile_coefficients(7168, "standard", "none", 20, persistent, arch="sm_90a"))
 
 
 @pytest.mark.parametrize("H,variant,mode,knobs", KNOBS)
@@ -176,6 +205,14 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(rows_per_tile=16, push_vec=True), "push_vec"),
         (dict(min_blocks=5), "min_blocks"),
         (dict(row_split=4, min_blocks=3), "threads per SM"),
+        (dict(trace=1), "trace"),
+        (dict(persistent=1), "persistent"),
+        (dict(streams=2), "streams > 1 needs persistent"),
+        (dict(streams=3, persistent=True, handoff="ticket", norm_order="front"), "streams"),
+        (dict(persistent=True, norm_order="front"), "handoff='ticket'"),
+        (dict(persistent=True, handoff="ticket"), "norm_order='front'"),
+        (dict(persistent=True, handoff="ticket", norm_order="front", rows_per_tile=128), "rows_per_tile <= 64"),
+        (dict(persistent=True, handoff="ticket", norm_order="front", prefetch=True), "prefetch"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):
@@ -424,6 +461,8 @@ def test_workspace_checks_its_size() -> None:
     ws = CoefficientsWorkspace(7168, 100, "cpu")
     assert ws.partials.shape == (16, 100, 25) and ws.partials.dtype == F32
     assert ws.counters.shape == (7 * 8,) and ws.counters.dtype == torch.int32 and not ws.counters.any()
+    # At least one counter per CTA rank of the most persistent row streams, however few the rows.
+    assert CoefficientsWorkspace(7168, 1, "cpu").counters.shape == (max(ck.ROW_STREAMS) * 8,)
 
 
 def test_workspace_partials_hold_the_sentinel() -> None:
