@@ -52,22 +52,17 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
 
 
 def persistent_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
-    """The persistent-schedule alternatives: tile height, row streams, vector pushes, row split."""
+    """The streaming-schedule alternatives: tile height (warps per CTA) and row streams (pS)."""
 
     def p(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-        return ck.CoefficientsConfig.for_shape(
-            H, broadcast, tm, handoff="ticket", persistent=True, norm_order="front", **knobs
-        )
+        return ck.CoefficientsConfig.for_shape(H, broadcast, tm, persistent=True, norm_order="front", **knobs)
 
     return {
         "tm64 p1": p(64),
-        "tm32 p1": p(32),
         "tm64 p2": p(64, streams=2),
-        "tm32 p2": p(32, streams=2),
-        "tm16 p4": p(16, streams=4),
-        "tm64 p2 vec": p(64, streams=2, push_vec=True),
-        "tm64 p2 vec rs2": p(64, streams=2, push_vec=True, row_split=2),
-        "tm32 p4 vec": p(32, streams=4, push_vec=True),
+        "tm64 p4": p(64, streams=4),
+        "tm128 p1": p(128),
+        "tm128 p2": p(128, streams=2),
     }
 
 

@@ -54,9 +54,7 @@ def config_for(H: int, rows: int, persistent: int, tile: int) -> ck.Coefficients
     """The default config for `rows` rows, or the persistent schedule with that many row streams."""
     if not persistent:
         return ck.default_config(H, False, rows)
-    return ck.CoefficientsConfig.for_shape(
-        H, False, tile, handoff="ticket", persistent=True, norm_order="front", streams=persistent
-    )
+    return ck.CoefficientsConfig.for_shape(H, False, tile, persistent=True, norm_order="front", streams=persistent)
 
 
 def timeline(

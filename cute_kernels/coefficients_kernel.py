@@ -119,12 +119,15 @@ class CoefficientsConfig:
       with 2 or more the shared-memory carveout is set to its maximum as well).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
-    - `persistent`: the row schedule for many rows: `streams` x G clusters only, each CTA keeps its
-      K slice of fn in registers and walks the row tiles s, s + streams, ... (loads of the next
-      tile in flight while a tile is multiplied and reduced), one cluster exchange per tile; the
-      last CTA of the G to start (per stream and rank) gathers and finishes all of that rank's rows
-      at the end. Needs the ticket handoff, tiles of at most 64 rows and (inline form) the
-      layer-input clusters in front.
+    - `persistent`: the streaming schedule for many rows, two launches: `streams` x G clusters walk
+      the row tiles s, s + streams, ... with their K slice of fn (as bf16 hi/lo fragments) in shared
+      memory; each warp owns one 16-row m-tile of a tile and runs every 32-column chunk of the
+      slice, summing the chunk partials in registers in chunk order (the same sums the warps of the
+      tile schedule leave in shared memory), and pushes them from registers to the owner CTA; the
+      next tile's loads are in flight meanwhile. The owners write the group partials; a second,
+      small kernel (FinishKernel) sums the G groups in order and runs the epilogues. Tiles of 64
+      or 128 rows (4 or 8 warps); needs (inline form) the layer-input clusters in front and none
+      of the handoff / prefetch / row_split / push_vec / min_blocks knobs.
     - `streams`: persistent only: row streams (1, 2 or 4), i.e. CTAs per K slice.
     """
 
@@ -144,7 +147,9 @@ class CoefficientsConfig:
 
     @property
     def threads(self) -> int:
-        """Threads per CTA: warps * row_split warps of 32."""
+        """Threads per CTA: warps * row_split warps of 32 (persistent: one warp per 16 rows of a tile)."""
+        if self.persistent:
+            return CHUNK * (self.rows_per_tile // 16)
         return CHUNK * self.warps * self.row_split
 
     @staticmethod
@@ -206,14 +211,20 @@ class CoefficientsConfig:
         if self.streams > 1 and not self.persistent:
             raise ValueError("streams > 1 needs persistent=True (it is the persistent schedule's CTAs per K slice)")
         if self.persistent:
-            if self.handoff != "ticket":
-                raise ValueError("persistent needs handoff='ticket' (its finishing CTA polls the others)")
-            if tm > 64:
-                raise ValueError(f"persistent needs rows_per_tile <= 64 (one batch per tile), got {tm}")
-            if self.prefetch:
-                raise ValueError("persistent always prefetches the next tile: leave prefetch=False")
+            if tm not in (64, 128):
+                raise ValueError(f"persistent needs rows_per_tile 64 or 128 (one m-tile per warp), got {tm}")
             if self.norm_order != "front":
                 raise ValueError("persistent needs norm_order='front' (its clusters walk every tile)")
+            for knob, value, neutral in (
+                ("handoff", self.handoff, "counter"),
+                ("prefetch", self.prefetch, False),
+                ("row_split", self.row_split, 1),
+                ("push_vec", self.push_vec, False),
+                ("min_blocks", self.min_blocks, 0),
+            ):
+                if value != neutral:
+                    raise ValueError(f"persistent has no {knob} knob (it always prefetches the next tile): "
+                                     f"leave {knob}={neutral!r}")  # fmt: skip
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -355,7 +366,7 @@ def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """16 bytes from global memory as 4 words (the address must be 16-byte aligned)."""
+    """16 bytes as 4 words, from global or shared memory as the pointer says (16-byte aligned)."""
     vec = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type), loc=loc, ip=ip)
     return tuple(Int32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -369,7 +380,7 @@ def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
 
 @dsl_user_op
 def _st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
-    """Store 4 words (16 bytes, 16-byte aligned) to global memory."""
+    """Store 4 words (16 bytes, 16-byte aligned) to global or shared memory as the pointer says."""
     vec = mlir_vector.from_elements(
         ir.VectorType.get([4], Int32.mlir_type), [Int32(w).ir_value(loc=loc, ip=ip) for w in words], loc=loc, ip=ip
     )
@@ -429,8 +440,6 @@ class CoefficientsKernel:
         self.trace = config.trace
         self.persistent = config.persistent
         self.streams = config.streams
-        # Rows the finishing CTA of the persistent schedule gathers and finishes per round.
-        self.finish_rows = min(128, self.threads)
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -546,7 +555,7 @@ class CoefficientsKernel:
             if norm:
                 self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
             elif const_expr(self.persistent):
-                self.persistent_role(
+                self.stream_role(
                     smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                     rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
                 )  # fmt: skip
@@ -556,7 +565,7 @@ class CoefficientsKernel:
                     rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
                 )  # fmt: skip
         elif const_expr(self.persistent):
-            self.persistent_role(
+            self.stream_role(
                 smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                 rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
             )  # fmt: skip
@@ -728,7 +737,7 @@ class CoefficientsKernel:
                         )  # fmt: skip
 
     @cute.jit
-    def persistent_role(
+    def stream_role(
         self,
         smem: cutlass.memory.SmemAllocator,
         mbar: cute.Pointer,
@@ -749,112 +758,66 @@ class CoefficientsKernel:
         rank: Int32,
         cluster: Int32,
     ):
-        """One CTA of the persistent schedule: its K slice of every `streams`-th row tile, then (the
-        finishing CTA of its stream and rank) the group sums and epilogues of that rank's rows.
+        """One CTA of the streaming schedule: its K slice of every `streams`-th row tile, the group
+        partials of its share rows to the workspace (FinishKernel does the rest).
 
-        Every partial is the very sum the one-tile-per-cluster schedule forms (same chunks, warp
-        order, rank order, group order), so the bits do not depend on the schedule."""
+        Every partial is the very sum the tile schedule forms (same chunk MMAs, chunk order, rank
+        order), so the bits do not depend on the schedule."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         self.stamp(mTrace, 0)
-        split = 0
-        if const_expr(self.row_split > 1):
-            split = warp // self.warps
-            warp = warp - split * self.warps
         rows = mX.shape[0]
         stream = cluster // self.groups
         group = cluster - stream * self.groups
-        tiles = (rows + (self.tm - 1)) // self.tm
+        chunks = const_expr(self.warps)
         step = const_expr(self.tm * self.streams)  # rows between two tiles of this stream
 
-        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
+        sFn = smem.allocate_tensor(Int32, cute.make_layout(chunks * 3 * CHUNK * 8), byte_alignment=16)
         sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
-        sMix = smem.allocate_tensor(Float32, cute.make_layout(self.finish_rows * NV), byte_alignment=16)
-        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
-        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
-        fn = self.load_fn(mFn, col, lane)
-        if tidx < 3:
-            sParam[tidx] = mScale[tidx]
-        if tidx < MIX:
-            sParam[3 + tidx] = mBase[tidx]
+        # The slice's fn as the B fragments every warp needs, before the wait (a weight).
+        slice0 = (group * CLUSTER + rank) * chunks
+        for item in cutlass.range(tidx, chunks * 3 * CHUNK, self.threads, unroll=1):
+            c = item // (3 * CHUNK)
+            j = (item // CHUNK) % 3
+            ln = item % CHUNK
+            base = mFn.iterator + ((8 * j + ln // 4) * self.K + (slice0 + c) * CHUNK + (ln % 4) * 8)
+            vals = list(_ld_v4_f32(base) + _ld_v4_f32(base + 4))
+            words = []
+            for p in cutlass.range_constexpr(4):
+                words.append(_split_bf16x2(vals[2 * p], vals[2 * p + 1]))
+            dst = sFn.iterator + item * 8
+            _st_v4_i32(dst, tuple(w[0] for w in words))
+            _st_v4_i32(dst + 4, tuple(w[1] for w in words))
         cute.arch.griddepcontrol_wait()
         self.stamp(mTrace, 1)
 
-        # The rows of tile i land in buffer i % 2 (two tiles per trip, so the index is static).
-        nwords = const_expr(self.mtiles_per_warp * 8)
+        # This warp's rows of tile i land in buffer i % 2 (two tiles per trip: static indices).
+        nwords = const_expr(chunks * 8)
         bufs = [cute.make_rmem_tensor((nwords,), Int32) for _ in range(2)]
+        col0 = slice0 * CHUNK + (lane % 4) * 8
         first = stream * self.tm
-        self.load_rows_into(bufs[0], mX, first, col, lane, split)
-        if tidx == 0:
-            last = Int32(0)
-            if first < rows:
-                counter = mCounter.iterator + (stream * CLUSTER + rank)
-                ticket = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
-                if ticket == self.groups - 1:
-                    # The last of the G to start: every other CTA of this stream and rank is resident.
-                    last = Int32(1)
-                    cute.arch.store(counter, Int32(0))
-            sFlag[0] = last
-        hi, lo = self.split_fn(fn)
+        self.load_slice_rows(bufs[0], mX, first + warp * 16, col0, lane)
+        cute.arch.sync_threads()  # sFn
 
         row0 = first
         while row0 < rows:
-            self.persistent_tile(
-                bufs[0], bufs[1], hi, lo, sWarp, sRecv, mbar, mX, mPartial, mTrace, row0, 0, col, group, rank,
-                warp, lane, split,
-            )  # fmt: skip
+            self.stream_tile(bufs[0], bufs[1], sFn, sRecv, mbar, mX, mPartial, mTrace, row0, 0, col0, group, rank,
+                             warp, lane)  # fmt: skip
             if row0 + step < rows:
-                self.persistent_tile(
-                    bufs[1], bufs[0], hi, lo, sWarp, sRecv, mbar, mX, mPartial, mTrace, row0 + step, 1, col,
-                    group, rank, warp, lane, split,
-                )  # fmt: skip
+                self.stream_tile(bufs[1], bufs[0], sFn, sRecv, mbar, mX, mPartial, mTrace, row0 + step, 1, col0,
+                                 group, rank, warp, lane)  # fmt: skip
             row0 = row0 + 2 * step
         cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.sync_threads()  # sFlag, also for a CTA whose stream has no tile
         self.stamp(mTrace, 4)
 
-        if sFlag[0] != 0:
-            if const_expr(self.trace):
-                if tidx == 0:
-                    mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(1)
-            # This rank's rows of this stream's tiles, `finish_rows` at a time: owned row q is row
-            # q % share of the rank's share of tile stream + (q // share) * streams.
-            mine = ((tiles - stream + (self.streams - 1)) // self.streams) * self.share
-            fr = const_expr(self.finish_rows)
-            for q0 in cutlass.range(0, mine, fr, unroll=1):
-                for e in cutlass.range(tidx, fr * NV, self.threads, unroll=1):
-                    q = q0 + e // NV
-                    row = self.owned_row(q, stream, rank)
-                    if q < mine and row < rows:
-                        sMix[e] = self.gather_all(mPartial, row, e % NV)
-                cute.arch.sync_threads()
-                self.stamp(mTrace, 6)
-                if tidx < fr:
-                    q = q0 + tidx
-                    row = self.owned_row(q, stream, rank)
-                    if q < mine and row < rows:
-                        self.row_epilogue(
-                            sMix, sParam, tidx, row, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult,
-                        )  # fmt: skip
-                cute.arch.sync_threads()
-            self.stamp(mTrace, 7)
-
-    def owned_row(self, q: Int32, stream: Int32, rank: Int32) -> Int32:
-        """Row of the q-th row a rank finishes in the persistent schedule."""
-        tile = stream + (q // self.share) * self.streams
-        return tile * self.tm + rank * self.share + q % self.share
-
     @cute.jit
-    def persistent_tile(
+    def stream_tile(
         self,
         cur: cute.Tensor,
         nxt: cute.Tensor,
-        hi: list,
-        lo: list,
-        sWarp: cute.Tensor,
+        sFn: cute.Tensor,
         sRecv: cute.Tensor,
         mbar: cute.Pointer,
         mX: cute.Tensor,
@@ -862,32 +825,30 @@ class CoefficientsKernel:
         mTrace: cute.Tensor | None,
         row0: Int32,
         parity: int,
-        col: Int32,
+        col0: Int32,
         group: Int32,
         rank: Int32,
         warp: Int32,
         lane: Int32,
-        split,
     ):
-        """One tile of the persistent schedule: the next tile's loads go out, this tile (in `cur`) is
-        multiplied, summed over the warps and the cluster, and its share written to the workspace."""
+        """One tile of the streaming schedule: the next tile's loads go out, this warp's m-tile (in
+        `cur`) runs every chunk, and its partials go from registers to their owner CTAs."""
         tidx, _, _ = cute.arch.thread_idx()
         rows = mX.shape[0]
         tile_rows = cutlass.min(rows - row0, self.tm)
         share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
-        words = self.words_of(cur)
-        if row0 + self.tm * self.streams < rows:
-            self.load_rows_into(nxt, mX, row0 + self.tm * self.streams, col, lane, split)
-        self.project_batch(words, hi, lo, sWarp, tile_rows, warp, lane, split)
-        cute.arch.sync_threads()
+        ahead = row0 + self.tm * self.streams
+        if ahead < rows:
+            self.load_slice_rows(nxt, mX, ahead + warp * 16, col0, lane)
+        run, sq = self.project_chunks(cur, sFn, lane)
         self.stamp(mTrace, 2)
         # Every CTA of the cluster has finished reading its sRecv of the previous tile.
         cute.arch.cluster_wait()
         self.stamp(mTrace, 3)
         if tidx == 0:
             if share_rows > 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * self.pushed(share_rows) * 4)
-        self.push_batch(sWarp, sRecv, mbar, rank, 0, tile_rows)
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * share_rows * NV * 4)
+        self.push_rows(run, sq, sRecv, mbar, rank, warp * 16, tile_rows, lane)
         if share_rows > 0:
             cute.arch.mbarrier_wait(mbar, parity)
             self.stamp(mTrace, 5)
@@ -896,43 +857,81 @@ class CoefficientsKernel:
                 acc = self.cluster_sum(sRecv, e)
                 ptr = mPartial.iterator + cute.crd2idx((group, share_row0 + e // NV, e % NV), mPartial.layout)
                 cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
-        # sWarp and sRecv are free again; the peers may push the next tile once all have arrived.
+        # sRecv is free again; the peers may push the next tile once all have arrived.
         cute.arch.sync_threads()
-        if row0 + self.tm * self.streams < rows:
+        if ahead < rows:
             cute.arch.cluster_arrive_relaxed()
 
     @cute.jit
-    def load_rows_into(self, buf: cute.Tensor, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32, split):
-        """load_rows into a register tensor: word k of row-half h of m-tile i at (i*2 + h)*4 + k."""
-        words = self.load_rows(mX, batch_row, col, lane, split)
-        for i in cutlass.range_constexpr(self.mtiles_per_warp):
-            for h in cutlass.range_constexpr(2):
+    def load_slice_rows(self, buf: cute.Tensor, mX: cute.Tensor, mtile_row: Int32, col0: Int32, lane: Int32):
+        """Issue the loads of one 16-row m-tile over every chunk of the slice into `buf`: word k of
+        row half h of chunk c at (c*2 + h)*4 + k; rows past the end read the last row."""
+        rows = mX.shape[0]
+        g = lane // 4
+        for h in cutlass.range_constexpr(2):
+            row = cutlass.min(mtile_row + h * 8 + g, rows - 1)
+            for c in cutlass.range_constexpr(self.warps):
+                words = _ld_v4_i32(mX.iterator + (row * self.row_stride + col0 + c * CHUNK))
                 for k in cutlass.range_constexpr(4):
-                    buf[(i * 2 + h) * 4 + k] = words[i][h][k]
-
-    def words_of(self, buf: cute.Tensor) -> list:
-        """The nested [m-tile][row half] 4-word tuples project_batch takes, from a register tensor."""
-        return [
-            [tuple(buf[(i * 2 + h) * 4 + k] for k in range(4)) for h in range(2)] for i in range(self.mtiles_per_warp)
-        ]
+                    buf[(c * 2 + h) * 4 + k] = words[k]
 
     @cute.jit
-    def gather_all(self, mPartial: cute.Tensor, row: Int32, n: Int32) -> Float32:
-        """The sum over the G groups in order of one partial from the workspace: polls until no slot
-        holds the sentinel, then clears them."""
-        pending = Int32(1)
-        total = Float32(0.0)
-        while pending != 0:
-            vals = [self.load_partial(mPartial, g, row, n) for g in range(self.groups)]
-            pending = Int32(0)
-            total = vals[0]
-            for g in cutlass.range_constexpr(self.groups):
-                unset = vals[g].bitcast(Int32) == Int32(SENTINEL)
-                pending = pending + cutlass.select_(unset, Int32(1), Int32(0))
-                if const_expr(g > 0):
-                    total = total + vals[g]
-        self.clear_partials(mPartial, row, n)
-        return total
+    def project_chunks(self, buf: cute.Tensor, sFn: cute.Tensor, lane: Int32) -> tuple:
+        """The slice's 25 partial sums for this warp's 16 rows: each chunk's MMAs exactly as
+        project_batch runs them, the chunk results added in chunk order in registers. Returns
+        ([n-tile][4] accumulators, [rows g, g + 8] sums of squares, valid in lanes t == g/2)."""
+        g = lane // 4
+        run = None
+        sq = None
+        for c in cutlass.range_constexpr(self.warps):
+            upper = [buf[(c * 2) * 4 + k] for k in range(4)]
+            lower = [buf[(c * 2 + 1) * 4 + k] for k in range(4)]
+            hi, lo = [], []
+            for j in cutlass.range_constexpr(3):
+                src = sFn.iterator + ((c * 3 + j) * CHUNK + lane) * 8
+                hi.append(list(_ld_v4_i32(src)))
+                lo.append(list(_ld_v4_i32(src + 4)))
+            acc = [[Float32(0.0)] * 4 for _ in range(3)]
+            gram0 = [Float32(0.0)] * 4
+            gram1 = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(2):
+                a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
+                for j in cutlass.range_constexpr(3):
+                    acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
+                    acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
+                gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
+                gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
+            odd = (g % 2) == 1
+            diag = [
+                Float32(cutlass.select_(odd, gram0[1], gram0[0])),
+                Float32(cutlass.select_(odd, gram1[3], gram1[2])),
+            ]
+            if const_expr(c == 0):
+                run, sq = acc, diag
+            else:
+                run = [[run[j][k] + acc[j][k] for k in range(4)] for j in range(3)]
+                sq = [sq[h] + diag[h] for h in range(2)]
+        return run, sq
+
+    @cute.jit
+    def push_rows(
+        self, run: list, sq: list, sRecv: cute.Tensor, mbar: cute.Pointer, rank: Int32, mtile0: Int32,
+        tile_rows: Int32, lane: Int32,
+    ):  # fmt: skip
+        """Send this warp's partials of its m-tile rows (tile rows mtile0 + g, + 8) to the CTAs that own them."""
+        g = lane // 4
+        t = lane % 4
+        for h in cutlass.range_constexpr(2):
+            local = mtile0 + h * 8 + g  # row within the tile
+            if local < tile_rows:
+                owner = local // self.share
+                slot = sRecv.iterator + ((rank * self.share + local - owner * self.share) * NV)
+                for j in cutlass.range_constexpr(3):
+                    for k in cutlass.range_constexpr(2):
+                        val = run[j][2 * h + k]
+                        cute.arch.store_async_dsmem(slot + (8 * j + 2 * t + k), val.bitcast(Int32), mbar, owner)
+                if t == g // 2:
+                    cute.arch.store_async_dsmem(slot + MIX, sq[h].bitcast(Int32), mbar, owner)
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
@@ -1371,6 +1370,91 @@ class LayerInputKernel(CoefficientsKernel):
         self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
 
 
+FINISH_ROWS = 8  # rows per CTA of the finish kernel (8 x 25 = 200 threads)
+
+
+class FinishKernel(CoefficientsKernel):
+    """The second launch of the streaming schedule: per row, the G group partials summed in group
+    order (the same order as the tile schedule's handoff), the slots cleared for the next call, and
+    the epilogue; FINISH_ROWS rows per CTA, one thread per partial."""
+
+    def __init__(self, H: int, *, variant: str = "standard", sinkhorn_repeat: int = 20, groups: int) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, int) or sinkhorn_repeat < 1:
+            raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
+        _check_hidden(H)
+        self.H = H
+        self.broadcast = variant == "broadcast"
+        self.K = projection_width(H, self.broadcast)
+        self.repeat = sinkhorn_repeat
+        self.groups = groups
+        self.threads = FINISH_ROWS * NV
+
+    @cute.jit
+    def __call__(
+        self,
+        mPartial: cute.Tensor,  # [>= G, >= T, 25] fp32 workspace, written by the projection launch
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,  # [T, 4]
+        mComb: cute.Tensor,  # [T, 4, 4]
+        mPre: cute.Tensor,  # [T, 4]
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        stream: cuda.CUstream,
+    ):
+        blocks = (mPost.shape[0] + (FINISH_ROWS - 1)) // FINISH_ROWS
+        self.kernel(mPartial, mScale, mBase, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult).launch(
+            grid=[blocks, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mPartial: cute.Tensor,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        rows = mPost.shape[0]
+        smem = cutlass.memory.SmemAllocator()
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(FINISH_ROWS * NV), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        if tidx < 3:
+            sParam[tidx] = mScale[tidx]
+        if tidx < MIX:
+            sParam[3 + tidx] = mBase[tidx]
+        row0 = block * FINISH_ROWS
+        row = row0 + tidx // NV
+        n = tidx % NV
+        cute.arch.griddepcontrol_wait()
+        if row < rows:
+            vals = [self.load_partial(mPartial, g, row, n) for g in range(self.groups)]
+            total = vals[0]
+            for g in cutlass.range_constexpr(1, self.groups):
+                total = total + vals[g]
+            sMix[tidx] = total
+            self.clear_partials(mPartial, row, n)
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.sync_threads()
+        if tidx < FINISH_ROWS:
+            if row0 + tidx < rows:
+                self.row_epilogue(
+                    sMix, sParam, tidx, row0 + tidx, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult
+                )
+
+
 # ---------------------------------------------------------------------------------------------
 # Compile
 # ---------------------------------------------------------------------------------------------
@@ -1426,6 +1510,27 @@ def compile_layer_input(
         fake_tensor(Float32, (T, HC), divisibility=4) if layer_input == "carried" else None,
         fake_tensor(BFloat16, (H,), divisibility=8),
         fake_tensor(BFloat16, (T, H), divisibility=8),
+        Float32(0.0),
+    )
+    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+@jit_cache
+def compile_finish(H: int, variant: str, sinkhorn_repeat: int, groups: int, *, arch: str) -> Callable[..., Any]:
+    """Compile the streaming schedule's finish kernel for `arch`; the row count stays dynamic."""
+    check_arch(arch)
+    kernel = FinishKernel(H, variant=variant, sinkhorn_repeat=sinkhorn_repeat, groups=groups)
+    T = cute.sym_int()
+    args = (
+        fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), NV), divisibility=1),
+        fake_tensor(Float32, (3,), divisibility=1),
+        fake_tensor(Float32, (MIX,), divisibility=1),
+        fake_tensor(Float32, (T, HC), divisibility=1),
+        fake_tensor(Float32, (T, HC, HC), divisibility=1),
+        fake_tensor(Float32, (T, HC), divisibility=1),
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
@@ -1588,6 +1693,9 @@ def mhc_coefficients(
     compiled = compile_coefficients(
         H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
     )
+    finish = None
+    if config.persistent:
+        finish = compile_finish(H, "broadcast" if broadcast else "standard", sinkhorn_repeat, config.groups, arch=arch)
     if post_out.dim() == 3:
         post_out = post_out.view(rows, HC)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -1600,6 +1708,11 @@ def mhc_coefficients(
             float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
             float(norm_eps) if norm_eps is not None else 0.0,
         )  # fmt: skip
+        if finish is not None:
+            finish(
+                workspace.partials, scale, base, post_out, comb_out, pre_out,
+                float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
+            )  # fmt: skip
 
 
 def trace_slots(rows: int, config: CoefficientsConfig, broadcast: bool, inline: bool) -> int:

@@ -378,14 +378,8 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
 
 def persistent_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
     """Persistent-schedule configs sharing the default's reduction order."""
-    f = functools.partial(CoefficientsConfig.for_shape, H, broadcast, handoff="ticket", persistent=True,
-                          norm_order="front")  # fmt: skip
-    return [
-        f(64),
-        f(32, streams=2),
-        f(16, streams=4),
-        f(64, streams=2, push_vec=True, row_split=2),
-    ]
+    f = functools.partial(CoefficientsConfig.for_shape, H, broadcast, persistent=True, norm_order="front")
+    return [f(64), f(64, streams=2), f(128), f(128, streams=4)]
 
 
 @pytest.mark.parametrize("H", (4096, 7168))
@@ -478,7 +472,7 @@ NAN_CONFIGS = [
     CoefficientsConfig.for_shape(7168, False, 64, handoff="counter"),
     CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", push_vec=True, row_split=2),
     CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
-    CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", persistent=True, norm_order="front", streams=2),
+    CoefficientsConfig.for_shape(7168, False, 64, persistent=True, norm_order="front", streams=2),
 ]
 
 
