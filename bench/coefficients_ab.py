@@ -38,31 +38,24 @@ EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkho
 
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
     """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
-    (vec), warps split over the m-tiles (rsN), the persistent schedule with S row streams (pS). tm32
-    and tm64 are the v2 defaults; v3's launch-bound and prefetch knobs lost and are left out."""
+    (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
+    memory carveout (mbN), prefetch of the next batch (pf). tm32 and tm64 are the v2 defaults."""
 
     def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
         return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
 
     return {
         "tm32": f(32),
+        "tm32 vec": f(32, push_vec=True),
+        "tm32 vec rs2": f(32, push_vec=True, row_split=2),
+        "tm32 vec mb4": f(32, push_vec=True, min_blocks=4),
         "tm64": f(64),
-        **persistent_configs(H, broadcast),
-    }
-
-
-def persistent_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
-    """The streaming-schedule alternatives: tile height (warps per CTA) and row streams (pS)."""
-
-    def p(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-        return ck.CoefficientsConfig.for_shape(H, broadcast, tm, persistent=True, norm_order="front", **knobs)
-
-    return {
-        "tm64 p1": p(64),
-        "tm64 p2": p(64, streams=2),
-        "tm64 p4": p(64, streams=4),
-        "tm128 p1": p(128),
-        "tm128 p2": p(128, streams=2),
+        "tm64 vec": f(64, push_vec=True),
+        "tm64 vec mb3": f(64, push_vec=True, min_blocks=3),
+        "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
+        "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 pf vec rs4": f(128, prefetch=True, push_vec=True, row_split=4),
     }
 
 
@@ -75,12 +68,13 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
 
     return {
         "tm32": f(32),
+        "tm32 vec": f(32, push_vec=True),
+        "tm32 vec rs2": f(32, push_vec=True, row_split=2),
         "tm64": f(64),
-        **{
-            k: v
-            for k, v in persistent_configs(H, False).items()
-            if k in ("tm64 p1", "tm64 p2", "tm32 p2", "tm32 p4 vec")
-        },
+        "tm64 vec": f(64, push_vec=True),
+        "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
+        "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
     }
 
 

@@ -50,19 +50,10 @@ def quantiles(v: torch.Tensor) -> str:
     return f"{v.min():8.0f} {v.median():8.0f} {v.max():8.0f}"
 
 
-def config_for(H: int, rows: int, persistent: int, tile: int) -> ck.CoefficientsConfig:
-    """The default config for `rows` rows, or the persistent schedule with that many row streams."""
-    if not persistent:
-        return ck.default_config(H, False, rows)
-    return ck.CoefficientsConfig.for_shape(H, False, tile, persistent=True, norm_order="front", streams=persistent)
-
-
-def timeline(
-    H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor, base: ck.CoefficientsConfig
-) -> dict:
+def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor) -> dict:
     """One traced call: the per-CTA stamps, summarised on stdout and returned raw."""
     inp = coefficient_inputs(rows, H, device, 0)
-    config = replace(base, trace=True)
+    config = replace(ck.default_config(H, False, rows), trace=True)
     trace = torch.zeros(ck.trace_slots(rows, config, False, False), dtype=torch.int64, device=device)
     call = call_for(inp, arch, config, 20, trace)
     for _ in range(3):
@@ -96,14 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
     p.add_argument("--replays", type=int, default=7)
-    p.add_argument(
-        "--persistent",
-        type=int,
-        default=0,
-        choices=(0, *ck.ROW_STREAMS),
-        help="trace the persistent schedule with this many row streams (0: the default config)",
-    )
-    p.add_argument("--tile", type=int, default=64, help="rows per tile of the persistent schedule")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
 
@@ -116,16 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for H in args.hidden:
         for rows in args.rows:
-            runs.append(timeline(H, rows, device, arch, timer.flush, config_for(H, rows, args.persistent, args.tile)))
+            runs.append(timeline(H, rows, device, arch, timer.flush))
     print("\nGraph timing, fn cold, us per call (4 input sets per graph): shipped kernel vs 1 Sinkhorn step")
     for H in args.hidden:
         for rows in args.rows:
             sets = [coefficient_inputs(rows, H, device, seed) for seed in range(4)]
-            config = config_for(H, rows, args.persistent, args.tile)
+            config = ck.default_config(H, False, rows)
             us = {r: timer.per_call_us([call_for(s, arch, config, r, None) for s in sets]) for r in (20, 1)}
-            print(
-                f"  H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   difference {us[20] - us[1]:5.2f}"
-            )
+            print(f"  H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   difference {us[20] - us[1]:5.2f}")
             runs.append({"H": H, "rows": rows, "sinkhorn_20_us": us[20], "sinkhorn_1_us": us[1]})
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"coefficients-trace-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"

@@ -69,7 +69,6 @@ HANDOFFS = ("counter", "ticket")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
-ROW_STREAMS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
@@ -119,16 +118,6 @@ class CoefficientsConfig:
       with 2 or more the shared-memory carveout is set to its maximum as well).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
-    - `persistent`: the streaming schedule for many rows, two launches: `streams` x G clusters walk
-      the row tiles s, s + streams, ... with their K slice of fn (as bf16 hi/lo fragments) in shared
-      memory; each warp owns one 16-row m-tile of a tile and runs every 32-column chunk of the
-      slice, summing the chunk partials in registers in chunk order (the same sums the warps of the
-      tile schedule leave in shared memory), and pushes them from registers to the owner CTA; the
-      next tile's loads are in flight meanwhile. The owners write the group partials; a second,
-      small kernel (FinishKernel) sums the G groups in order and runs the epilogues. Tiles of 64
-      or 128 rows (4 or 8 warps); needs (inline form) the layer-input clusters in front and none
-      of the handoff / prefetch / row_split / push_vec / min_blocks knobs.
-    - `streams`: persistent only: row streams (1, 2 or 4), i.e. CTAs per K slice.
     """
 
     rows_per_tile: int
@@ -142,14 +131,10 @@ class CoefficientsConfig:
     push_vec: bool = False
     min_blocks: int = 0
     trace: bool = False
-    persistent: bool = False
-    streams: int = 1
 
     @property
     def threads(self) -> int:
-        """Threads per CTA: warps * row_split warps of 32 (persistent: one warp per 16 rows of a tile)."""
-        if self.persistent:
-            return CHUNK * (self.rows_per_tile // 16)
+        """Threads per CTA: warps * row_split warps of 32."""
         return CHUNK * self.warps * self.row_split
 
     @staticmethod
@@ -204,27 +189,6 @@ class CoefficientsConfig:
             raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
         if not isinstance(self.trace, bool):
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
-        if self.streams not in ROW_STREAMS or isinstance(self.streams, bool):
-            raise ValueError(f"streams must be one of {ROW_STREAMS}, got {self.streams!r}")
-        if self.streams > 1 and not self.persistent:
-            raise ValueError("streams > 1 needs persistent=True (it is the persistent schedule's CTAs per K slice)")
-        if self.persistent:
-            if tm not in (64, 128):
-                raise ValueError(f"persistent needs rows_per_tile 64 or 128 (one m-tile per warp), got {tm}")
-            if self.norm_order != "front":
-                raise ValueError("persistent needs norm_order='front' (its clusters walk every tile)")
-            for knob, value, neutral in (
-                ("handoff", self.handoff, "counter"),
-                ("prefetch", self.prefetch, False),
-                ("row_split", self.row_split, 1),
-                ("push_vec", self.push_vec, False),
-                ("min_blocks", self.min_blocks, 0),
-            ):
-                if value != neutral:
-                    raise ValueError(f"persistent has no {knob} knob (it always prefetches the next tile): "
-                                     f"leave {knob}={neutral!r}")  # fmt: skip
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -366,7 +330,7 @@ def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """16 bytes as 4 words, from global or shared memory as the pointer says (16-byte aligned)."""
+    """16 bytes from global memory as 4 words (the address must be 16-byte aligned)."""
     vec = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type), loc=loc, ip=ip)
     return tuple(Int32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -380,7 +344,7 @@ def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
 
 @dsl_user_op
 def _st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
-    """Store 4 words (16 bytes, 16-byte aligned) to global or shared memory as the pointer says."""
+    """Store 4 words (16 bytes, 16-byte aligned) to global memory."""
     vec = mlir_vector.from_elements(
         ir.VectorType.get([4], Int32.mlir_type), [Int32(w).ir_value(loc=loc, ip=ip) for w in words], loc=loc, ip=ip
     )
@@ -438,8 +402,6 @@ class CoefficientsKernel:
         self.push_vec = config.push_vec
         self.min_blocks = config.min_blocks
         self.trace = config.trace
-        self.persistent = config.persistent
-        self.streams = config.streams
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -478,12 +440,10 @@ class CoefficientsKernel:
         tiles = (rows + (self.tm - 1)) // self.tm
         norm_clusters = Int32(0)
         clusters = tiles * self.groups
-        if const_expr(self.persistent):
-            clusters = Int32(self.streams * self.groups)
         if const_expr(self.layer_input != "none"):
             if const_expr(self.norm_order == "front"):
                 norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
-                clusters = norm_clusters + clusters
+                clusters = norm_clusters + tiles * self.groups
             else:
                 norm_clusters = tiles * self.norm_per_tile
                 clusters = tiles * (self.groups + self.norm_per_tile)
@@ -544,7 +504,7 @@ class CoefficientsKernel:
             norm = cluster_id < norm_clusters
             norm_cluster = cluster_id
             proj_cluster = cluster_id - norm_clusters
-            if const_expr(self.norm_order == "interleave" and not self.persistent):
+            if const_expr(self.norm_order == "interleave"):
                 # Per tile: its G projection clusters, then the layer-input clusters of its rows.
                 block = const_expr(self.groups + self.norm_per_tile)
                 tile = cluster_id // block
@@ -554,21 +514,11 @@ class CoefficientsKernel:
                 proj_cluster = tile * self.groups + k
             if norm:
                 self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
-            elif const_expr(self.persistent):
-                self.stream_role(
-                    smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
-                    rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
-                )  # fmt: skip
             else:
                 self.projection_role(
                     smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                     rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
                 )  # fmt: skip
-        elif const_expr(self.persistent):
-            self.stream_role(
-                smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
-                rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
-            )  # fmt: skip
         else:
             self.projection_role(
                 smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
@@ -735,203 +685,6 @@ class CoefficientsKernel:
                             sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
                             rms_eps, pre_eps, sinkhorn_eps, post_mult,
                         )  # fmt: skip
-
-    @cute.jit
-    def stream_role(
-        self,
-        smem: cutlass.memory.SmemAllocator,
-        mbar: cute.Pointer,
-        mX: cute.Tensor,
-        mFn: cute.Tensor,
-        mScale: cute.Tensor,
-        mBase: cute.Tensor,
-        mPost: cute.Tensor,
-        mComb: cute.Tensor,
-        mPre: cute.Tensor,
-        mPartial: cute.Tensor,
-        mCounter: cute.Tensor,
-        mTrace: cute.Tensor | None,
-        rms_eps: Float32,
-        pre_eps: Float32,
-        sinkhorn_eps: Float32,
-        post_mult: Float32,
-        rank: Int32,
-        cluster: Int32,
-    ):
-        """One CTA of the streaming schedule: its K slice of every `streams`-th row tile, the group
-        partials of its share rows to the workspace (FinishKernel does the rest).
-
-        Every partial is the very sum the tile schedule forms (same chunk MMAs, chunk order, rank
-        order), so the bits do not depend on the schedule."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        self.stamp(mTrace, 0)
-        rows = mX.shape[0]
-        stream = cluster // self.groups
-        group = cluster - stream * self.groups
-        chunks = const_expr(self.warps)
-        step = const_expr(self.tm * self.streams)  # rows between two tiles of this stream
-
-        sFn = smem.allocate_tensor(Int32, cute.make_layout(chunks * 3 * CHUNK * 8), byte_alignment=16)
-        sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
-
-        # The slice's fn as the B fragments every warp needs, before the wait (a weight).
-        slice0 = (group * CLUSTER + rank) * chunks
-        for item in cutlass.range(tidx, chunks * 3 * CHUNK, self.threads, unroll=1):
-            c = item // (3 * CHUNK)
-            j = (item // CHUNK) % 3
-            ln = item % CHUNK
-            base = mFn.iterator + ((8 * j + ln // 4) * self.K + (slice0 + c) * CHUNK + (ln % 4) * 8)
-            vals = list(_ld_v4_f32(base) + _ld_v4_f32(base + 4))
-            words = []
-            for p in cutlass.range_constexpr(4):
-                words.append(_split_bf16x2(vals[2 * p], vals[2 * p + 1]))
-            dst = sFn.iterator + item * 8
-            _st_v4_i32(dst, tuple(w[0] for w in words))
-            _st_v4_i32(dst + 4, tuple(w[1] for w in words))
-        cute.arch.griddepcontrol_wait()
-        self.stamp(mTrace, 1)
-
-        # This warp's rows of tile i land in buffer i % 2 (two tiles per trip: static indices).
-        nwords = const_expr(chunks * 8)
-        bufs = [cute.make_rmem_tensor((nwords,), Int32) for _ in range(2)]
-        col0 = slice0 * CHUNK + (lane % 4) * 8
-        first = stream * self.tm
-        self.load_slice_rows(bufs[0], mX, first + warp * 16, col0, lane)
-        cute.arch.sync_threads()  # sFn
-
-        row0 = first
-        while row0 < rows:
-            self.stream_tile(bufs[0], bufs[1], sFn, sRecv, mbar, mX, mPartial, mTrace, row0, 0, col0, group, rank,
-                             warp, lane)  # fmt: skip
-            if row0 + step < rows:
-                self.stream_tile(bufs[1], bufs[0], sFn, sRecv, mbar, mX, mPartial, mTrace, row0 + step, 1, col0,
-                                 group, rank, warp, lane)  # fmt: skip
-            row0 = row0 + 2 * step
-        cute.arch.griddepcontrol_launch_dependents()
-        self.stamp(mTrace, 4)
-
-    @cute.jit
-    def stream_tile(
-        self,
-        cur: cute.Tensor,
-        nxt: cute.Tensor,
-        sFn: cute.Tensor,
-        sRecv: cute.Tensor,
-        mbar: cute.Pointer,
-        mX: cute.Tensor,
-        mPartial: cute.Tensor,
-        mTrace: cute.Tensor | None,
-        row0: Int32,
-        parity: int,
-        col0: Int32,
-        group: Int32,
-        rank: Int32,
-        warp: Int32,
-        lane: Int32,
-    ):
-        """One tile of the streaming schedule: the next tile's loads go out, this warp's m-tile (in
-        `cur`) runs every chunk, and its partials go from registers to their owner CTAs."""
-        tidx, _, _ = cute.arch.thread_idx()
-        rows = mX.shape[0]
-        tile_rows = cutlass.min(rows - row0, self.tm)
-        share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
-        ahead = row0 + self.tm * self.streams
-        if ahead < rows:
-            self.load_slice_rows(nxt, mX, ahead + warp * 16, col0, lane)
-        run, sq = self.project_chunks(cur, sFn, lane)
-        self.stamp(mTrace, 2)
-        # Every CTA of the cluster has finished reading its sRecv of the previous tile.
-        cute.arch.cluster_wait()
-        self.stamp(mTrace, 3)
-        if tidx == 0:
-            if share_rows > 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * share_rows * NV * 4)
-        self.push_rows(run, sq, sRecv, mbar, rank, warp * 16, tile_rows, lane)
-        if share_rows > 0:
-            cute.arch.mbarrier_wait(mbar, parity)
-            self.stamp(mTrace, 5)
-            share_row0 = row0 + rank * self.share
-            for e in cutlass.range(tidx, share_rows * NV, self.threads, unroll=1):
-                acc = self.cluster_sum(sRecv, e)
-                ptr = mPartial.iterator + cute.crd2idx((group, share_row0 + e // NV, e % NV), mPartial.layout)
-                cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
-        # sRecv is free again; the peers may push the next tile once all have arrived.
-        cute.arch.sync_threads()
-        if ahead < rows:
-            cute.arch.cluster_arrive_relaxed()
-
-    @cute.jit
-    def load_slice_rows(self, buf: cute.Tensor, mX: cute.Tensor, mtile_row: Int32, col0: Int32, lane: Int32):
-        """Issue the loads of one 16-row m-tile over every chunk of the slice into `buf`: word k of
-        row half h of chunk c at (c*2 + h)*4 + k; rows past the end read the last row."""
-        rows = mX.shape[0]
-        g = lane // 4
-        for h in cutlass.range_constexpr(2):
-            row = cutlass.min(mtile_row + h * 8 + g, rows - 1)
-            for c in cutlass.range_constexpr(self.warps):
-                words = _ld_v4_i32(mX.iterator + (row * self.row_stride + col0 + c * CHUNK))
-                for k in cutlass.range_constexpr(4):
-                    buf[(c * 2 + h) * 4 + k] = words[k]
-
-    @cute.jit
-    def project_chunks(self, buf: cute.Tensor, sFn: cute.Tensor, lane: Int32) -> tuple:
-        """The slice's 25 partial sums for this warp's 16 rows: each chunk's MMAs exactly as
-        project_batch runs them, the chunk results added in chunk order in registers. Returns
-        ([n-tile][4] accumulators, [rows g, g + 8] sums of squares, valid in lanes t == g/2)."""
-        g = lane // 4
-        run = None
-        sq = None
-        for c in cutlass.range_constexpr(self.warps):
-            upper = [buf[(c * 2) * 4 + k] for k in range(4)]
-            lower = [buf[(c * 2 + 1) * 4 + k] for k in range(4)]
-            hi, lo = [], []
-            for j in cutlass.range_constexpr(3):
-                src = sFn.iterator + ((c * 3 + j) * CHUNK + lane) * 8
-                hi.append(list(_ld_v4_i32(src)))
-                lo.append(list(_ld_v4_i32(src + 4)))
-            acc = [[Float32(0.0)] * 4 for _ in range(3)]
-            gram0 = [Float32(0.0)] * 4
-            gram1 = [Float32(0.0)] * 4
-            for s in cutlass.range_constexpr(2):
-                a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
-                for j in cutlass.range_constexpr(3):
-                    acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
-                    acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
-                gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
-                gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
-            odd = (g % 2) == 1
-            diag = [
-                Float32(cutlass.select_(odd, gram0[1], gram0[0])),
-                Float32(cutlass.select_(odd, gram1[3], gram1[2])),
-            ]
-            if const_expr(c == 0):
-                run, sq = acc, diag
-            else:
-                run = [[run[j][k] + acc[j][k] for k in range(4)] for j in range(3)]
-                sq = [sq[h] + diag[h] for h in range(2)]
-        return run, sq
-
-    @cute.jit
-    def push_rows(
-        self, run: list, sq: list, sRecv: cute.Tensor, mbar: cute.Pointer, rank: Int32, mtile0: Int32,
-        tile_rows: Int32, lane: Int32,
-    ):  # fmt: skip
-        """Send this warp's partials of its m-tile rows (tile rows mtile0 + g, + 8) to the CTAs that own them."""
-        g = lane // 4
-        t = lane % 4
-        for h in cutlass.range_constexpr(2):
-            local = mtile0 + h * 8 + g  # row within the tile
-            if local < tile_rows:
-                owner = local // self.share
-                slot = sRecv.iterator + ((rank * self.share + local - owner * self.share) * NV)
-                for j in cutlass.range_constexpr(3):
-                    for k in cutlass.range_constexpr(2):
-                        val = run[j][2 * h + k]
-                        cute.arch.store_async_dsmem(slot + (8 * j + 2 * t + k), val.bitcast(Int32), mbar, owner)
-                if t == g // 2:
-                    cute.arch.store_async_dsmem(slot + MIX, sq[h].bitcast(Int32), mbar, owner)
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
@@ -1370,91 +1123,6 @@ class LayerInputKernel(CoefficientsKernel):
         self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
 
 
-FINISH_ROWS = 8  # rows per CTA of the finish kernel (8 x 25 = 200 threads)
-
-
-class FinishKernel(CoefficientsKernel):
-    """The second launch of the streaming schedule: per row, the G group partials summed in group
-    order (the same order as the tile schedule's handoff), the slots cleared for the next call, and
-    the epilogue; FINISH_ROWS rows per CTA, one thread per partial."""
-
-    def __init__(self, H: int, *, variant: str = "standard", sinkhorn_repeat: int = 20, groups: int) -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, int) or sinkhorn_repeat < 1:
-            raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
-        _check_hidden(H)
-        self.H = H
-        self.broadcast = variant == "broadcast"
-        self.K = projection_width(H, self.broadcast)
-        self.repeat = sinkhorn_repeat
-        self.groups = groups
-        self.threads = FINISH_ROWS * NV
-
-    @cute.jit
-    def __call__(
-        self,
-        mPartial: cute.Tensor,  # [>= G, >= T, 25] fp32 workspace, written by the projection launch
-        mScale: cute.Tensor,
-        mBase: cute.Tensor,
-        mPost: cute.Tensor,  # [T, 4]
-        mComb: cute.Tensor,  # [T, 4, 4]
-        mPre: cute.Tensor,  # [T, 4]
-        rms_eps: Float32,
-        pre_eps: Float32,
-        sinkhorn_eps: Float32,
-        post_mult: Float32,
-        stream: cuda.CUstream,
-    ):
-        blocks = (mPost.shape[0] + (FINISH_ROWS - 1)) // FINISH_ROWS
-        self.kernel(mPartial, mScale, mBase, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult).launch(
-            grid=[blocks, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mPartial: cute.Tensor,
-        mScale: cute.Tensor,
-        mBase: cute.Tensor,
-        mPost: cute.Tensor,
-        mComb: cute.Tensor,
-        mPre: cute.Tensor,
-        rms_eps: Float32,
-        pre_eps: Float32,
-        sinkhorn_eps: Float32,
-        post_mult: Float32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        block, _, _ = cute.arch.block_idx()
-        rows = mPost.shape[0]
-        smem = cutlass.memory.SmemAllocator()
-        sMix = smem.allocate_tensor(Float32, cute.make_layout(FINISH_ROWS * NV), byte_alignment=16)
-        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
-        if tidx < 3:
-            sParam[tidx] = mScale[tidx]
-        if tidx < MIX:
-            sParam[3 + tidx] = mBase[tidx]
-        row0 = block * FINISH_ROWS
-        row = row0 + tidx // NV
-        n = tidx % NV
-        cute.arch.griddepcontrol_wait()
-        if row < rows:
-            vals = [self.load_partial(mPartial, g, row, n) for g in range(self.groups)]
-            total = vals[0]
-            for g in cutlass.range_constexpr(1, self.groups):
-                total = total + vals[g]
-            sMix[tidx] = total
-            self.clear_partials(mPartial, row, n)
-        cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.sync_threads()
-        if tidx < FINISH_ROWS:
-            if row0 + tidx < rows:
-                self.row_epilogue(
-                    sMix, sParam, tidx, row0 + tidx, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult
-                )
-
-
 # ---------------------------------------------------------------------------------------------
 # Compile
 # ---------------------------------------------------------------------------------------------
@@ -1510,27 +1178,6 @@ def compile_layer_input(
         fake_tensor(Float32, (T, HC), divisibility=4) if layer_input == "carried" else None,
         fake_tensor(BFloat16, (H,), divisibility=8),
         fake_tensor(BFloat16, (T, H), divisibility=8),
-        Float32(0.0),
-    )
-    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
-
-
-@jit_cache
-def compile_finish(H: int, variant: str, sinkhorn_repeat: int, groups: int, *, arch: str) -> Callable[..., Any]:
-    """Compile the streaming schedule's finish kernel for `arch`; the row count stays dynamic."""
-    check_arch(arch)
-    kernel = FinishKernel(H, variant=variant, sinkhorn_repeat=sinkhorn_repeat, groups=groups)
-    T = cute.sym_int()
-    args = (
-        fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), NV), divisibility=1),
-        fake_tensor(Float32, (3,), divisibility=1),
-        fake_tensor(Float32, (MIX,), divisibility=1),
-        fake_tensor(Float32, (T, HC), divisibility=1),
-        fake_tensor(Float32, (T, HC, HC), divisibility=1),
-        fake_tensor(Float32, (T, HC), divisibility=1),
-        Float32(0.0),
-        Float32(0.0),
-        Float32(0.0),
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
@@ -1623,9 +1270,8 @@ class CoefficientsWorkspace:
         self.groups = max(c.groups for c in configs)
         # Every slot holds the sentinel between calls (the ticket handoff polls for it to change).
         self.partials = torch.full((self.groups, max_rows, NV), SENTINEL, dtype=torch.int32, device=device).view(_F32)
-        # Sized for the smallest tile (16 rows) and for the most persistent row streams, so any config fits.
-        slots = max(-(-max_rows // 16), max(ROW_STREAMS)) * CLUSTER
-        self.counters = torch.zeros((slots,), dtype=torch.int32, device=device)
+        # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
+        self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
         self.device = self.partials.device
 
     def reset(self) -> None:
@@ -1693,9 +1339,6 @@ def mhc_coefficients(
     compiled = compile_coefficients(
         H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
     )
-    finish = None
-    if config.persistent:
-        finish = compile_finish(H, "broadcast" if broadcast else "standard", sinkhorn_repeat, config.groups, arch=arch)
     if post_out.dim() == 3:
         post_out = post_out.view(rows, HC)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -1708,17 +1351,12 @@ def mhc_coefficients(
             float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
             float(norm_eps) if norm_eps is not None else 0.0,
         )  # fmt: skip
-        if finish is not None:
-            finish(
-                workspace.partials, scale, base, post_out, comb_out, pre_out,
-                float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
-            )  # fmt: skip
 
 
 def trace_slots(rows: int, config: CoefficientsConfig, broadcast: bool, inline: bool) -> int:
     """Entries of the trace buffer a trace build of `config` needs for a call of `rows` rows."""
     tiles = -(-rows // config.rows_per_tile)
-    clusters = config.streams * config.groups if config.persistent else tiles * config.groups
+    clusters = tiles * config.groups
     if inline:  # the layer-input clusters (front or interleaved) take grid slots too; over-allocate
         clusters += rows
     return clusters * CLUSTER * TRACE_SLOTS
@@ -1866,14 +1504,8 @@ def _check_call(
         norm_clusters = (
             -(-rows // norm_rows) if config.norm_order == "front" else tiles * (config.rows_per_tile // norm_rows)
         )
-    projection_clusters = config.streams * config.groups if config.persistent else tiles * config.groups
-    if norm_clusters + projection_clusters > 65535:
+    if norm_clusters + tiles * config.groups > 65535:
         raise ValueError(f"{rows} rows need more than 65535 clusters; use a larger rows_per_tile")
-    if config.persistent and workspace.counters.numel() < config.streams * CLUSTER:
-        raise ValueError(
-            f"config has {config.streams} row streams: the workspace needs {config.streams * CLUSTER} counters, "
-            f"it has {workspace.counters.numel()} (make it for more rows)"
-        )
     dev = x.device
     if dev.type != "cuda":
         raise ValueError(f"x must be on a CUDA device, got {dev}")

@@ -136,32 +136,7 @@ KNOBS = [
     (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", push_vec=True, row_split=2)),
     (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, push_vec=True, row_split=4)),
     (5120, "standard", "none", dict(rows_per_tile=32, push_vec=True, min_blocks=4)),
-    # The streaming (persistent) schedule: every form, several row streams.
-    (7168, "standard", "none", dict(persistent=True, norm_order="front")),
-    (7168, "standard", "carried", dict(persistent=True, norm_order="front", streams=2)),
-    (4096, "broadcast", "one_hot", dict(rows_per_tile=128, persistent=True, norm_order="front")),
-    (5120, "standard", "none", dict(rows_per_tile=128, persistent=True, norm_order="front", streams=4)),
 ]
-
-
-def test_persistent_schedule_compiles_for_blackwell() -> None:
-    config = CoefficientsConfig.for_shape(7168, False, persistent=True, norm_order="front", streams=2)
-    assert config.threads == 128
-    assert callable(ck.compile_coefficients(7168, "standard", "carried", 20, config, arch="sm_100a"))
-    assert callable(ck.compile_finish(7168, "standard", 20, config.groups, arch="sm_100a"))
-
-
-@pytest.mark.parametrize("H,variant", [(7168, "standard"), (4096, "broadcast")])
-def test_finish_kernel_compiles(H: int, variant: str) -> None:
-    groups = CoefficientsConfig.for_shape(H, variant == "broadcast").groups
-    assert callable(ck.compile_finish(H, variant, 20, groups, arch="sm_90a"))
-
-
-def test_trace_build_compiles() -> None:
-    config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
-    assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
-    persistent = CoefficientsConfig.for_shape(7168, False, persistent=True, norm_order="front", trace=True)
-    assert callable(ck.compile_coefficients(7168, "standard", "none", 20, persistent, arch="sm_90a"))
 
 
 @pytest.mark.parametrize("H,variant,mode,knobs", KNOBS)
@@ -187,6 +162,13 @@ def test_ticket_handoff_compiles_for_blackwell() -> None:
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
 
 
+def test_trace_build_compiles() -> None:
+    config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
+    assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
+    inline = CoefficientsConfig.for_shape(5120, False, handoff="ticket", trace=True)
+    assert callable(ck.compile_coefficients(5120, "standard", "carried", 20, inline, arch="sm_100a"))
+
+
 def test_knob_validation_names_the_problem() -> None:
     base = CoefficientsConfig.for_shape(7168, False)
     for knobs, message in (
@@ -202,16 +184,6 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(min_blocks=5), "min_blocks"),
         (dict(row_split=4, min_blocks=3), "threads per SM"),
         (dict(trace=1), "trace"),
-        (dict(persistent=1), "persistent"),
-        (dict(streams=2), "streams > 1 needs persistent"),
-        (dict(streams=3, persistent=True, norm_order="front"), "streams"),
-        (dict(persistent=True), "norm_order='front'"),
-        (dict(persistent=True, norm_order="front", rows_per_tile=32), "rows_per_tile 64 or 128"),
-        (dict(persistent=True, norm_order="front", handoff="ticket"), "no handoff knob"),
-        (dict(persistent=True, norm_order="front", prefetch=True), "no prefetch knob"),
-        (dict(persistent=True, norm_order="front", row_split=2), "no row_split knob"),
-        (dict(persistent=True, norm_order="front", push_vec=True), "no push_vec knob"),
-        (dict(persistent=True, norm_order="front", min_blocks=1), "no min_blocks knob"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):
@@ -460,8 +432,6 @@ def test_workspace_checks_its_size() -> None:
     ws = CoefficientsWorkspace(7168, 100, "cpu")
     assert ws.partials.shape == (16, 100, 25) and ws.partials.dtype == F32
     assert ws.counters.shape == (7 * 8,) and ws.counters.dtype == torch.int32 and not ws.counters.any()
-    # At least one counter per CTA rank of the most persistent row streams, however few the rows.
-    assert CoefficientsWorkspace(7168, 1, "cpu").counters.shape == (max(ck.ROW_STREAMS) * 8,)
 
 
 def test_workspace_partials_hold_the_sentinel() -> None:

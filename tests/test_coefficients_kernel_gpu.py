@@ -371,15 +371,7 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
         f(H, broadcast, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
         f(H, broadcast, 128, prefetch=True, handoff="ticket", push_vec=True, row_split=4),
         f(H, broadcast, 32, handoff="ticket", push_vec=True, min_blocks=4),
-        # The persistent row schedule (tiles walked by G x streams clusters).
-        *persistent_configs(H, broadcast),
     ]
-
-
-def persistent_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
-    """Persistent-schedule configs sharing the default's reduction order."""
-    f = functools.partial(CoefficientsConfig.for_shape, H, broadcast, persistent=True, norm_order="front")
-    return [f(64), f(64, streams=2), f(128), f(128, streams=4)]
 
 
 @pytest.mark.parametrize("H", (4096, 7168))
@@ -428,33 +420,6 @@ def test_v3_knobs_batch_invariance(H: int) -> None:
             assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
 
 
-@pytest.mark.parametrize("H", (4096, 7168))
-def test_persistent_schedule_batch_invariance_and_graph(H: int) -> None:
-    # The whole batch on the persistent schedule, row ranges on the default one: same bits; then
-    # graph replays with the inputs changed in place, the workspace clean after each.
-    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    x = torch.randn(MAX_ROWS, 4, H, device="cuda", generator=gen(51)).to(BF16)
-    for config in persistent_configs(H, False):
-        full = call(x, ws=ws, config=config)
-        assert_counters_clean(ws)
-        for start, rows in ((0, 1), (511, 1), (200, 7), (300, 129), (1, 64)):
-            part = call(x[start : start + rows], ws=ws)
-            for name in ("post", "comb", "pre"):
-                assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
-    config = persistent_configs(H, False)[1]
-    out = call(x, ws=ws, config=config)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(x, ws=ws, out=out, config=config)
-    for step in range(2):
-        x.copy_(torch.randn(MAX_ROWS, 4, H, device="cuda", generator=gen(900 + step)).to(BF16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_matches(out, reference(x))
-        assert_counters_clean(ws)
-
-
 def wait_or_fail(seconds: float = 20.0) -> None:
     """Synchronize, or fail the test (instead of hanging the run) when the GPU has not finished in time."""
     done = torch.cuda.Event()
@@ -472,13 +437,10 @@ NAN_CONFIGS = [
     CoefficientsConfig.for_shape(7168, False, 64, handoff="counter"),
     CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", push_vec=True, row_split=2),
     CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
-    CoefficientsConfig.for_shape(7168, False, 64, persistent=True, norm_order="front", streams=2),
 ]
 
 
-@pytest.mark.parametrize(
-    "config", NAN_CONFIGS, ids=["default", "ticket", "counter", "vec-split", "vec-split-mb2", "persistent"]
-)
+@pytest.mark.parametrize("config", NAN_CONFIGS, ids=["default", "ticket", "counter", "vec-split", "vec-split-mb2"])
 @pytest.mark.parametrize("rows", (40, 512))
 def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: CoefficientsConfig | None, rows: int) -> None:
     # The ticket handoff polls the workspace until no slot holds the NaN sentinel: a NaN partial
