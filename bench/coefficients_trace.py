@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             sets = [coefficient_inputs(rows, H, device, seed) for seed in range(4)]
             config = ck.default_config(H, False, rows)
             us = {r: timer.per_call_us([call_for(s, arch, config, r, None) for s in sets]) for r in (20, 1)}
-            print(f"  H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   difference {us[20] - us[1]:5.2f}")
+            print(
+                f"  H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   difference {us[20] - us[1]:5.2f}"
+            )
             runs.append({"H": H, "rows": rows, "sinkhorn_20_us": us[20], "sinkhorn_1_us": us[1]})
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"coefficients-trace-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
