@@ -910,7 +910,7 @@ class CoefficientsKernel:
         c = self.normalize_columns(c, sinkhorn_eps)
         for _ in cutlass.range_constexpr(self.repeat - 1):
             for a in cutlass.range_constexpr(HC):
-                inv = self.sinkhorn_rcp(a, (c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
+                inv = prim.rcp_approx((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
                 for b in cutlass.range_constexpr(HC):
                     c[a][b] = c[a][b] * inv
             c = self.normalize_columns(c, sinkhorn_eps)
@@ -923,20 +923,10 @@ class CoefficientsKernel:
         """C[a][b] / (sum_a C[a][b] + eps)."""
         out = [[Float32(0.0)] * HC for _ in range(HC)]
         for b in cutlass.range_constexpr(HC):
-            inv = self.sinkhorn_rcp(b, (c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
+            inv = prim.rcp_approx((c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
             for a in cutlass.range_constexpr(HC):
                 out[a][b] = c[a][b] * inv
         return out
-
-    @staticmethod
-    def sinkhorn_rcp(k: int, x: Float32) -> Float32:
-        """1/x for the k-th of the 4 sums of a Sinkhorn normalisation: sums 0 and 1 on MUFU, 2 and 3 on the FMA pipe."""
-        # One thread runs the chain, so the warp's one instruction per clock is the limit once the
-        # reciprocals leave MUFU (16 FADD + 16 FMUL + 6 per rcp_newton = 56 per normalisation); all four
-        # on MUFU leave the chain waiting on its latency. Two each (46 instructions) balances the two;
-        # sums 0 and 1 are added first in the next normalisation, so their products can start while
-        # the FMA-pipe reciprocals of 2 and 3 are still running.
-        return prim.rcp_approx(x) if k < 2 else prim.rcp_newton(x)
 
     @cute.jit
     def layer_input_role(
