@@ -71,37 +71,6 @@ def rcp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(res)
 
 
-# 1/d with no MUFU: guess y0 = bits(MAGIC - bits(d)), then three Newton steps y += y * e. The second
-# step takes e*e + DELTA as its residual (e*e is the true one in real arithmetic) instead of the serial
-# 1 - d*y1, so the chain is one integer op and 5 dependent FMAs; the third recomputes the residual,
-# which removes the rounding errors of the first two. MAGIC just above 0x7F000000 makes every guess
-# an over-estimate by at most 1/8, and DELTA centres what is left after the second step: within
-# 0.71 ulp (relative 2^-23.73), exhaustively over a binade (the error does not depend on the exponent).
-# That MAGIC also turns +-Inf and |d| > 2^127 * (1 + 2^-23) into NaN guesses (no guard instruction);
-# 2^126 < |d| below that give 0 (1/d is subnormal, flushed), and 0 and subnormals (read as 0) give NaN
-# (y0 ~ 2^127 doubles to Inf, then 0 * Inf).
-RCP_NEWTON_PTX = (
-    "{\n\t.reg .b32 t;\n\t.reg .f32 n, y, e, f;\n\t"
-    "mov.b32 t, $1;\n\t"
-    "sub.s32 t, 0x7F000001, t;\n\t"
-    "mov.b32 y, t;\n\t"
-    "neg.f32 n, $1;\n\t"
-    "fma.rn.ftz.f32 e, n, y, 0f3F800000;\n\t"
-    "fma.rn.ftz.f32 f, e, e, 0f38E6AFCD;\n\t"  # DELTA = 1.1e-4
-    "fma.rn.ftz.f32 y, y, e, y;\n\t"
-    "fma.rn.ftz.f32 y, y, f, y;\n\t"
-    "fma.rn.ftz.f32 e, n, y, 0f3F800000;\n\t"
-    "fma.rn.ftz.f32 $0, y, e, y;\n\t}"
-)
-
-
-@dsl_user_op
-def rcp_newton(x: Float32, *, loc=None, ip=None) -> Float32:
-    """1/x on the FMA pipe, within 0.71 ulp for 2^-126 <= |x| <= 2^126; NaN for 0, subnormals, Inf and NaN."""
-    res = _asm(T.f32(), [_f32(x, loc, ip)], RCP_NEWTON_PTX, "=f,f", side_effects=False, loc=loc, ip=ip)
-    return Float32(res)
-
-
 @dsl_user_op
 def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """2^x by the MUFU unit, subnormals flushed."""
