@@ -908,15 +908,26 @@ class CoefficientsKernel:
             for b in cutlass.range_constexpr(HC):
                 c[a][b] = ex[b] * inv + sinkhorn_eps
         c = self.normalize_columns(c, sinkhorn_eps)
-        for _ in cutlass.range_constexpr(self.repeat - 1):
+        # The repeats as a real loop, not unrolled: one thread runs this chain with nothing else on
+        # its SM to warm the instruction cache, and unrolled (39 normalisations of straight-line
+        # code) it ran at ~2 cycles per instruction, fetch-bound (docs/PERF.md, v4).
+        rC = cute.make_rmem_tensor((HC * HC,), Float32)
+        for a in cutlass.range_constexpr(HC):
+            for b in cutlass.range_constexpr(HC):
+                rC[a * HC + b] = c[a][b]
+        for _ in cutlass.range(self.repeat - 1, unroll=1):
+            c = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
             for a in cutlass.range_constexpr(HC):
                 inv = prim.rcp_approx((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
                 for b in cutlass.range_constexpr(HC):
                     c[a][b] = c[a][b] * inv
             c = self.normalize_columns(c, sinkhorn_eps)
+            for a in cutlass.range_constexpr(HC):
+                for b in cutlass.range_constexpr(HC):
+                    rC[a * HC + b] = c[a][b]
         for a in cutlass.range_constexpr(HC):
             for b in cutlass.range_constexpr(HC):
-                mComb[row, a, b] = c[a][b]
+                mComb[row, a, b] = rC[a * HC + b]
 
     @cute.jit
     def normalize_columns(self, c: list, eps: Float32) -> list:
