@@ -328,21 +328,6 @@ def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
     return prim.exp2_approx(Float32(x) * Float32(LOG2E), loc=loc, ip=ip)
 
 
-def _reciprocals(sums: list) -> list:
-    """1/s for the 4 sums of a Sinkhorn normalisation with 2 MUFU.RCP instead of 4: 1/s0 = s1/(s0 s1).
-
-    One thread runs the Sinkhorn chain, and a warp's MUFU instruction holds its sub-partition's
-    pipe ~8 cycles whatever the active lanes, so 4 reciprocals cost ~32 cycles of pipe per
-    normalisation before the latency (~72 cycles per normalisation measured, docs/PERF.md v4).
-    Within ~2 ulp (two roundings more than rcp.approx); the sums are >= eps and at most 4 here,
-    so the products stay far inside the fp32 range (a NaN or Inf sum still gives a NaN row)."""
-    out = []
-    for k in range(0, len(sums), 2):
-        r = prim.rcp_approx(sums[k] * sums[k + 1])
-        out += [r * sums[k + 1], r * sums[k]]
-    return out
-
-
 @dsl_user_op
 def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
     """16 bytes from global memory as 4 words (the address must be 16-byte aligned)."""
@@ -932,10 +917,10 @@ class CoefficientsKernel:
                 rC[a * HC + b] = c[a][b]
         for _ in cutlass.range(self.repeat - 1, unroll=1):
             c = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
-            row_inv = _reciprocals([(c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps for a in range(HC)])
             for a in cutlass.range_constexpr(HC):
+                inv = prim.rcp_approx((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
                 for b in cutlass.range_constexpr(HC):
-                    c[a][b] = c[a][b] * row_inv[a]
+                    c[a][b] = c[a][b] * inv
             c = self.normalize_columns(c, sinkhorn_eps)
             for a in cutlass.range_constexpr(HC):
                 for b in cutlass.range_constexpr(HC):
@@ -948,10 +933,10 @@ class CoefficientsKernel:
     def normalize_columns(self, c: list, eps: Float32) -> list:
         """C[a][b] / (sum_a C[a][b] + eps)."""
         out = [[Float32(0.0)] * HC for _ in range(HC)]
-        inv = _reciprocals([(c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps for b in range(HC)])
         for b in cutlass.range_constexpr(HC):
+            inv = prim.rcp_approx((c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
             for a in cutlass.range_constexpr(HC):
-                out[a][b] = c[a][b] * inv[b]
+                out[a][b] = c[a][b] * inv
         return out
 
     @cute.jit
