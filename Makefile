@@ -32,7 +32,8 @@ bench: $(DEPS)
 	$(PYTHON) -m bench
 
 profile: $(DEPS)
-	bash profiles/ncu_boundary.sh
+	PYTHON=$(PYTHON) bash profiles/ncu_boundary.sh
+	PYTHON=$(PYTHON) bash profiles/ncu_coefficients.sh
 
 lint: $(DEPS)
 	$(PYTHON) -m ruff check boundary cute_kernels tests bench
