@@ -325,6 +325,21 @@ def call_args(rows: int = 3, H: int = 256, *, broadcast: bool = False, inline: b
     return (x, torch.zeros(24, width), torch.ones(3), torch.zeros(24)), kwargs
 
 
+def test_trace_buffer_goes_with_a_trace_config() -> None:
+    # Checked on every call (validate=False too): a trace build needs its buffer, others take none.
+    args, kwargs = call_args(H=7168)
+    plain = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket")
+    traced = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
+    buffer = torch.zeros(ck.trace_slots(3, traced, False, False), dtype=torch.int64)
+    with pytest.raises(ValueError, match="trace must be given exactly when config.trace is set"):
+        ck.mhc_coefficients(*args, **kwargs, config=traced, validate=False)
+    with pytest.raises(ValueError, match="trace must be given exactly when config.trace is set"):
+        ck.mhc_coefficients(*args, **kwargs, config=plain, trace=buffer, validate=False)
+    with pytest.raises(ValueError, match="int64 tensor of >= 3072 entries"):
+        ck.mhc_coefficients(*args, **kwargs, config=traced, trace=buffer[:10], validate=False)
+    assert buffer.numel() == 16 * 8 * ck.TRACE_SLOTS  # one tile of G = 16 clusters of 8 CTAs
+
+
 @pytest.mark.parametrize("broadcast,inline,carried", [(False, False, False), (False, True, True), (True, True, False)])
 def test_well_formed_cpu_call_fails_only_on_the_device(broadcast: bool, inline: bool, carried: bool) -> None:
     args, kwargs = call_args(broadcast=broadcast, inline=inline, carried=carried)
