@@ -259,21 +259,6 @@ def _check_hidden(H: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
-    """One side-effect-free llvm inline-asm op."""
-    return llvm.inline_asm(
-        result_type,
-        operands,
-        asm,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
 def _unpack(struct, n: int, ty, wrap, *, loc=None, ip=None) -> tuple:
     return tuple(wrap(llvm.extractvalue(ty, struct, [i], loc=loc, ip=ip)) for i in range(n))
 
@@ -282,12 +267,13 @@ def _unpack(struct, n: int, ty, wrap, *, loc=None, ip=None) -> tuple:
 def _mma_bf16(a: tuple, b: tuple, c: tuple, *, loc=None, ip=None) -> tuple:
     """D = A @ B + C for one m16n8k16 bf16 tile with fp32 accumulators (4 + 2 + 4 registers)."""
     ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    res = _asm(
+    res = prim.inline_asm(
         llvm.StructType.get_literal([T.f32()] * 4),
         ops,
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        side_effects=False,
         loc=loc,
         ip=ip,
     )
@@ -297,7 +283,7 @@ def _mma_bf16(a: tuple, b: tuple, c: tuple, *, loc=None, ip=None) -> tuple:
 @dsl_user_op
 def _split_bf16x2(f0: Float32, f1: Float32, *, loc=None, ip=None) -> tuple:
     """(hi, lo) words: hi = bf16x2(f0, f1), lo = bf16x2 of the remainders; f0 in the low halves."""
-    res = _asm(
+    res = prim.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 2),
         [Float32(f0).ir_value(loc=loc, ip=ip), Float32(f1).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .b32 h, a, b;\n\t.reg .f32 x, y;\n\t"
@@ -309,6 +295,7 @@ def _split_bf16x2(f0: Float32, f1: Float32, *, loc=None, ip=None) -> tuple:
         "cvt.rn.bf16x2.f32 $1, y, x;\n\t"
         "mov.b32 $0, h;\n\t}",
         "=r,=r,f,f",
+        side_effects=False,
         loc=loc,
         ip=ip,
     )
@@ -488,16 +475,7 @@ class CoefficientsKernel:
         norm_eps: Float32,
         norm_clusters: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        rank, cluster_id, _ = cute.arch.block_idx()
-
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_array(Int64, num_elems=1)
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-        cute.arch.mbarrier_init_fence()
-        # Peers push into this CTA's shared memory only after every CTA of the cluster got here.
-        cute.arch.cluster_arrive_relaxed()
+        rank, cluster_id, smem, mbar = self.cluster_prologue()
 
         if const_expr(self.layer_input != "none"):
             # Which role this cluster plays, and its index among the clusters of that role.
@@ -524,6 +502,21 @@ class CoefficientsKernel:
                 smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
                 rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
             )  # fmt: skip
+
+    @cute.jit
+    def cluster_prologue(self) -> tuple:
+        """(rank in the cluster, cluster index, shared-memory allocator, the exchange mbarrier
+        initialised), after the cluster arrive that the first cluster_wait matches."""
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, cluster_id, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_array(Int64, num_elems=1)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        # Peers push into this CTA's shared memory only after every CTA of the cluster got here.
+        cute.arch.cluster_arrive_relaxed()
+        return rank, cluster_id, smem, mbar
 
     @cute.jit
     def projection_role(
@@ -1123,14 +1116,7 @@ class LayerInputKernel(CoefficientsKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mPreMix: cute.Tensor | None, mW: cute.Tensor, mOut: cute.Tensor,
                norm_eps: Float32):  # fmt: skip
-        tidx, _, _ = cute.arch.thread_idx()
-        rank, cluster_id, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_array(Int64, num_elems=1)
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.cluster_arrive_relaxed()
+        rank, cluster_id, smem, mbar = self.cluster_prologue()
         self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
 
 

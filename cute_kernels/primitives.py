@@ -7,7 +7,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
-def _asm(result_type, operands, asm: str, constraints: str, *, side_effects: bool, loc=None, ip=None):
+def inline_asm(result_type, operands, asm: str, constraints: str, *, side_effects: bool, loc=None, ip=None):
     """One llvm inline-asm op; pure ones are free for the compiler to schedule or drop."""
     return llvm.inline_asm(
         result_type,
@@ -29,7 +29,7 @@ def _f32(x, loc, ip):
 @dsl_user_op
 def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a * b rounded once, never fused into an FMA (matches torch's separate multiply)."""
-    res = _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f",
+    res = inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f",
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
     return Float32(res)
 
@@ -37,7 +37,7 @@ def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a + b rounded once, never fused into an FMA (matches torch's separate add)."""
-    res = _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "add.rn.f32 $0, $1, $2;", "=f,f,f",
+    res = inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "add.rn.f32 $0, $1, $2;", "=f,f,f",
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
     return Float32(res)
 
@@ -51,7 +51,7 @@ def mul_add_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Floa
 @dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a / b, IEEE round-to-nearest-even, subnormals kept."""
-    res = _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
+    res = inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
     return Float32(res)
 
@@ -59,7 +59,7 @@ def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def rsqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """1/sqrt(x) by the MUFU unit (what CUDA's rsqrtf and torch.rsqrt use), subnormals kept."""
-    res = _asm(T.f32(), [_f32(x, loc, ip)], "rsqrt.approx.f32 $0, $1;", "=f,f",
+    res = inline_asm(T.f32(), [_f32(x, loc, ip)], "rsqrt.approx.f32 $0, $1;", "=f,f",
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
     return Float32(res)
 
@@ -67,14 +67,18 @@ def rsqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def rcp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """1/x by the MUFU unit (about 1 ulp), subnormals flushed."""
-    res = _asm(T.f32(), [_f32(x, loc, ip)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip)
+    res = inline_asm(
+        T.f32(), [_f32(x, loc, ip)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip
+    )
     return Float32(res)
 
 
 @dsl_user_op
 def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """2^x by the MUFU unit, subnormals flushed."""
-    res = _asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip)
+    res = inline_asm(
+        T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip
+    )
     return Float32(res)
 
 
@@ -82,7 +86,7 @@ def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 def cvt_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """Two fp32 -> two bf16 (RNE; Inf kept, NaN stays NaN) packed in a word, `lo` in the low half."""
     # cvt.bf16x2 puts its first source in the upper half, hence the swapped operands.
-    res = _asm(T.i32(), [_f32(lo, loc, ip), _f32(hi, loc, ip)], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+    res = inline_asm(T.i32(), [_f32(lo, loc, ip), _f32(hi, loc, ip)], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
     return Uint32(res)
 
@@ -103,7 +107,7 @@ def bf16_hi(word: Uint32, *, loc=None, ip=None) -> Float32:
 def cvt_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Uint32:
     """Four fp32 -> four e4m3 bytes (RNE, satfinite), `a` in the lowest byte."""
     # cvt.e4m3x2 puts its first source in the upper byte, hence the swapped operands.
-    res = _asm(
+    res = inline_asm(
         T.i32(),
         [_f32(v, loc, ip) for v in (a, b, c, d)],
         "{\n\t.reg .b16 lo, hi;\n\t"
@@ -156,7 +160,7 @@ def st_async_remote_f32(
 def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> tuple[Uint32, ...]:
     """16 bytes (4 words) from a global address when `pred`, else zeros without touching memory."""
     # Marked side-effecting so LLVM keeps it after griddepcontrol.wait; ptxas still schedules it freely.
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .pred p;\n\t"
@@ -196,7 +200,7 @@ def st_global_v2_b32(addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=None) 
 @dsl_user_op
 def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
     """An L2 cache policy (createpolicy) that makes every line it touches evict-first."""
-    res = _asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
+    res = inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
     return Int64(res)
 
@@ -205,7 +209,7 @@ def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
 def ld_global_v4_stream(addr: Int64, policy: Int64, *, loc=None, ip=None) -> tuple[Uint32, ...]:
     """16 bytes read once: no L1 allocation, and the L2 lines evict-first under `policy`."""
     # Side-effecting, like ld_global_v4_pred, so that LLVM keeps it after griddepcontrol.wait.
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int64(addr).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
         "ld.global.L1::no_allocate.L2::cache_hint.v4.b32 {$0, $1, $2, $3}, [$4], $5;",
@@ -220,7 +224,7 @@ def ld_global_v4_stream(addr: Int64, policy: Int64, *, loc=None, ip=None) -> tup
 @dsl_user_op
 def ld_global_b32_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Uint32:
     """One 32-bit word from a global address when `pred`, else 0 without touching memory."""
-    res = _asm(
+    res = inline_asm(
         T.i32(),
         [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];\n\t}",
@@ -249,7 +253,7 @@ def st_global_v4_b32(
 @dsl_user_op
 def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     """x, through a move the compiler cannot see into (so nothing derived from it is strength-reduced or hoisted)."""
-    res = _asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+    res = inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
                side_effects=True, loc=loc, ip=ip)  # fmt: skip
     return Int32(res)
 
@@ -257,7 +261,7 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def opaque_u32(x: Uint32, *, loc=None, ip=None) -> Uint32:
     """x, through a move the compiler cannot see into (so nothing derived from it is hoisted out of a loop)."""
-    res = _asm(T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+    res = inline_asm(T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
                side_effects=True, loc=loc, ip=ip)  # fmt: skip
     return Uint32(res)
 
@@ -265,16 +269,16 @@ def opaque_u32(x: Uint32, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> Int64:
     """The GPU's global nanosecond timer (comparable across SMs)."""
-    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip))
+    return Int64(inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip))
 
 
 @dsl_user_op
 def clock64(*, loc=None, ip=None) -> Int64:
     """This SM's cycle counter (durations within one CTA)."""
-    return Int64(_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", side_effects=True, loc=loc, ip=ip))
+    return Int64(inline_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", side_effects=True, loc=loc, ip=ip))
 
 
 @dsl_user_op
 def smid(*, loc=None, ip=None) -> Int32:
     """The SM this thread runs on."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))
+    return Int32(inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))
