@@ -70,6 +70,7 @@ NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
+COMB_LANES = (1, 2, 4)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
 INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
@@ -116,6 +117,9 @@ class CoefficientsConfig:
       (st.async.v4, a quarter of the DSMEM transactions; needs rows_per_tile >= 32).
     - `min_blocks`: 0, or the CTAs per SM the launch bound asks ptxas to fit (caps the registers;
       with 2 or more the shared-memory carveout is set to its maximum as well).
+    - `comb_lanes`: lanes of the epilogue warp per row for comb (1, 2 or 4): each holds 4/comb_lanes
+      rows of the Sinkhorn matrix and the column sums travel by shuffles (same bits: the sums keep
+      their order, float addition commutes).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
     """
@@ -130,6 +134,7 @@ class CoefficientsConfig:
     row_split: int = 1
     push_vec: bool = False
     min_blocks: int = 0
+    comb_lanes: int = 1
     trace: bool = False
 
     @property
@@ -187,6 +192,12 @@ class CoefficientsConfig:
             raise ValueError(f"push_vec needs rows_per_tile >= 32 (16-byte row shares), got {tm}")
         if self.min_blocks not in MIN_BLOCKS or isinstance(self.min_blocks, bool):
             raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
+        if self.comb_lanes not in COMB_LANES or isinstance(self.comb_lanes, bool):
+            raise ValueError(f"comb_lanes must be one of {COMB_LANES}, got {self.comb_lanes!r}")
+        if tm // CLUSTER * self.comb_lanes > 32:
+            raise ValueError(
+                f"comb_lanes ({self.comb_lanes}) lanes for each of the {tm // CLUSTER} rows a CTA finishes exceed a warp"
+            )
         if not isinstance(self.trace, bool):
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
@@ -389,6 +400,7 @@ class CoefficientsKernel:
         self.push_vec = config.push_vec
         self.min_blocks = config.min_blocks
         self.trace = config.trace
+        self.comb_lanes = config.comb_lanes
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -639,11 +651,9 @@ class CoefficientsKernel:
                 self.stamp(mTrace, 6)
                 if consumer:
                     cute.arch.sync_threads()
-                    if tidx < share_rows:
-                        self.row_epilogue(
-                            sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
-                            rms_eps, pre_eps, sinkhorn_eps, post_mult,
-                        )  # fmt: skip
+                    self.finish_rows(
+                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                    )  # fmt: skip
                     self.stamp(mTrace, 7)
             else:
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
@@ -673,11 +683,9 @@ class CoefficientsKernel:
                         sMix[e] = acc
                         self.clear_partials(mPartial, grow, n)
                     cute.arch.sync_threads()
-                    if tidx < share_rows:
-                        self.row_epilogue(
-                            sMix, sParam, tidx, share_row0 + tidx, mPost, mComb, mPre,
-                            rms_eps, pre_eps, sinkhorn_eps, post_mult,
-                        )  # fmt: skip
+                    self.finish_rows(
+                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                    )  # fmt: skip
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
@@ -867,12 +875,12 @@ class CoefficientsKernel:
         return cute.arch.load(ptr, Float32, sem="relaxed", scope="gpu")
 
     @cute.jit
-    def row_epilogue(
+    def finish_rows(
         self,
         sMix: cute.Tensor,
         sParam: cute.Tensor,
-        i: Int32,
-        row: Int32,
+        share_row0: Int32,
+        share_rows: Int32,
         mPost: cute.Tensor,
         mComb: cute.Tensor,
         mPre: cute.Tensor,
@@ -881,56 +889,119 @@ class CoefficientsKernel:
         sinkhorn_eps: Float32,
         post_mult: Float32,
     ):
-        """The per-row math of SPEC §3 steps 1-4 from the 24 dot products and the sum of squares."""
-        r = prim.rsqrt_approx(prim.div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
-        mixes = [sMix[i * NV + n] * r for n in range(MIX)]
-        scale = [sParam[k] for k in range(3)]
-        base = [sParam[3 + n] for n in range(MIX)]
+        """The per-row epilogue of the share rows: warp 0 runs comb (the long Sinkhorn chain, comb_lanes
+        lanes per row) and warp 1 pre and post (one lane per row), so they do not queue on one scheduler."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx < 32:
+            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, rms_eps, sinkhorn_eps)
+        pre_post_lane = tidx
+        if const_expr(self.threads >= 2 * 32):
+            pre_post_lane = tidx - 32
+        if pre_post_lane >= 0 and pre_post_lane < share_rows:
+            mixes = self.row_mixes(sMix, pre_post_lane, rms_eps)
+            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult)
+
+    @cute.jit
+    def row_scale(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> Float32:
+        """SPEC §3 step 1 for share row i: rsqrt(mean square + eps)."""
+        return prim.rsqrt_approx(prim.div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
+
+    @cute.jit
+    def row_mixes(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> list:
+        """The 24 dot products of share row i times the row's scale."""
+        r = self.row_scale(sMix, i, rms_eps)
+        return [sMix[i * NV + n] * r for n in range(MIX)]
+
+    @cute.jit
+    def row_pre_post(
+        self,
+        mixes: list,
+        sParam: cute.Tensor,
+        row: Int32,
+        mPost: cute.Tensor,
+        mPre: cute.Tensor,
+        pre_eps: Float32,
+        post_mult: Float32,
+    ):
+        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
         for j in cutlass.range_constexpr(HC):
-            z = mixes[j] * scale[0] + base[j]
+            z = mixes[j] * sParam[0] + sParam[3 + j]
             mPre[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps
         for j in cutlass.range_constexpr(HC):
-            z = mixes[HC + j] * scale[1] + base[HC + j]
+            z = mixes[HC + j] * sParam[1] + sParam[3 + HC + j]
             mPost[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult
-        c = [[Float32(0.0)] * HC for _ in range(HC)]
-        for a in cutlass.range_constexpr(HC):
-            logits = [mixes[2 * HC + HC * a + b] * scale[2] + base[2 * HC + HC * a + b] for b in range(HC)]
+
+    @cute.jit
+    def row_comb(
+        self,
+        sMix: cute.Tensor,
+        sParam: cute.Tensor,
+        share_row0: Int32,
+        share_rows: Int32,
+        mComb: cute.Tensor,
+        rms_eps: Float32,
+        sinkhorn_eps: Float32,
+    ):
+        """SPEC §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits). Lane
+        (i, h) of the comb_lanes lanes of share row i holds rows [h*R, (h+1)*R) of the 4 x 4 matrix;
+        lanes past the rows redo the last one (the column sums shuffle across the whole warp)."""
+        lane = cute.arch.lane_idx()
+        nl = const_expr(self.comb_lanes)
+        R = const_expr(HC // nl)
+        i = cutlass.min(lane // nl, share_rows - 1)
+        h = lane % nl
+        r = self.row_scale(sMix, i, rms_eps)
+        rC = cute.make_rmem_tensor((R * HC,), Float32)
+        for k in cutlass.range_constexpr(R):
+            a = h * R + k
+            logits = []
+            for b in cutlass.range_constexpr(HC):
+                n = 2 * HC + HC * a + b
+                logits.append((sMix[i * NV + n] * r) * sParam[2] + sParam[3 + n])
             top = cute.arch.fmax(cute.arch.fmax(logits[0], logits[1]), cute.arch.fmax(logits[2], logits[3]))
             ex = [_exp(logits[b] - top) for b in range(HC)]
             inv = prim.rcp_approx((ex[0] + ex[1]) + (ex[2] + ex[3]))
             for b in cutlass.range_constexpr(HC):
-                c[a][b] = ex[b] * inv + sinkhorn_eps
-        c = self.normalize_columns(c, sinkhorn_eps)
-        # The repeats as a real loop, not unrolled: one thread runs this chain with nothing else on
+                rC[k * HC + b] = ex[b] * inv + sinkhorn_eps
+        self.normalize_columns(rC, sinkhorn_eps)
+        # The repeats as a real loop, not unrolled: one warp runs this chain with nothing else on
         # its SM to warm the instruction cache, and unrolled (39 normalisations of straight-line
         # code) it ran at ~2 cycles per instruction, fetch-bound (docs/PERF.md, v4).
-        rC = cute.make_rmem_tensor((HC * HC,), Float32)
-        for a in cutlass.range_constexpr(HC):
-            for b in cutlass.range_constexpr(HC):
-                rC[a * HC + b] = c[a][b]
         for _ in cutlass.range(self.repeat - 1, unroll=1):
-            c = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
-            for a in cutlass.range_constexpr(HC):
-                inv = prim.rcp_approx((c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + sinkhorn_eps)
+            self.sinkhorn_step(rC, sinkhorn_eps)
+        if lane // nl < share_rows:
+            for k in cutlass.range_constexpr(R):
                 for b in cutlass.range_constexpr(HC):
-                    c[a][b] = c[a][b] * inv
-            c = self.normalize_columns(c, sinkhorn_eps)
-            for a in cutlass.range_constexpr(HC):
-                for b in cutlass.range_constexpr(HC):
-                    rC[a * HC + b] = c[a][b]
-        for a in cutlass.range_constexpr(HC):
-            for b in cutlass.range_constexpr(HC):
-                mComb[row, a, b] = rC[a * HC + b]
+                    mComb[share_row0 + i, h * R + k, b] = rC[k * HC + b]
 
     @cute.jit
-    def normalize_columns(self, c: list, eps: Float32) -> list:
-        """C[a][b] / (sum_a C[a][b] + eps)."""
-        out = [[Float32(0.0)] * HC for _ in range(HC)]
+    def sinkhorn_step(self, rC: cute.Tensor, eps: Float32):
+        """One Sinkhorn repeat in place on this lane's rows of the matrix: rows, then columns."""
+        for k in cutlass.range_constexpr(HC // self.comb_lanes):
+            c = [rC[k * HC + b] for b in range(HC)]
+            inv = prim.rcp_approx((c[0] + c[1]) + (c[2] + c[3]) + eps)
+            for b in cutlass.range_constexpr(HC):
+                rC[k * HC + b] = c[b] * inv
+        self.normalize_columns(rC, eps)
+
+    @cute.jit
+    def normalize_columns(self, rC: cute.Tensor, eps: Float32):
+        """C[a][b] / ((C[0][b] + C[1][b]) + (C[2][b] + C[3][b]) + eps) on this lane's rows. With 2 or 4
+        lanes per matrix the partial sums come from the other lanes by butterfly shuffles; float
+        addition commutes, so every lane gets the very bits of the one-lane sum."""
+        R = const_expr(HC // self.comb_lanes)
         for b in cutlass.range_constexpr(HC):
-            inv = prim.rcp_approx((c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps)
-            for a in cutlass.range_constexpr(HC):
-                out[a][b] = c[a][b] * inv
-        return out
+            if const_expr(self.comb_lanes == 1):
+                total = (rC[b] + rC[HC + b]) + (rC[2 * HC + b] + rC[3 * HC + b])
+            elif const_expr(self.comb_lanes == 2):
+                pair = rC[b] + rC[HC + b]
+                total = pair + cute.arch.shuffle_sync_bfly(pair, offset=1)
+            else:
+                pair = rC[b] + cute.arch.shuffle_sync_bfly(rC[b], offset=1)
+                total = pair + cute.arch.shuffle_sync_bfly(pair, offset=2)
+            inv = prim.rcp_approx(total + eps)
+            for k in cutlass.range_constexpr(R):
+                rC[k * HC + b] = rC[k * HC + b] * inv
 
     @cute.jit
     def layer_input_role(

@@ -136,6 +136,8 @@ KNOBS = [
     (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", push_vec=True, row_split=2)),
     (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, push_vec=True, row_split=4)),
     (5120, "standard", "none", dict(rows_per_tile=32, push_vec=True, min_blocks=4)),
+    (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", comb_lanes=2)),
+    (4096, "broadcast", "none", dict(handoff="ticket", comb_lanes=4)),
 ]
 
 
@@ -184,6 +186,9 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(min_blocks=5), "min_blocks"),
         (dict(row_split=4, min_blocks=3), "threads per SM"),
         (dict(trace=1), "trace"),
+        (dict(comb_lanes=3), "comb_lanes"),
+        (dict(comb_lanes=True), "comb_lanes"),
+        (dict(rows_per_tile=128, comb_lanes=4), "exceed a warp"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):

@@ -371,6 +371,11 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
         f(H, broadcast, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
         f(H, broadcast, 128, prefetch=True, handoff="ticket", push_vec=True, row_split=4),
         f(H, broadcast, 32, handoff="ticket", push_vec=True, min_blocks=4),
+        # comb spread over 2 or 4 lanes per row (column sums by shuffles).
+        f(H, broadcast, 32, handoff="ticket", comb_lanes=2),
+        f(H, broadcast, handoff="ticket", comb_lanes=4),
+        f(H, broadcast, 128, prefetch=True, comb_lanes=2),
+        f(H, broadcast, 16, handoff="counter", comb_lanes=4),
     ]
 
 

@@ -1,0 +1,150 @@
+"""What one Sinkhorn repeat of the coefficients epilogue costs, in SM cycles: `python -m bench.sinkhorn_micro`.
+
+One CTA of one warp; its `lanes` first threads (all 32 for the shuffling bodies) each hold a
+4 x 4 matrix (or their share of one) in registers and run a loop body n times between two %clock64 reads. Cycles per iteration = (cycles at n = 1 + N - cycles at
+n = 1) / N, so the loads, the stores and the clock reads cancel. Bodies:
+- `lanes1`, `lanes2`, `lanes4`: `CoefficientsKernel.sinkhorn_step` (the kernel's own code: a row
+  and a column normalisation of the matrix, each sum 3 FADD + eps, rcp.approx, FMULs) with the
+  matrix spread over 1, 2 or 4 lanes (`comb_lanes`; column sums by shuffles);
+- `rcp1`: the one-lane repeat with one reciprocal per normalisation (1/s_a from 1/(s0 s1 s2 s3));
+- latency probes: a chain of `rcp.approx` (+ FADD), four independent such chains, a chain of
+  FADD, a chain of `shfl.bfly` (+ FADD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, const_expr
+
+from cute_kernels import primitives as prim
+from cute_kernels.coefficients_kernel import HC, CoefficientsConfig, CoefficientsKernel
+from cute_kernels.compile import arch_for_device, compile_kernel, fake_stream, fake_tensor
+
+BODIES = ("lanes1", "lanes2", "lanes4", "rcp1", "rcp_chain", "rcp_chain4", "fadd_chain", "shfl_chain")
+COMB_LANES = {"lanes1": 1, "lanes2": 2, "lanes4": 4}
+
+
+class SinkhornMicro:
+    """One warp timing `body` n times on a register 4 x 4 matrix per active lane."""
+
+    def __init__(self, body: str, lanes: int) -> None:
+        if body not in BODIES:
+            raise ValueError(f"body must be one of {BODIES}, got {body!r}")
+        self.body = body
+        self.nl = COMB_LANES.get(body, 1)
+        self.lanes = 32 if self.nl > 1 else lanes
+        config = CoefficientsConfig.for_shape(4096, False, 32, comb_lanes=self.nl)
+        self.coef = CoefficientsKernel(4096, config=config)
+
+    @cute.jit
+    def __call__(self, mIn: cute.Tensor, mOut: cute.Tensor, mCycles: cute.Tensor, n: Int32, eps: Float32, stream):
+        self.kernel(mIn, mOut, mCycles, n, eps).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mIn: cute.Tensor, mOut: cute.Tensor, mCycles: cute.Tensor, n: Int32, eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        rC = cute.make_rmem_tensor((HC * HC,), Float32)
+        for k in cutlass.range_constexpr(HC * HC):
+            rC[k] = mIn[tidx * HC * HC + k]
+        t0 = Int64(0)
+        t1 = Int64(0)
+        if tidx < self.lanes:
+            # Make the clock read wait for the loaded matrix.
+            t0 = prim.clock64() + Int64(prim.f32_bits(rC[0]) & 0)
+            for _ in cutlass.range(n, unroll=1):
+                self.step(rC, eps)
+            t1 = prim.clock64() + Int64(prim.f32_bits(rC[0]) & 0)
+        for k in cutlass.range_constexpr(HC * HC):
+            mOut[tidx * HC * HC + k] = rC[k]
+        mCycles[tidx] = t1 - t0
+
+    @cute.jit
+    def step(self, rC: cute.Tensor, eps: Float32):
+        """One iteration of the chosen body."""
+        if const_expr(self.body in COMB_LANES):
+            self.coef.sinkhorn_step(rC, eps)
+        elif const_expr(self.body == "rcp1"):
+            c = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
+            inv = one_rcp([(c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + eps for a in range(HC)])
+            c = [[c[a][b] * inv[a] for b in range(HC)] for a in range(HC)]
+            inv = one_rcp([(c[0][b] + c[1][b]) + (c[2][b] + c[3][b]) + eps for b in range(HC)])
+            for a in cutlass.range_constexpr(HC):
+                for b in cutlass.range_constexpr(HC):
+                    rC[a * HC + b] = c[a][b] * inv[b]
+        elif const_expr(self.body == "rcp_chain"):
+            rC[0] = prim.rcp_approx(rC[0] + eps)
+        elif const_expr(self.body == "rcp_chain4"):
+            for k in cutlass.range_constexpr(4):
+                rC[k] = prim.rcp_approx(rC[k] + eps)
+        elif const_expr(self.body == "fadd_chain"):
+            rC[0] = rC[0] + eps
+        else:
+            rC[0] = cute.arch.shuffle_sync_bfly(rC[0], offset=1) + eps
+
+
+@cute.jit
+def one_rcp(s: list) -> list:
+    """1/s_a for 4 values from one reciprocal of their product."""
+    p01 = s[0] * s[1]
+    p23 = s[2] * s[3]
+    r = prim.rcp_approx(p01 * p23)
+    return [r * (s[1] * p23), r * (s[0] * p23), r * (s[3] * p01), r * (s[2] * p01)]
+
+
+def compile_micro(body: str, lanes: int, arch: str):
+    """The compiled micro kernel (no disk cache: this file is not in the kernel fingerprint)."""
+    return compile_kernel(
+        SinkhornMicro(body, lanes),
+        fake_tensor(Float32, (32 * HC * HC,)),
+        fake_tensor(Float32, (32 * HC * HC,)),
+        fake_tensor(Int64, (32,)),
+        Int32(1),
+        Float32(1e-6),
+        fake_stream(),
+        arch=arch,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sinkhorn_micro", description=__doc__.splitlines()[0])
+    p.add_argument("--bodies", nargs="+", default=list(BODIES), choices=BODIES)
+    p.add_argument("--lanes", type=int, nargs="+", default=[1, 32], help="active lanes (one-lane bodies)")
+    p.add_argument("--iterations", type=int, default=200)
+    args = p.parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_for_device(device)
+    gen = torch.Generator().manual_seed(0)
+    # A softmaxed-looking positive matrix per lane.
+    x = torch.rand(32, HC, HC, generator=gen) + 0.1
+    x = (x / x.sum(-1, keepdim=True)).flatten().to(device)
+    out = torch.empty_like(x)
+    cycles = torch.zeros(32, dtype=torch.int64, device=device)
+    print(
+        f"{torch.cuda.get_device_name(device)}: cycles per iteration (median over lanes), {args.iterations} iterations"
+    )
+    print(f"  {'body':<12} " + " ".join(f"{f'{n} lanes':>10}" for n in args.lanes))
+    for body in args.bodies:
+        cells = []
+        for lanes in args.lanes:
+            fn = compile_micro(body, lanes, arch)
+            per = []
+            for n in (1, 1 + args.iterations):
+                runs = []
+                for _ in range(5):
+                    fn(x, out, cycles, n, 1e-6)
+                    torch.cuda.synchronize()
+                    runs.append(float(cycles[:lanes].double().median()))
+                per.append(min(runs))
+            it = (per[1] - per[0]) / args.iterations
+            cells.append(f"{it:8.1f}")
+        print(f"  {body:<12} " + " ".join(f"{c:>10}" for c in cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
