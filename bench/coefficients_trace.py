@@ -77,6 +77,15 @@ def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Te
         relc = t[seen & consumer, p] - start
         cyc = t[seen, 8 + p] - t[seen, 8 + p - 1] if p else torch.zeros(0)
         print(f"  {name:<13} {quantiles(rel):>44}   {quantiles(relc):>26}   {quantiles(cyc):>40}")
+    if consumer.any():
+        c = t[consumer][:, ck.TRACE_COMB_SLOT : ck.TRACE_COMB_SLOT + len(ck.TRACE_COMB)]
+        spans = {
+            "softmax + first normalisation": c[:, 1] - c[:, 0],
+            "Sinkhorn loop": c[:, 2] - c[:, 1],
+            "comb stores": c[:, 3] - c[:, 2],
+        }
+        print("  comb epilogue of the first row, cycles (min med max): "
+              + "; ".join(f"{k} {quantiles(v).strip()}" for k, v in spans.items()))  # fmt: skip
     end = t[consumer, 7].max() - start if consumer.any() else torch.tensor(0)
     print(f"  first CTA start to last epilogue end: {int(end)} ns")
     return {"H": H, "rows": rows, "config": str(config), "trace": t.tolist()}

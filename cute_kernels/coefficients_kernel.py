@@ -83,6 +83,9 @@ LOG2E = 1.4426950408889634
 TRACE_PHASES = ("entry", "wait", "first_mma", "cluster_wait", "pushed", "received", "partials", "epilogue")
 TRACE_SLOTS = 24
 TRACE_SM, TRACE_CONSUMER = 16, 17
+# Then clock64 inside the comb epilogue of the CTA's first row: start, Sinkhorn loop entry, loop exit, end.
+TRACE_COMB = ("comb_start", "loop_start", "loop_end", "comb_end")
+TRACE_COMB_SLOT = 18
 
 
 # ---------------------------------------------------------------------------------------------
@@ -652,7 +655,8 @@ class CoefficientsKernel:
                 if consumer:
                     cute.arch.sync_threads()
                     self.finish_rows(
-                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
+                        rms_eps, pre_eps, sinkhorn_eps, post_mult,
                     )  # fmt: skip
                     self.stamp(mTrace, 7)
             else:
@@ -684,7 +688,8 @@ class CoefficientsKernel:
                         self.clear_partials(mPartial, grow, n)
                     cute.arch.sync_threads()
                     self.finish_rows(
-                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
+                        rms_eps, pre_eps, sinkhorn_eps, post_mult,
                     )  # fmt: skip
 
     def trace_base(self) -> Int32:
@@ -703,6 +708,15 @@ class CoefficientsKernel:
                 mTrace[base + 8 + phase] = prim.clock64()
                 if const_expr(phase == 0):
                     mTrace[base + TRACE_SM] = Int64(prim.smid())
+
+    @cute.jit
+    def clock_stamp(self, mTrace: cute.Tensor | None, k: int):
+        """Trace builds: thread 0 records clock64 at comb point k (TRACE_COMB; the loop's ends are
+        block boundaries, so the reads stay put up to one instruction latency)."""
+        if const_expr(self.trace):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == 0:
+                mTrace[self.trace_base() + TRACE_COMB_SLOT + k] = prim.clock64()
 
     @cute.jit
     def cluster_sum(self, sRecv: cute.Tensor, e: Int32) -> Float32:
@@ -884,6 +898,7 @@ class CoefficientsKernel:
         mPost: cute.Tensor,
         mComb: cute.Tensor,
         mPre: cute.Tensor,
+        mTrace: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -893,7 +908,7 @@ class CoefficientsKernel:
         lanes per row) and warp 1 pre and post (one lane per row), so they do not queue on one scheduler."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx < 32:
-            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, rms_eps, sinkhorn_eps)
+            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, mTrace, rms_eps, sinkhorn_eps)
         pre_post_lane = tidx
         if const_expr(self.threads >= 2 * 32):
             pre_post_lane = tidx - 32
@@ -939,12 +954,14 @@ class CoefficientsKernel:
         share_row0: Int32,
         share_rows: Int32,
         mComb: cute.Tensor,
+        mTrace: cute.Tensor | None,
         rms_eps: Float32,
         sinkhorn_eps: Float32,
     ):
         """SPEC §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits). Lane
         (i, h) of the comb_lanes lanes of share row i holds rows [h*R, (h+1)*R) of the 4 x 4 matrix;
         lanes past the rows redo the last one (the column sums shuffle across the whole warp)."""
+        self.clock_stamp(mTrace, 0)
         lane = cute.arch.lane_idx()
         nl = const_expr(self.comb_lanes)
         R = const_expr(HC // nl)
@@ -967,12 +984,15 @@ class CoefficientsKernel:
         # The repeats as a real loop, not unrolled: one warp runs this chain with nothing else on
         # its SM to warm the instruction cache, and unrolled (39 normalisations of straight-line
         # code) it ran at ~2 cycles per instruction, fetch-bound (docs/PERF.md, v4).
+        self.clock_stamp(mTrace, 1)
         for _ in cutlass.range(self.repeat - 1, unroll=1):
             self.sinkhorn_step(rC, sinkhorn_eps)
+        self.clock_stamp(mTrace, 2)
         if lane // nl < share_rows:
             for k in cutlass.range_constexpr(R):
                 for b in cutlass.range_constexpr(HC):
                     mComb[share_row0 + i, h * R + k, b] = rC[k * HC + b]
+        self.clock_stamp(mTrace, 3)
 
     @cute.jit
     def sinkhorn_step(self, rC: cute.Tensor, eps: Float32):
