@@ -7,8 +7,10 @@ n = 1) / N, so the loads, the stores and the clock reads cancel. Bodies:
   and a column normalisation of the matrix, each sum 3 FADD + eps, rcp.approx, FMULs) with the
   matrix spread over 1, 2 or 4 lanes (`comb_lanes`; column sums by shuffles);
 - `rcp1`: the one-lane repeat with one reciprocal per normalisation (1/s_a from 1/(s0 s1 s2 s3));
-- latency probes: a chain of `rcp.approx` (+ FADD), four independent such chains, a chain of
-  FADD, a chain of `shfl.bfly` (+ FADD).
+- `unroll2`: two one-lane repeats per loop iteration (half the loop overhead);
+- latency probes: dependent chains of 1 and 8 FADD, 8 FMUL, 4 `rcp.approx` per iteration; one
+  and four independent chains of FADD + `rcp.approx`; 8 independent `rcp.approx` (MUFU issue
+  interval); a chain of `shfl.bfly` (+ FADD).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from cute_kernels import primitives as prim
 from cute_kernels.coefficients_kernel import HC, CoefficientsConfig, CoefficientsKernel
 from cute_kernels.compile import arch_for_device, compile_kernel, fake_stream, fake_tensor
 
-BODIES = ("lanes1", "lanes2", "lanes4", "rcp1", "rcp_chain", "rcp_chain4", "fadd_chain", "shfl_chain")
+BODIES = (
+    "lanes1", "lanes2", "lanes4", "rcp1", "unroll2",
+    "fadd_chain", "fadd_chain8", "fmul_chain8", "rcp_chain", "rcp_chain4", "rcp_dep4", "rcp_indep8", "shfl_chain",
+)  # fmt: skip
 COMB_LANES = {"lanes1": 1, "lanes2": 2, "lanes4": 4}
 
 
@@ -36,7 +41,7 @@ class SinkhornMicro:
         if body not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {body!r}")
         self.body = body
-        self.nl = COMB_LANES.get(body, 1)
+        self.nl = COMB_LANES.get(body, 1)  # unroll2 runs the one-lane step
         self.lanes = 32 if self.nl > 1 else lanes
         config = CoefficientsConfig.for_shape(4096, False, 32, comb_lanes=self.nl)
         self.coef = CoefficientsKernel(4096, config=config)
@@ -76,6 +81,27 @@ class SinkhornMicro:
             for a in cutlass.range_constexpr(HC):
                 for b in cutlass.range_constexpr(HC):
                     rC[a * HC + b] = c[a][b] * inv[b]
+        elif const_expr(self.body == "unroll2"):
+            self.coef.sinkhorn_step(rC, eps)
+            self.coef.sinkhorn_step(rC, eps)
+        elif const_expr(self.body == "fadd_chain8"):
+            x = rC[0]
+            for _ in cutlass.range_constexpr(8):
+                x = x + eps
+            rC[0] = x
+        elif const_expr(self.body == "fmul_chain8"):
+            x = rC[0]
+            for _ in cutlass.range_constexpr(8):
+                x = x * rC[1]
+            rC[0] = x
+        elif const_expr(self.body == "rcp_dep4"):
+            x = rC[0]
+            for _ in cutlass.range_constexpr(4):
+                x = prim.rcp_approx(x)
+            rC[0] = x
+        elif const_expr(self.body == "rcp_indep8"):
+            for k in cutlass.range_constexpr(8):
+                rC[k] = prim.rcp_approx(rC[k])
         elif const_expr(self.body == "rcp_chain"):
             rC[0] = prim.rcp_approx(rC[0] + eps)
         elif const_expr(self.body == "rcp_chain4"):
