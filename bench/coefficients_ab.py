@@ -5,10 +5,12 @@ back in one CUDA graph; a 256 MiB buffer is zeroed before each replay (L2 flush)
 the median over replays / 20 (bench/timing.py). Columns: the standard projection, the broadcast
 (first layer) projection, the inline form (projection + layer input) and the layer-input-only
 kernel, each under the configs below; `*` marks the shipped default for that row count. Every
-projection config shares the default's reduction order (the GPU tests check the bits), so any of
-them may become the default, or be picked per row count. The configs are compiled first in
-parallel processes (--jobs) into the disk cache. `--quick`: standard and inline at H 7168 and 4096
-only (about 1 min). Writes bench/results/coefficients-ab-<gpu>-<date>.json.
+projection config but the fma ones shares the default's reduction order (the GPU tests check the
+bits), so any of them may become the default, or be picked per row count. The fma configs (the
+projection as fp32 FMAs on the CUDA cores instead of tensor-core MMAs, config.projection) do NOT
+share the default's bits: they measure the alternative and cannot be swapped in. The configs are
+compiled first in parallel processes (--jobs) into the disk cache. `--quick`: standard and inline
+at H 7168 and 4096 only (about 1 min). Writes bench/results/coefficients-ab-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkho
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
     """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
-    memory carveout (mbN), prefetch of the next batch (pf). tm32 and tm64 are the v2 defaults."""
+    memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
+    bits: for A/B only). tm32 and tm64 are the v2 defaults."""
 
     def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
         return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
@@ -56,6 +59,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
         "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
         "tm128 pf vec rs4": f(128, prefetch=True, push_vec=True, row_split=4),
+        "tm32 fma": f(32, projection="fma"),
+        "tm64 fma": f(64, projection="fma"),
     }
 
 

@@ -10,7 +10,10 @@ m-tile of its row tile, multiplies the bf16 rows by it on the tensor cores (mma.
 fp32 accumulation): 3 n-tiles x (hi, lo) give the 24 dot products, and the rows' Gram block
 (the A fragment doubles as B) gives the sums of squares on its diagonal. The k order inside a
 fragment is permuted (a lane holds 8 contiguous columns) identically for A and B. With
-config.row_split > 1 several warps share a 32-column chunk, each with its own m-tiles.
+config.row_split > 1 several warps share a 32-column chunk, each with its own m-tiles. With
+config.projection "fma" (an A/B alternative, other bits) the CTA stages its fn slice in shared
+memory instead and each lane runs fp32 FMAs over its 8 columns, summed over the row's 4 lanes
+by shuffles.
 
 Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory), then the 8
 CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
@@ -22,7 +25,8 @@ to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", 
 a ticket when it starts (so every other one is resident and will finish), which keeps its own
 partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
 goes back to 0 and the slots back to the sentinel, so every call and every CUDA-graph replay
-starts clean. The config knobs never change the reduction order, only (warps, groups) do.
+starts clean. The config knobs never change the reduction order, only (warps, groups) do;
+config.projection changes the arithmetic of the warp partials, so the bits too.
 
 Layer input (inline form): extra clusters, after the projection clusters of the tile that reads
 the same rows (or all ahead of them, config.norm_order), each do NR rows: CTA r of the cluster
@@ -66,6 +70,7 @@ MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
 HANDOFFS = ("counter", "ticket")
+PROJECTIONS = ("mma", "fma")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
@@ -97,9 +102,9 @@ TRACE_COMB_SLOT = 18
 class CoefficientsConfig:
     """Compile-time launch shape: rows per tile, warps per CTA and clusters (groups) along K, plus knobs.
 
-    Only (warps, groups) fix the reduction order, so configs that share them give the very same
-    bits (the host may pick any of them per call, e.g. by row count, without breaking batch
-    invariance). The knobs:
+    (warps, groups) fix the reduction order and `projection` the arithmetic of the warp partials, so
+    configs that share (warps, groups, projection) give the very same bits (the host may pick any of
+    them per call, e.g. by row count, without breaking batch invariance). The knobs:
     - `handoff`: how the G clusters of a row tile meet. "counter": each CTA writes its partial,
       fences and bumps an arrival counter; the last to arrive reads the G partials. "ticket": each
       CTA takes a ticket when it starts; the last to start (so every other one is resident) keeps its
@@ -125,6 +130,10 @@ class CoefficientsConfig:
       their order, float addition commutes).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
+    - `projection`: how a warp computes its partial sums: "mma" (bf16 tensor-core MMAs, fn split
+      into hi + lo; the default) or "fma" (fp32 FMAs on the CUDA cores, fn staged in shared memory,
+      the 4 lanes of a row summed by shuffles). The sums are rounded in another order, so "fma"
+      gives other bits than "mma" (as accurate); for A/B measurement at few rows, never a default.
     """
 
     rows_per_tile: int
@@ -139,6 +148,7 @@ class CoefficientsConfig:
     min_blocks: int = 0
     comb_lanes: int = 1
     trace: bool = False
+    projection: str = "mma"
 
     @property
     def threads(self) -> int:
@@ -203,6 +213,8 @@ class CoefficientsConfig:
             )
         if not isinstance(self.trace, bool):
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -338,9 +350,29 @@ def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
 
 @dsl_user_op
 def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """16 bytes from global memory as 4 fp32 (the address must be 16-byte aligned)."""
+    """16 bytes from global (or shared) memory as 4 fp32 (the address must be 16-byte aligned)."""
     vec = cute.arch.load(ptr, ir.VectorType.get([4], Float32.mlir_type), loc=loc, ip=ip)
     return tuple(Float32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
+    """Copy 16 bytes (16-byte aligned) from global to shared memory without registers, through L2
+    only (cp.async.cg); this thread sees them after cp.async.wait_group."""
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _dot8(x: list, f: list) -> Float32:
+    """sum_c x[c] * f[c] over 8 values in column order: one multiply, then 7 fused multiply-adds."""
+    acc = x[0] * f[0]
+    for c in range(1, 8):
+        acc = cute.math.fma(x[c], f[c], acc)
+    return acc
 
 
 @dsl_user_op
@@ -404,6 +436,7 @@ class CoefficientsKernel:
         self.min_blocks = config.min_blocks
         self.trace = config.trace
         self.comb_lanes = config.comb_lanes
+        self.projection = config.projection
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -577,11 +610,19 @@ class CoefficientsKernel:
         sMix = smem.allocate_tensor(Float32, cute.make_layout(self.share * NV), byte_alignment=16)
         sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        sFn = None
+        if const_expr(self.projection == "fma"):
+            sFn = smem.allocate_tensor(Float32, cute.make_layout(MIX * self.warps * CHUNK), byte_alignment=16)
 
-        # Weights before the wait (the previous kernel does not write them): this warp's fn slice,
-        # and scale / base for whichever CTA ends up running the epilogue.
+        # Weights before the wait (the previous kernel does not write them): this warp's fn slice
+        # (with "fma", the CTA's, on its way to shared memory), and scale / base for whichever CTA
+        # ends up running the epilogue.
         col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
-        fn = self.load_fn(mFn, col, lane)
+        fn = None
+        if const_expr(self.projection == "fma"):
+            self.stage_fn(mFn, sFn, (group * CLUSTER + rank) * (self.warps * CHUNK))
+        else:
+            fn = self.load_fn(mFn, col, lane)
         if tidx < 3:
             sParam[tidx] = mScale[tidx]
         if tidx < MIX:
@@ -601,12 +642,21 @@ class CoefficientsKernel:
                     if tidx == 0:
                         if share_rows > 0:
                             ticket = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
-                # Split fn once the first rows are in flight, not before the wait.
-                hi, lo = self.split_fn(fn)
+                if const_expr(self.projection == "fma"):
+                    # Every thread's share of the staged fn slice has landed, once the first rows
+                    # are in flight.
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.sync_threads()
+                else:
+                    # Split fn once the first rows are in flight, not before the wait.
+                    hi, lo = self.split_fn(fn)
             current = words
             if const_expr(self.prefetch and b < self.batches - 1):
                 words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
-            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+            if const_expr(self.projection == "fma"):
+                self.project_batch_fma(current, sFn, sWarp, tile_rows - batch_row0, warp, lane, split)
+            else:
+                self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             if const_expr(b == 0 and self.handoff == "ticket"):
@@ -779,6 +829,20 @@ class CoefficientsKernel:
         return hi, lo
 
     @cute.jit
+    def stage_fn(self, mFn: cute.Tensor, sFn: cute.Tensor, cta_col: Int32):
+        """Start copying this CTA's fn slice (24 rows of warps * 32 columns from `cta_col`) to sFn
+        [n][warps * 32] with cp.async (no registers); complete after cp_async_wait_group(0) and a barrier."""
+        tidx, _, _ = cute.arch.thread_idx()
+        width = const_expr(self.warps * CHUNK // 4)  # 16-byte vectors per fn row
+        total = const_expr(MIX * width)
+        for k in cutlass.range_constexpr(-(-total // self.threads)):
+            v = tidx + k * self.threads
+            if v < total:
+                n = v // width
+                _cp_async_16(sFn.iterator + v * 4, mFn.iterator + (n * self.K + cta_col + (v - n * width) * 4))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def load_rows(self, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32, split) -> list:
         """[m-tile of this warp's split][rows g, g + 8] 16-byte words of this lane's columns; rows past
         the end read the last row."""
@@ -840,6 +904,57 @@ class CoefficientsKernel:
                     odd = (g % 2) == 1
                     sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
                     sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
+
+    @cute.jit
+    def project_batch_fma(
+        self, words: list, sFn: cute.Tensor, sWarp: cute.Tensor, batch_rows: Int32, warp: Int32, lane: Int32, split
+    ):
+        """project_batch on the CUDA cores: fp32 FMAs over this lane's 8 columns of rows g and g + 8
+        (fn from shared memory), then the 4 lanes of a row summed by a reduce-scatter of 2 butterfly
+        rounds; the same sWarp slots, sums of rows past the end dropped the same way."""
+        g = lane // 4
+        t = lane % 4
+        upper_row = (lane & 2) != 0  # keeps row g + 8 after the first round, row g otherwise
+        upper_n = (lane & 1) != 0  # keeps n in [12, 24) after the second round, [0, 12) otherwise
+        half_n = const_expr(MIX // 2)
+        fn_cols = sFn.iterator + (warp * CHUNK + 8 * t)
+        for i in cutlass.range_constexpr(self.mtiles_per_warp):
+            mt = split * self.mtiles_per_warp + i
+            if mt * 16 < batch_rows:
+                # Rows g and g + 8 as fp32, in column order (word e holds columns 2e, 2e + 1).
+                x = []
+                for half in cutlass.range_constexpr(2):
+                    xs = []
+                    for e in cutlass.range_constexpr(4):
+                        xs += [prim.bf16_lo(words[i][half][e]), prim.bf16_hi(words[i][half][e])]
+                    x.append(xs)
+                # Per n, the two rows' sums, then round 1 of the reduction (lanes t, t ^ 2): each lane
+                # keeps one row's value and sends the other's; round 2 (lanes t, t ^ 1) as soon as
+                # n and n - 12 are both in, each lane keeping one of the two.
+                part = []
+                total = []
+                for n in cutlass.range_constexpr(NV):
+                    if const_expr(n < MIX):
+                        ptr = fn_cols + n * (self.warps * CHUNK)
+                        f = _ld_v4_f32(ptr) + _ld_v4_f32(ptr + 4)
+                        sums = [_dot8(x[half], f) for half in range(2)]
+                    else:
+                        sums = [_dot8(x[half], x[half]) for half in range(2)]
+                    keep = cutlass.select_(upper_row, sums[1], sums[0])
+                    send = cutlass.select_(upper_row, sums[0], sums[1])
+                    part.append(Float32(keep) + cute.arch.shuffle_sync_bfly(Float32(send), offset=2))
+                    if const_expr(half_n <= n < MIX):
+                        keep = cutlass.select_(upper_n, part[n], part[n - half_n])
+                        send = cutlass.select_(upper_n, part[n - half_n], part[n])
+                        total.append(Float32(keep) + cute.arch.shuffle_sync_bfly(Float32(send), offset=1))
+                squares = part[MIX] + cute.arch.shuffle_sync_bfly(part[MIX], offset=1)
+                row = mt * 16 + g + cutlass.select_(upper_row, Int32(8), Int32(0))
+                base = (warp * self.batch_rows + row) * NV
+                first = base + cutlass.select_(upper_n, Int32(half_n), Int32(0))
+                for n in cutlass.range_constexpr(half_n):
+                    sWarp[first + n] = total[n]
+                if (lane & 1) == 0:
+                    sWarp[base + MIX] = squares
 
     @cute.jit
     def push_batch(

@@ -138,6 +138,7 @@ KNOBS = [
     (5120, "standard", "none", dict(rows_per_tile=32, push_vec=True, min_blocks=4)),
     (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", comb_lanes=2)),
     (4096, "broadcast", "none", dict(handoff="ticket", comb_lanes=4)),
+    (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, row_split=4, projection="fma")),
 ]
 
 
@@ -145,6 +146,34 @@ KNOBS = [
 def test_knob_configs_compile(H: int, variant: str, mode: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", **knobs)
     assert callable(ck.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
+
+
+# The projection on the CUDA cores (an A/B alternative with its own bits), on both targets.
+FMA_CASES = [
+    (7168, "standard", "none", dict(rows_per_tile=32, handoff="ticket")),
+    (7168, "broadcast", "none", dict(handoff="ticket")),
+    (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", push_vec=True)),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("H,variant,mode,knobs", FMA_CASES)
+def test_fma_projection_compiles(H: int, variant: str, mode: str, knobs: dict, arch: str) -> None:
+    config = CoefficientsConfig.for_shape(H, variant == "broadcast", projection="fma", **knobs)
+    assert callable(ck.compile_coefficients(H, variant, mode, 20, config, arch=arch))
+
+
+def test_projection_knob_is_validated_and_never_a_default() -> None:
+    assert CoefficientsConfig(64, 7, 16).projection == "mma"
+    assert all(
+        ck.default_config(7168, broadcast, rows).projection == "mma" for broadcast in (False, True) for rows in (1, 512)
+    )
+    for bad in ("wgmma", "FMA", None, 1):
+        config = CoefficientsConfig.for_shape(7168, False, projection=bad)
+        with pytest.raises(ValueError, match=r"projection must be one of \('mma', 'fma'\)"):
+            config.validate(7168, False)
+        with pytest.raises(ValueError, match="projection"):
+            CoefficientsKernel(7168, config=config)
 
 
 @pytest.mark.parametrize("handoff", ck.HANDOFFS)
@@ -189,6 +218,7 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(comb_lanes=3), "comb_lanes"),
         (dict(comb_lanes=True), "comb_lanes"),
         (dict(rows_per_tile=128, comb_lanes=4), "exceed a warp"),
+        (dict(projection="tensor"), "projection"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):

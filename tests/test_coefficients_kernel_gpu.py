@@ -6,6 +6,7 @@ Timing sweep (not a test): python -m tests.test_coefficients_kernel_gpu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import NamedTuple
@@ -19,6 +20,7 @@ from cute_kernels.coefficients_kernel import (
     CoefficientsConfig,
     CoefficientsWorkspace,
     LayerInputConfig,
+    default_config,
     mhc_coefficients,
     mhc_layer_input,
 )
@@ -425,6 +427,44 @@ def test_v3_knobs_batch_invariance(H: int) -> None:
             assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
 
 
+# --- the projection on the CUDA cores (config.projection "fma"): its own bits, as accurate ------
+
+
+def fma_config(H: int, broadcast: bool, rows: int) -> CoefficientsConfig:
+    """The default config for a call of `rows` rows, with the projection as fp32 FMAs on the CUDA cores."""
+    return dataclasses.replace(default_config(H, broadcast, rows), projection="fma")
+
+
+@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("rows", (1, 16, 129))
+@pytest.mark.parametrize("broadcast", (False, True))
+def test_fma_projection_matches_reference(H: int, rows: int, broadcast: bool) -> None:
+    if broadcast:
+        x = torch.randn(rows, H, device="cuda", generator=gen(rows)).to(BF16)
+    else:
+        x = streams(rows, H, seed=rows)
+    got = call(x, broadcast=broadcast, config=fma_config(H, broadcast, rows))
+    assert_matches(got, reference(x, broadcast=broadcast))
+    assert_counters_clean(workspace(H))
+
+
+@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("broadcast", (False, True))
+def test_fma_projection_batch_invariance(H: int, broadcast: bool) -> None:
+    # The whole batch with 64-row tiles, row ranges with 32-row tiles: same (warps, groups,
+    # projection), so the same bits.
+    shape = (MAX_ROWS, H) if broadcast else (MAX_ROWS, 4, H)
+    x = torch.randn(*shape, device="cuda", generator=gen(7)).to(BF16)
+    full = call(x, broadcast=broadcast, config=fma_config(H, broadcast, MAX_ROWS))
+    assert_matches(full, reference(x, broadcast=broadcast))
+    for start, rows in ((0, 1), (5, 1), (63, 1), (64, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
+        part = call(x[start : start + rows], broadcast=broadcast, config=fma_config(H, broadcast, rows))
+        for name in ("post", "comb", "pre"):
+            whole = getattr(full, name)[start : start + rows]
+            assert bitwise_equal(getattr(part, name), whole), f"{name} of rows {start}..{start + rows - 1}"
+    assert_counters_clean(workspace(H))
+
+
 def wait_or_fail(seconds: float = 20.0) -> None:
     """Synchronize, or fail the test (instead of hanging the run) when the GPU has not finished in time."""
     done = torch.cuda.Event()
@@ -442,10 +482,13 @@ NAN_CONFIGS = [
     CoefficientsConfig.for_shape(7168, False, 64, handoff="counter"),
     CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", push_vec=True, row_split=2),
     CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
+    CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", projection="fma"),
 ]
 
 
-@pytest.mark.parametrize("config", NAN_CONFIGS, ids=["default", "ticket", "counter", "vec-split", "vec-split-mb2"])
+@pytest.mark.parametrize(
+    "config", NAN_CONFIGS, ids=["default", "ticket", "counter", "vec-split", "vec-split-mb2", "fma"]
+)
 @pytest.mark.parametrize("rows", (40, 512))
 def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: CoefficientsConfig | None, rows: int) -> None:
     # The ticket handoff polls the workspace until no slot holds the NaN sentinel: a NaN partial
