@@ -76,6 +76,7 @@ NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
 COMB_LANES = (1, 2, 4)
+SINKHORN_UNROLLS = (1, 2, 4)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
 INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
@@ -128,6 +129,7 @@ class CoefficientsConfig:
     - `comb_lanes`: lanes of the epilogue warp per row for comb (1, 2 or 4): each holds 4/comb_lanes
       rows of the Sinkhorn matrix and the column sums travel by shuffles (same bits: the sums keep
       their order, float addition commutes).
+    - `sinkhorn_unroll`: Sinkhorn repeats per iteration of the epilogue's rolled loop (1, 2 or 4).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
     - `projection`: how a warp computes its partial sums: "mma" (bf16 tensor-core MMAs, fn split
@@ -147,6 +149,7 @@ class CoefficientsConfig:
     push_vec: bool = False
     min_blocks: int = 0
     comb_lanes: int = 1
+    sinkhorn_unroll: int = 1
     trace: bool = False
     projection: str = "mma"
 
@@ -205,6 +208,8 @@ class CoefficientsConfig:
             raise ValueError(f"push_vec needs rows_per_tile >= 32 (16-byte row shares), got {tm}")
         if self.min_blocks not in MIN_BLOCKS or isinstance(self.min_blocks, bool):
             raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
+        if self.sinkhorn_unroll not in SINKHORN_UNROLLS or isinstance(self.sinkhorn_unroll, bool):
+            raise ValueError(f"sinkhorn_unroll must be one of {SINKHORN_UNROLLS}, got {self.sinkhorn_unroll!r}")
         if self.comb_lanes not in COMB_LANES or isinstance(self.comb_lanes, bool):
             raise ValueError(f"comb_lanes must be one of {COMB_LANES}, got {self.comb_lanes!r}")
         if tm // CLUSTER * self.comb_lanes > 32:
@@ -436,6 +441,7 @@ class CoefficientsKernel:
         self.min_blocks = config.min_blocks
         self.trace = config.trace
         self.comb_lanes = config.comb_lanes
+        self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
@@ -1100,7 +1106,7 @@ class CoefficientsKernel:
         # its SM to warm the instruction cache, and unrolled (39 normalisations of straight-line
         # code) it ran at ~2 cycles per instruction, fetch-bound (docs/PERF.md, v4).
         self.clock_stamp(mTrace, 1)
-        for _ in cutlass.range(self.repeat - 1, unroll=1):
+        for _ in cutlass.range(self.repeat - 1, unroll=self.sinkhorn_unroll):
             self.sinkhorn_step(rC, sinkhorn_eps)
         self.clock_stamp(mTrace, 2)
         if lane // nl < share_rows:

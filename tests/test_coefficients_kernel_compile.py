@@ -138,6 +138,7 @@ KNOBS = [
     (5120, "standard", "none", dict(rows_per_tile=32, push_vec=True, min_blocks=4)),
     (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", comb_lanes=2)),
     (4096, "broadcast", "none", dict(handoff="ticket", comb_lanes=4)),
+    (7168, "standard", "none", dict(rows_per_tile=32, handoff="ticket", sinkhorn_unroll=2)),
     (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, row_split=4, projection="fma")),
 ]
 
@@ -216,6 +217,7 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(row_split=4, min_blocks=3), "threads per SM"),
         (dict(trace=1), "trace"),
         (dict(comb_lanes=3), "comb_lanes"),
+        (dict(sinkhorn_unroll=3), "sinkhorn_unroll"),
         (dict(comb_lanes=True), "comb_lanes"),
         (dict(rows_per_tile=128, comb_lanes=4), "exceed a warp"),
         (dict(projection="tensor"), "projection"),

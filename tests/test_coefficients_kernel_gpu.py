@@ -378,6 +378,8 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
         f(H, broadcast, handoff="ticket", comb_lanes=4),
         f(H, broadcast, 128, prefetch=True, comb_lanes=2),
         f(H, broadcast, 16, handoff="counter", comb_lanes=4),
+        f(H, broadcast, 32, handoff="ticket", sinkhorn_unroll=2),
+        f(H, broadcast, handoff="ticket", comb_lanes=2, sinkhorn_unroll=4),
     ]
 
 
