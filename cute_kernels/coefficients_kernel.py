@@ -76,7 +76,7 @@ NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
 COMB_LANES = (1, 2, 4)
-SINKHORN_UNROLLS = (1, 2, 4)
+SINKHORN_UNROLLS = (1, 2, 4, 8)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
 INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
@@ -129,7 +129,7 @@ class CoefficientsConfig:
     - `comb_lanes`: lanes of the epilogue warp per row for comb (1, 2 or 4): each holds 4/comb_lanes
       rows of the Sinkhorn matrix and the column sums travel by shuffles (same bits: the sums keep
       their order, float addition commutes).
-    - `sinkhorn_unroll`: Sinkhorn repeats per iteration of the epilogue's rolled loop (1, 2 or 4).
+    - `sinkhorn_unroll`: Sinkhorn repeats per iteration of the epilogue's rolled loop (1, 2, 4 or 8).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
       to a trace buffer (see TRACE_PHASES); never a default.
     - `projection`: how a warp computes its partial sums: "mma" (bf16 tensor-core MMAs, fn split
@@ -244,6 +244,9 @@ class LayerInputConfig:
 # win up to 256 rows, 64-row tiles above. Every choice here shares (warps, groups), so the bits of a
 # row do not depend on which one a call gets.
 DEFAULT_HANDOFF = "ticket"
+# Measured on the H200 (docs/PERF.md, v5): 4 Sinkhorn repeats per loop iteration take 0.13-0.26 us
+# off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
+DEFAULT_SINKHORN_UNROLL = 4
 SMALL_TILE_MAX_ROWS = 256
 
 
@@ -260,7 +263,9 @@ def default_config(H: int, broadcast: bool, rows: int = 1) -> CoefficientsConfig
 
 @functools.cache
 def _default_config(H: int, broadcast: bool, rows_per_tile: int) -> CoefficientsConfig:
-    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF)
+    return CoefficientsConfig.for_shape(
+        H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL
+    )
 
 
 def norm_rows_per_cluster(H: int, threads: int, layer_input: str, requested: int = 0, budget: int = 2) -> int:
