@@ -244,7 +244,7 @@ class LayerInputConfig:
 # win up to 256 rows, 64-row tiles above. Every choice here shares (warps, groups), so the bits of a
 # row do not depend on which one a call gets.
 DEFAULT_HANDOFF = "ticket"
-# Measured on the H200 (docs/PERF.md, v5): 4 Sinkhorn repeats per loop iteration take 0.13-0.26 us
+# Measured on the H200 (docs/PERF.md, v5): 4 Sinkhorn repeats per loop iteration take 0.07-0.26 us
 # off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
 DEFAULT_SINKHORN_UNROLL = 4
 SMALL_TILE_MAX_ROWS = 256
