@@ -42,9 +42,11 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
     """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
-    bits: for A/B only). tm32 and tm64 are the v2 defaults."""
+    bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
+    for comb (clN). tm32 and tm64 are the defaults."""
 
     def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
+        knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, **knobs}
         return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
 
     return {
@@ -61,6 +63,10 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm128 pf vec rs4": f(128, prefetch=True, push_vec=True, row_split=4),
         "tm32 fma": f(32, projection="fma"),
         "tm64 fma": f(64, projection="fma"),
+        "tm32 u1": f(32, sinkhorn_unroll=1),
+        "tm32 u8": f(32, sinkhorn_unroll=8),
+        "tm32 cl2": f(32, comb_lanes=2),
+        "tm32 cl4": f(32, comb_lanes=4),
     }
 
 
@@ -69,6 +75,7 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
     and the projection knobs that look best for the standard projection."""
 
     def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
+        knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, **knobs}
         return ck.CoefficientsConfig.for_shape(H, False, tm, handoff="ticket", **knobs)
 
     return {

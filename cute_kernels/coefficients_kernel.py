@@ -19,8 +19,10 @@ Reduction, in a fixed order for every row: warps 0..W-1 of a CTA (shared memory)
 CTAs of a thread-block cluster (each CTA owns TM/8 rows of the tile and receives every peer's
 partials for them with st.async into its shared memory), then the G clusters (global workspace
 partials [G, rows, 25]; a written partial never has the sentinel's bits, NaN rows included).
-One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue
-(one thread per row). Which one (config.handoff): "counter", the last
+One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue:
+warp 0 comb (softmax + Sinkhorn, a lane per row, or config.comb_lanes lanes per row sharing the
+column sums by shuffles; the Sinkhorn repeats as a loop of config.sinkhorn_unroll repeats per
+iteration), warp 1 pre and post. Which one (config.handoff): "counter", the last
 to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
 a ticket when it starts (so every other one is resident and will finish), which keeps its own
 partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
