@@ -154,8 +154,11 @@ def coefficient_inputs(rows: int, hidden: int, device: torch.device, seed: int,
     )
 
 
-def coefficients_call(inp: dict[str, Any], arch: str, variant: str = "standard"):
-    """A closure running the coefficients kernel (standard, broadcast or inline) on one input set."""
+def coefficients_call(
+    inp: dict[str, Any], arch: str, variant: str = "standard", config: ck.CoefficientsConfig | None = None
+):
+    """A closure running the coefficients kernel (standard, broadcast or inline) on one input set (default config
+    unless `config`)."""
     broadcast, inline = variant == "broadcast", variant == "inline"
     x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
 
@@ -166,6 +169,7 @@ def coefficients_call(inp: dict[str, Any], arch: str, variant: str = "standard")
             workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"],
             pre_mix=inp["pre_mix"] if inline else None, norm_weight=inp["norm_weight"] if inline else None,
             norm_eps=1e-20 if inline else None, layer_input_out=inp["layer_input"] if inline else None, arch=arch,
+            config=config,
         )  # fmt: skip
 
     return call
