@@ -90,9 +90,11 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
     }
 
 
-def mark_default(cfgs: dict[str, ck.CoefficientsConfig], H: int, broadcast: bool, rows: int) -> dict:
+def mark_default(
+    cfgs: dict[str, ck.CoefficientsConfig], H: int, broadcast: bool, rows: int, inline: bool = False
+) -> dict:
     """The same configs, with `*` after the label of the one the defaults pick for `rows` rows."""
-    default = ck.default_config(H, broadcast, rows)
+    default = ck.default_config(H, broadcast, rows, inline)
     return {f"{label}*" if cfg == default else label: cfg for label, cfg in cfgs.items()}
 
 
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     broadcast = variant == "broadcast"
                     cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
-                    cfgs = mark_default(cfgs, H, broadcast, rows)
+                    cfgs = mark_default(cfgs, H, broadcast, rows, variant == "inline")
                     alts = {
                         label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()
                     }

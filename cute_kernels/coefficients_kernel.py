@@ -246,10 +246,15 @@ class LayerInputConfig:
 # win up to 256 rows, 64-row tiles above. Every choice here shares (warps, groups), so the bits of a
 # row do not depend on which one a call gets.
 DEFAULT_HANDOFF = "ticket"
+SMALL_TILE_MAX_ROWS = 256
 # Measured on the H200 (docs/PERF.md, v5): 4 Sinkhorn repeats per loop iteration take 0.07-0.26 us
 # off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
 DEFAULT_SINKHORN_UNROLL = 4
-SMALL_TILE_MAX_ROWS = 256
+# Measured on the H200 (docs/PERF.md, v5): 16-byte pushes with two warps per 32-column chunk
+# (push_vec, row_split 2) beat the plain 32-row tile by 0.2-0.35 us for the standard projection
+# at 16-32 rows (and lose at <= 8), and by 0.6-0.9 us for the broadcast one at 4-32 rows (equal
+# at 1-2); the inline form gains nothing at H 7168 and loses 0.7 us at 4096-5120, so it keeps the plain tile.
+SPLIT_ROWS = {False: (16, 32), True: (1, 32)}  # broadcast -> (first, last) row count of the split tile
 
 
 def default_tile(rows: int) -> int:
@@ -257,17 +262,30 @@ def default_tile(rows: int) -> int:
     return 32 if rows <= SMALL_TILE_MAX_ROWS else 64
 
 
-@functools.cache
-def default_config(H: int, broadcast: bool, rows: int = 1) -> CoefficientsConfig:
-    """The measured best config for a call of `rows` rows at hidden size H (memoized per tile size)."""
-    return _default_config(H, broadcast, default_tile(rows))
+def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False) -> CoefficientsConfig:
+    """The measured best config for a call of `rows` rows at hidden size H (memoized per choice)."""
+    first, last = SPLIT_ROWS[broadcast]
+    split = not inline and first <= rows <= last
+    return _default_config(H, broadcast, default_tile(rows), split)
 
 
 @functools.cache
-def _default_config(H: int, broadcast: bool, rows_per_tile: int) -> CoefficientsConfig:
-    return CoefficientsConfig.for_shape(
-        H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL
-    )
+def _default_config(H: int, broadcast: bool, rows_per_tile: int, split: bool = False) -> CoefficientsConfig:
+    knobs: dict[str, Any] = dict(handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL)
+    if split:
+        knobs.update(push_vec=True, row_split=2)
+    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, **knobs)
+
+
+def default_row_classes(broadcast: bool, inline: bool, max_rows: int) -> list[int]:
+    """One row count per distinct default config of calls of 1..max_rows rows."""
+    first, last = SPLIT_ROWS[broadcast]
+    bounds = [1, SMALL_TILE_MAX_ROWS + 1] + ([] if inline else [first, last + 1])
+    seen: dict[tuple[int, bool], int] = {}
+    for r in sorted(r for r in bounds if r <= max_rows):
+        split = not inline and first <= r <= last
+        seen.setdefault((default_tile(r), split), r)
+    return sorted(seen.values())
 
 
 def norm_rows_per_cluster(H: int, threads: int, layer_input: str, requested: int = 0, budget: int = 2) -> int:
@@ -1410,12 +1428,13 @@ def coefficients_warmup_keys(
     H: int, *, sinkhorn_repeat: int = 20, max_rows: int = 512
 ) -> list[tuple[int, str, str, int, CoefficientsConfig]]:
     """The compile keys (positional args of compile_coefficients) every call of up to `max_rows` rows can need."""
-    tiles = sorted({default_tile(1), default_tile(max_rows)})
     keys = []
     for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
-        for tile in tiles:
-            config = _default_config(H, variant == "broadcast", tile)
-            keys.extend((H, variant, mode, sinkhorn_repeat, config) for mode in modes)
+        broadcast = variant == "broadcast"
+        for mode in modes:
+            inline = mode != "none"
+            for rows in default_row_classes(broadcast, inline, max_rows):
+                keys.append((H, variant, mode, sinkhorn_repeat, default_config(H, broadcast, rows, inline)))
     return keys
 
 
@@ -1434,7 +1453,8 @@ def coefficients_warmup_jobs(H: int, *, arch: str, sinkhorn_repeat: int = 20, ma
     check_arch(arch)
     jobs = [
         WarmupJob(
-            f"coefficients H={key[0]} {key[1]} layer_input={key[2]} tile={key[4].rows_per_tile}",
+            f"coefficients H={key[0]} {key[1]} layer_input={key[2]} tile={key[4].rows_per_tile}"
+            + (" split" if key[4].row_split > 1 else ""),
             compile_coefficients,
             key,
             (("arch", arch),),
@@ -1544,7 +1564,7 @@ def mhc_coefficients(
         return
     H = x.shape[-1]
     if config is None:
-        config = default_config(H, broadcast, rows)
+        config = default_config(H, broadcast, rows, layer_input_out is not None)
     if config.trace != (trace is not None):
         raise ValueError("trace must be given exactly when config.trace is set")
     if trace is not None:
@@ -1698,7 +1718,7 @@ def _check_call(
         raise ValueError(f"sinkhorn_repeat must be a positive int, got {sinkhorn_repeat!r}")
     check_arch(arch)
     if config is None:
-        config = default_config(H, broadcast, rows)
+        config = default_config(H, broadcast, rows, layer_input_out is not None)
     elif not isinstance(config, CoefficientsConfig):
         raise TypeError(f"config must be a CoefficientsConfig or None, got {type(config).__name__}")
     config.validate(H, broadcast)

@@ -63,23 +63,30 @@ def test_kernel_rejects_bad_variants() -> None:
 
 def test_warmup_keys_cover_every_call_path() -> None:
     keys = ck.coefficients_warmup_keys(7168, max_rows=512)
-    assert [(k[1], k[2], k[4].rows_per_tile) for k in keys] == [
-        ("standard", "none", 32),
-        ("standard", "carried", 32),
-        ("standard", "one_hot", 32),
-        ("standard", "none", 64),
-        ("standard", "carried", 64),
-        ("standard", "one_hot", 64),
-        ("broadcast", "none", 32),
-        ("broadcast", "one_hot", 32),
-        ("broadcast", "none", 64),
-        ("broadcast", "one_hot", 64),
+    split = lambda c: c.row_split == 2 and c.push_vec  # noqa: E731
+    assert [(k[1], k[2], k[4].rows_per_tile, split(k[4])) for k in keys] == [
+        ("standard", "none", 32, False),
+        ("standard", "none", 32, True),
+        ("standard", "none", 64, False),
+        ("standard", "carried", 32, False),
+        ("standard", "carried", 64, False),
+        ("standard", "one_hot", 32, False),
+        ("standard", "one_hot", 64, False),
+        ("broadcast", "none", 32, True),
+        ("broadcast", "none", 32, False),
+        ("broadcast", "none", 64, False),
+        ("broadcast", "one_hot", 32, False),
+        ("broadcast", "one_hot", 64, False),
     ]
-    for H, variant, _mode, repeat, config in keys:
-        assert (H, repeat) == (7168, 20)
-        rows = 1 if config.rows_per_tile == 32 else 512
-        assert config == ck.default_config(H, variant == "broadcast", rows)
-    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 5
+    # Every call of 1..512 rows, whatever its form, gets a config that the keys compile.
+    compiled = {(k[1], k[2], k[4]) for k in keys}
+    for variant, modes in (("standard", ck.LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
+        for mode in modes:
+            for rows in range(1, 513):
+                config = ck.default_config(7168, variant == "broadcast", rows, mode != "none")
+                assert (variant, mode, config) in compiled, (variant, mode, rows)
+    assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
+    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 6
     jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
     layer_keys = ck.layer_input_warmup_keys(7168)
     assert [(k[1], k[2]) for k in layer_keys] == [
