@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import multiprocessing
 import os
@@ -38,16 +39,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20)
 
 
+def _config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig:
+    """A ticket-handoff config of row tile tm with the default Sinkhorn unroll, plus knobs."""
+    knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, **knobs}
+    return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
+
+
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
     """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
-    for comb (clN). tm32 and tm64 are the defaults."""
-
-    def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-        knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, **knobs}
-        return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
+    for comb (clN). The defaults are tm32 (tm32 vec rs2 at some row counts, see
+    coefficients_kernel.SPLIT_ROWS) and tm64."""
+    f = functools.partial(_config, H, broadcast)
 
     return {
         "tm32": f(32),
@@ -71,12 +76,9 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
 
 
 def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
-    """The inline alternatives: the v2 defaults (interleaved layer-input clusters, ticket handoff)
-    and the projection knobs that look best for the standard projection."""
-
-    def f(tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-        knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, **knobs}
-        return ck.CoefficientsConfig.for_shape(H, False, tm, handoff="ticket", **knobs)
+    """The inline alternatives: the defaults (tm32, tm64: interleaved layer-input clusters, ticket
+    handoff) and the projection knobs that look best for the standard projection."""
+    f = functools.partial(_config, H, False)
 
     return {
         "tm32": f(32),

@@ -1,8 +1,9 @@
 """What one Sinkhorn repeat of the coefficients epilogue costs, in SM cycles: `python -m bench.sinkhorn_micro`.
 
-One CTA of one warp; its `lanes` first threads (all 32 for the shuffling bodies) each hold a
-4 x 4 matrix (or their share of one) in registers and run a loop body n times between two %clock64 reads. Cycles per iteration = (cycles at n = 1 + N - cycles at
-n = 1) / N, so the loads, the stores and the clock reads cancel. Bodies:
+One CTA of one warp; its `lanes` first threads (all 32 for the bodies that shuffle) each hold a
+4 x 4 matrix (or their share of one) in registers and run a loop body n times between two
+%clock64 reads. Cycles per iteration = (cycles at n = 1 + N - cycles at n = 1) / N, so the loads,
+the stores, the clock reads and whatever the compiler moves across them cancel. Bodies:
 - `lanes1`, `lanes2`, `lanes4`: `CoefficientsKernel.sinkhorn_step` (the kernel's own code: a row
   and a column normalisation of the matrix, each sum 3 FADD + eps, rcp.approx, FMULs) with the
   matrix spread over 1, 2 or 4 lanes (`comb_lanes`; column sums by shuffles);
@@ -17,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -31,7 +35,8 @@ BODIES = (
     "lanes1", "lanes2", "lanes4", "rcp1", "unroll2",
     "fadd_chain", "fadd_chain8", "fmul_chain8", "rcp_chain", "rcp_chain4", "rcp_dep4", "rcp_indep8", "shfl_chain",
 )  # fmt: skip
-COMB_LANES = {"lanes1": 1, "lanes2": 2, "lanes4": 4}
+BODY_LANES = {"lanes1": 1, "lanes2": 2, "lanes4": 4}  # the kernel's comb_lanes
+WHOLE_WARP = ("lanes2", "lanes4", "shfl_chain")  # bodies that shuffle: every lane takes part
 
 
 class SinkhornMicro:
@@ -41,13 +46,15 @@ class SinkhornMicro:
         if body not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {body!r}")
         self.body = body
-        self.nl = COMB_LANES.get(body, 1)  # unroll2 runs the one-lane step
-        self.lanes = 32 if self.nl > 1 else lanes
-        config = CoefficientsConfig.for_shape(4096, False, 32, comb_lanes=self.nl)
+        self.lanes = 32 if body in WHOLE_WARP else lanes
+        # unroll2 runs the one-lane step
+        config = CoefficientsConfig.for_shape(4096, False, 32, comb_lanes=BODY_LANES.get(body, 1))
         self.coef = CoefficientsKernel(4096, config=config)
 
     @cute.jit
-    def __call__(self, mIn: cute.Tensor, mOut: cute.Tensor, mCycles: cute.Tensor, n: Int32, eps: Float32, stream):
+    def __call__(
+        self, mIn: cute.Tensor, mOut: cute.Tensor, mCycles: cute.Tensor, n: Int32, eps: Float32, stream: cuda.CUstream
+    ):
         self.kernel(mIn, mOut, mCycles, n, eps).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     @cute.kernel
@@ -59,11 +66,10 @@ class SinkhornMicro:
         t0 = Int64(0)
         t1 = Int64(0)
         if tidx < self.lanes:
-            # Make the clock read wait for the loaded matrix.
-            t0 = prim.clock64() + Int64(prim.f32_bits(rC[0]) & 0)
+            t0 = prim.clock64()
             for _ in cutlass.range(n, unroll=1):
                 self.step(rC, eps)
-            t1 = prim.clock64() + Int64(prim.f32_bits(rC[0]) & 0)
+            t1 = prim.clock64()
         for k in cutlass.range_constexpr(HC * HC):
             mOut[tidx * HC * HC + k] = rC[k]
         mCycles[tidx] = t1 - t0
@@ -71,7 +77,7 @@ class SinkhornMicro:
     @cute.jit
     def step(self, rC: cute.Tensor, eps: Float32):
         """One iteration of the chosen body."""
-        if const_expr(self.body in COMB_LANES):
+        if const_expr(self.body in BODY_LANES):
             self.coef.sinkhorn_step(rC, eps)
         elif const_expr(self.body == "rcp1"):
             c = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
@@ -122,7 +128,7 @@ def one_rcp(s: list) -> list:
     return [r * (s[1] * p23), r * (s[0] * p23), r * (s[3] * p01), r * (s[2] * p01)]
 
 
-def compile_micro(body: str, lanes: int, arch: str):
+def compile_micro(body: str, lanes: int, arch: str) -> Callable[..., Any]:
     """The compiled micro kernel (no disk cache: this file is not in the kernel fingerprint)."""
     return compile_kernel(
         SinkhornMicro(body, lanes),
@@ -139,7 +145,7 @@ def compile_micro(body: str, lanes: int, arch: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sinkhorn_micro", description=__doc__.splitlines()[0])
     p.add_argument("--bodies", nargs="+", default=list(BODIES), choices=BODIES)
-    p.add_argument("--lanes", type=int, nargs="+", default=[1, 32], help="active lanes (one-lane bodies)")
+    p.add_argument("--lanes", type=int, nargs="+", default=[1, 32], help="active lanes of the one-lane bodies")
     p.add_argument("--iterations", type=int, default=200)
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -153,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{torch.cuda.get_device_name(device)}: cycles per iteration (median over lanes), {args.iterations} iterations"
     )
-    print(f"  {'body':<12} " + " ".join(f"{f'{n} lanes':>10}" for n in args.lanes))
+    print(
+        f"  {'body':<12} " + " ".join(f"{f'{n} active':>10}" for n in args.lanes) + "   (shuffling bodies: 32 always)"
+    )
     for body in args.bodies:
         cells = []
         for lanes in args.lanes:
+            lanes = 32 if body in WHOLE_WARP else lanes
             fn = compile_micro(body, lanes, arch)
             per = []
             for n in (1, 1 + args.iterations):

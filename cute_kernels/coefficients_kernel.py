@@ -22,7 +22,7 @@ partials [G, rows, 25]; a written partial never has the sentinel's bits, NaN row
 One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue:
 warp 0 comb (softmax + Sinkhorn, a lane per row, or config.comb_lanes lanes per row sharing the
 column sums by shuffles; the Sinkhorn repeats as a loop of config.sinkhorn_unroll repeats per
-iteration), warp 1 pre and post. Which one (config.handoff): "counter", the last
+iteration), warp 1 pre and post (warp 0 too, after comb, in a one-warp CTA). Which one (config.handoff): "counter", the last
 to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
 a ticket when it starts (so every other one is resident and will finish), which keeps its own
 partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
@@ -68,6 +68,7 @@ MIX = HC * (HC + 2)  # 24 mixes: pre (4), post (4), comb (16)
 NV = MIX + 1  # values per row in the partials: the 24 dot products and the sum of squares
 CLUSTER = 8  # CTAs per thread-block cluster (the portable limit)
 CHUNK = 32  # columns per warp: two k16 MMA steps, 8 contiguous columns (16 bytes) per lane
+WARP = 32  # threads per warp
 MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
@@ -133,7 +134,8 @@ class CoefficientsConfig:
       their order, float addition commutes).
     - `sinkhorn_unroll`: Sinkhorn repeats per iteration of the epilogue's rolled loop (1, 2, 4 or 8).
     - `trace`: a profiling build: thread 0 of each projection CTA writes timestamps of its phases
-      to a trace buffer (see TRACE_PHASES); never a default.
+      to a trace buffer (see TRACE_PHASES; "epilogue" is the end of warp 0's comb) and, in the CTA
+      that finishes rows, clock64 inside its first row's comb (TRACE_COMB); never a default.
     - `projection`: how a warp computes its partial sums: "mma" (bf16 tensor-core MMAs, fn split
       into hi + lo; the default) or "fma" (fp32 FMAs on the CUDA cores, fn staged in shared memory,
       the 4 lanes of a row summed by shuffles). The sums are rounded in another order, so "fma"
@@ -180,7 +182,7 @@ class CoefficientsConfig:
         """Raise ValueError unless this config tiles the projection of hidden size H."""
         _check_hidden(H)
         tm, w, g = self.rows_per_tile, self.warps, self.groups
-        if tm not in (16, 32, 64, 128):
+        if not _is_int_in(tm, (16, 32, 64, 128)):
             raise ValueError(f"rows_per_tile must be 16, 32, 64 or 128, got {tm!r}")
         if not (isinstance(w, int) and 1 <= w <= MAX_WARPS):
             raise ValueError(f"warps must be an int in 1..{MAX_WARPS}, got {w!r}")
@@ -194,13 +196,13 @@ class CoefficientsConfig:
             raise ValueError(f"handoff must be one of {HANDOFFS}, got {self.handoff!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be a bool, got {self.prefetch!r}")
-        if self.norm_rows not in NORM_ROWS:
+        if not _is_int_in(self.norm_rows, NORM_ROWS):
             raise ValueError(f"norm_rows must be one of {NORM_ROWS} (0 = auto), got {self.norm_rows!r}")
         if self.norm_rows > tm:
             raise ValueError(f"norm_rows ({self.norm_rows}) must not exceed rows_per_tile ({tm})")
         if self.norm_order not in NORM_ORDERS:
             raise ValueError(f"norm_order must be one of {NORM_ORDERS}, got {self.norm_order!r}")
-        if self.row_split not in ROW_SPLITS or isinstance(self.row_split, bool):
+        if not _is_int_in(self.row_split, ROW_SPLITS):
             raise ValueError(f"row_split must be one of {ROW_SPLITS}, got {self.row_split!r}")
         if min(4, tm // 16) % self.row_split:
             raise ValueError(f"row_split ({self.row_split}) must divide the {min(4, tm // 16)} m-tiles of a batch")
@@ -208,11 +210,11 @@ class CoefficientsConfig:
             raise ValueError(f"push_vec must be a bool, got {self.push_vec!r}")
         if self.push_vec and tm < 32:
             raise ValueError(f"push_vec needs rows_per_tile >= 32 (16-byte row shares), got {tm}")
-        if self.min_blocks not in MIN_BLOCKS or isinstance(self.min_blocks, bool):
+        if not _is_int_in(self.min_blocks, MIN_BLOCKS):
             raise ValueError(f"min_blocks must be one of {MIN_BLOCKS}, got {self.min_blocks!r}")
-        if self.sinkhorn_unroll not in SINKHORN_UNROLLS or isinstance(self.sinkhorn_unroll, bool):
+        if not _is_int_in(self.sinkhorn_unroll, SINKHORN_UNROLLS):
             raise ValueError(f"sinkhorn_unroll must be one of {SINKHORN_UNROLLS}, got {self.sinkhorn_unroll!r}")
-        if self.comb_lanes not in COMB_LANES or isinstance(self.comb_lanes, bool):
+        if not _is_int_in(self.comb_lanes, COMB_LANES):
             raise ValueError(f"comb_lanes must be one of {COMB_LANES}, got {self.comb_lanes!r}")
         if tm // CLUSTER * self.comb_lanes > 32:
             raise ValueError(
@@ -238,7 +240,7 @@ class LayerInputConfig:
     def validate(self) -> None:
         if not (isinstance(self.warps, int) and not isinstance(self.warps, bool) and 1 <= self.warps <= MAX_WARPS):
             raise ValueError(f"warps must be an int in 1..{MAX_WARPS}, got {self.warps!r}")
-        if self.norm_rows not in NORM_ROWS:
+        if not _is_int_in(self.norm_rows, NORM_ROWS):
             raise ValueError(f"norm_rows must be one of {NORM_ROWS} (0 = auto), got {self.norm_rows!r}")
 
 
@@ -251,9 +253,10 @@ SMALL_TILE_MAX_ROWS = 256
 # off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
 DEFAULT_SINKHORN_UNROLL = 4
 # Measured on the H200 (docs/PERF.md, v5): 16-byte pushes with two warps per 32-column chunk
-# (push_vec, row_split 2) beat the plain 32-row tile by 0.2-0.35 us for the standard projection
-# at 16-32 rows (and lose at <= 8), and by 0.6-0.9 us for the broadcast one at 4-32 rows (equal
-# at 1-2); the inline form gains nothing at H 7168 and loses 0.7 us at 4096-5120, so it keeps the plain tile.
+# (push_vec, row_split 2) beat the plain 32-row tile for the standard projection by 0.13-0.36 us at
+# 16-32 rows (but 5120 x 32: 0.05 us slower) and lose at <= 8 rows; for the broadcast one by
+# 0.55-0.92 us at 4-32 rows and up to 0.15 us at 1-2. The inline form keeps the plain tile: the
+# split gains 0.3-0.6 us there at H 7168 x 16-32 but loses 0.3-1.1 us at H 4096-5120.
 SPLIT_ROWS = {False: (16, 32), True: (1, 32)}  # broadcast -> (first, last) row count of the split tile
 
 
@@ -262,15 +265,20 @@ def default_tile(rows: int) -> int:
     return 32 if rows <= SMALL_TILE_MAX_ROWS else 64
 
 
+def default_choice(broadcast: bool, inline: bool, rows: int) -> tuple[int, bool]:
+    """The defaults' (row tile, split) for a call: split = 16-byte pushes + two warps per chunk."""
+    first, last = SPLIT_ROWS[broadcast]
+    return default_tile(rows), not inline and first <= rows <= last
+
+
 def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False) -> CoefficientsConfig:
     """The measured best config for a call of `rows` rows at hidden size H (memoized per choice)."""
-    first, last = SPLIT_ROWS[broadcast]
-    split = not inline and first <= rows <= last
-    return _default_config(H, broadcast, default_tile(rows), split)
+    return _default_config(H, broadcast, *default_choice(broadcast, inline, rows))
 
 
 @functools.cache
 def _default_config(H: int, broadcast: bool, rows_per_tile: int, split: bool = False) -> CoefficientsConfig:
+    """The default config of one (row tile, split) choice."""
     knobs: dict[str, Any] = dict(handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL)
     if split:
         knobs.update(push_vec=True, row_split=2)
@@ -280,11 +288,10 @@ def _default_config(H: int, broadcast: bool, rows_per_tile: int, split: bool = F
 def default_row_classes(broadcast: bool, inline: bool, max_rows: int) -> list[int]:
     """One row count per distinct default config of calls of 1..max_rows rows."""
     first, last = SPLIT_ROWS[broadcast]
-    bounds = [1, SMALL_TILE_MAX_ROWS + 1] + ([] if inline else [first, last + 1])
+    bounds = {1, first, last + 1, SMALL_TILE_MAX_ROWS + 1}
     seen: dict[tuple[int, bool], int] = {}
     for r in sorted(r for r in bounds if r <= max_rows):
-        split = not inline and first <= r <= last
-        seen.setdefault((default_tile(r), split), r)
+        seen.setdefault(default_choice(broadcast, inline, r), r)
     return sorted(seen.values())
 
 
@@ -303,6 +310,11 @@ def norm_rows_per_cluster(H: int, threads: int, layer_input: str, requested: int
 def projection_width(H: int, broadcast: bool) -> int:
     """Columns of the projection input: 4H for the streams, H for the broadcast embedding."""
     return H if broadcast else HC * H
+
+
+def _is_int_in(value: Any, allowed: tuple[int, ...]) -> bool:
+    """Whether value is a plain int (not a bool, not a float like 2.0) among `allowed`."""
+    return type(value) is int and value in allowed
 
 
 def _check_hidden(H: int) -> None:
@@ -1051,15 +1063,16 @@ class CoefficientsKernel:
         post_mult: Float32,
     ):
         """The per-row epilogue of the share rows: warp 0 runs comb (the long Sinkhorn chain, comb_lanes
-        lanes per row) and warp 1 pre and post (one lane per row), so they do not queue on one scheduler."""
+        lanes per row) and warp 1 pre and post (one lane per row), so they do not queue on one scheduler
+        (a one-warp CTA runs pre and post on warp 0 after comb)."""
         tidx, _, _ = cute.arch.thread_idx()
-        if tidx < 32:
+        if tidx < WARP:
             self.row_comb(sMix, sParam, share_row0, share_rows, mComb, mTrace, rms_eps, sinkhorn_eps)
         pre_post_lane = tidx
-        if const_expr(self.threads >= 2 * 32):
-            pre_post_lane = tidx - 32
+        if const_expr(self.threads >= 2 * WARP):
+            pre_post_lane = tidx - WARP
         if pre_post_lane >= 0 and pre_post_lane < share_rows:
-            mixes = self.row_mixes(sMix, pre_post_lane, rms_eps)
+            mixes = self.row_mixes(sMix, pre_post_lane, rms_eps, 2 * HC)
             self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult)
 
     @cute.jit
@@ -1068,10 +1081,10 @@ class CoefficientsKernel:
         return prim.rsqrt_approx(prim.div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
 
     @cute.jit
-    def row_mixes(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> list:
-        """The 24 dot products of share row i times the row's scale."""
+    def row_mixes(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32, count: int) -> list:
+        """The first `count` dot products of share row i times the row's scale."""
         r = self.row_scale(sMix, i, rms_eps)
-        return [sMix[i * NV + n] * r for n in range(MIX)]
+        return [sMix[i * NV + n] * r for n in range(count)]
 
     @cute.jit
     def row_pre_post(
@@ -1127,9 +1140,9 @@ class CoefficientsKernel:
             for b in cutlass.range_constexpr(HC):
                 rC[k * HC + b] = ex[b] * inv + sinkhorn_eps
         self.normalize_columns(rC, sinkhorn_eps)
-        # The repeats as a real loop, not unrolled: one warp runs this chain with nothing else on
-        # its SM to warm the instruction cache, and unrolled (39 normalisations of straight-line
-        # code) it ran at ~2 cycles per instruction, fetch-bound (docs/PERF.md, v4).
+        # The repeats as a rolled loop of sinkhorn_unroll repeats per iteration, not straight-line
+        # code: one warp runs this chain on an SM whose instruction cache has not seen it, and fully
+        # unrolled (39 normalisations) it was fetch-bound (docs/PERF.md, v4; unroll 4: v5).
         self.clock_stamp(mTrace, 1)
         for _ in cutlass.range(self.repeat - 1, unroll=self.sinkhorn_unroll):
             self.sinkhorn_step(rC, sinkhorn_eps)

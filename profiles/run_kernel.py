@@ -53,7 +53,8 @@ def main() -> None:
         config = None
         if args.knobs:
             broadcast = args.variant == "broadcast"
-            config = replace(ck.default_config(args.hidden, broadcast, args.rows), **dict(args.knobs))
+            inline = args.variant == "inline"
+            config = replace(ck.default_config(args.hidden, broadcast, args.rows, inline), **dict(args.knobs))
             config.validate(args.hidden, broadcast)
         inp = coefficient_inputs(args.rows, args.hidden, device, 0)
         call = coefficients_call(inp, arch, args.variant, config)

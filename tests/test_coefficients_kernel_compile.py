@@ -173,9 +173,10 @@ def test_fma_projection_compiles(H: int, variant: str, mode: str, knobs: dict, a
 
 def test_projection_knob_is_validated_and_never_a_default() -> None:
     assert CoefficientsConfig(64, 7, 16).projection == "mma"
-    assert all(
-        ck.default_config(7168, broadcast, rows).projection == "mma" for broadcast in (False, True) for rows in (1, 512)
-    )
+    for broadcast in (False, True):
+        for inline in (False, True):
+            for rows in ck.default_row_classes(broadcast, inline, 512):
+                assert ck.default_config(7168, broadcast, rows, inline).projection == "mma"
     for bad in ("wgmma", "FMA", None, 1):
         config = CoefficientsConfig.for_shape(7168, False, projection=bad)
         with pytest.raises(ValueError, match=r"projection must be one of \('mma', 'fma'\)"):
@@ -223,6 +224,11 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(min_blocks=5), "min_blocks"),
         (dict(row_split=4, min_blocks=3), "threads per SM"),
         (dict(trace=1), "trace"),
+        (dict(rows_per_tile=32.0), "rows_per_tile"),
+        (dict(row_split=2.0), "row_split"),
+        (dict(comb_lanes=2.0), "comb_lanes"),
+        (dict(sinkhorn_unroll=4.0), "sinkhorn_unroll"),
+        (dict(min_blocks=2.0), "min_blocks"),
         (dict(comb_lanes=3), "comb_lanes"),
         (dict(sinkhorn_unroll=3), "sinkhorn_unroll"),
         (dict(comb_lanes=True), "comb_lanes"),

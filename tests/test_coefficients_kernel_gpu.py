@@ -453,8 +453,8 @@ def test_fma_projection_matches_reference(H: int, rows: int, broadcast: bool) ->
 @pytest.mark.parametrize("H", (4096, 7168))
 @pytest.mark.parametrize("broadcast", (False, True))
 def test_fma_projection_batch_invariance(H: int, broadcast: bool) -> None:
-    # The whole batch with 64-row tiles, row ranges with 32-row tiles: same (warps, groups,
-    # projection), so the same bits.
+    # The whole batch with 64-row tiles, row ranges with the default small tiles (split or not):
+    # same (warps, groups, projection), so the same bits.
     shape = (MAX_ROWS, H) if broadcast else (MAX_ROWS, 4, H)
     x = torch.randn(*shape, device="cuda", generator=gen(7)).to(BF16)
     full = call(x, broadcast=broadcast, config=fma_config(H, broadcast, MAX_ROWS))
