@@ -582,7 +582,9 @@ class CoefficientsKernel:
                 norm_cluster = tile * self.norm_per_tile + k - self.groups
                 proj_cluster = tile * self.groups + k
             if norm:
-                self.layer_input_role(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
+                # A cluster past the last row (the tail of an interleaved grid) has nothing to do.
+                if norm_cluster * self.norm_rows < mX.shape[0]:
+                    self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
             else:
                 self.projection_role(
                     smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
@@ -1181,24 +1183,6 @@ class CoefficientsKernel:
             inv = prim.rcp_approx(total + eps)
             for k in cutlass.range_constexpr(R):
                 rC[k * HC + b] = rC[k * HC + b] * inv
-
-    @cute.jit
-    def layer_input_role(
-        self,
-        smem: cutlass.memory.SmemAllocator,
-        mbar: cute.Pointer,
-        mX: cute.Tensor,
-        mPreMix: cute.Tensor | None,
-        mW: cute.Tensor,
-        mOut: cute.Tensor,
-        norm_eps: Float32,
-        rank: Int32,
-        cluster: Int32,
-    ):
-        """One CTA of a layer-input cluster; a cluster past the last row (the tail of an interleaved
-        grid) has nothing to do."""
-        if cluster * self.norm_rows < mX.shape[0]:
-            self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster)
 
     @cute.jit
     def layer_input_rows(
