@@ -55,6 +55,7 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
     f = functools.partial(_config, H, broadcast)
 
     return {
+        "tm16": f(16),
         "tm32": f(32),
         "tm32 vec": f(32, push_vec=True),
         "tm32 vec rs2": f(32, push_vec=True, row_split=2),
@@ -100,7 +101,19 @@ def mark_default(
     return {f"{label}*" if cfg == default else label: cfg for label, cfg in cfgs.items()}
 
 
-def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int) -> None:
+def selected(cfgs: dict[str, ck.CoefficientsConfig], only: list[str] | None) -> dict[str, ck.CoefficientsConfig]:
+    """The configs whose labels `only` names (all when None)."""
+    return cfgs if only is None else {label: cfg for label, cfg in cfgs.items() if label in only}
+
+
+def variant_configs(H: int, variant: str, only: list[str] | None) -> dict[str, ck.CoefficientsConfig]:
+    """The configs timed for one projection variant (standard, broadcast or inline)."""
+    if variant == "inline":
+        return selected(inline_configs(H), only)
+    return selected(projection_configs(H, variant == "broadcast"), only)
+
+
+def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int, only: list[str] | None) -> None:
     """Compile every config in `jobs` processes, so the timing loop loads them from the disk cache."""
     from cute_kernels.compile import disk_cache_enabled
 
@@ -110,7 +123,7 @@ def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int) -> 
             if variant == "input-only":
                 continue
             broadcast = variant == "broadcast"
-            cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
+            cfgs = variant_configs(H, variant, only)
             mode = "carried" if variant == "inline" else "none"
             keys.update(
                 (H, "broadcast" if broadcast else "standard", mode, EPS["sinkhorn_repeat"], c) for c in cfgs.values()
@@ -192,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["standard", "broadcast", "inline", "input-only"])  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="only standard and inline at H 7168 and 4096")
+    p.add_argument("--configs", nargs="+", default=None, metavar="LABEL",
+                   help="time only these config labels (e.g. 'tm32' 'tm32 vec rs2'); default all")  # fmt: skip
     p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compile processes (1 = none)")
     args = p.parse_args(argv)
     if args.quick:
@@ -206,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = timer.copy_bandwidth()
     print(f"{name} ({arch}), copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per call, fn cold, "
           f"{SETS} input sets per graph, median of {args.replays} replays", flush=True)  # fmt: skip
-    precompile(args.hidden, args.only, arch, args.jobs)
+    if args.configs is not None:  # a typo fails before any GPU work
+        known = {label for v in args.only if v != "input-only" for label in variant_configs(args.hidden[0], v, None)}
+        if set(args.configs) - known:
+            p.error(f"unknown config labels {sorted(set(args.configs) - known)}; known: {sorted(known)}")
+    precompile(args.hidden, args.only, arch, args.jobs, args.configs)
     t0 = time.time()
     results = []
     for H in args.hidden:
@@ -221,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 else:
                     broadcast = variant == "broadcast"
-                    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
-                    cfgs = mark_default(cfgs, H, broadcast, rows, variant == "inline")
+                    cfgs = mark_default(
+                        variant_configs(H, variant, args.configs), H, broadcast, rows, variant == "inline"
+                    )
                     alts = {
                         label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()
                     }

@@ -29,12 +29,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0)
 
 
-def call_for(inp: dict, arch: str, config: ck.CoefficientsConfig, repeat: int, trace: torch.Tensor | None):
-    """A closure running the standard coefficients on one input set under `config`."""
+def call_for(
+    inp: dict, arch: str, config: ck.CoefficientsConfig, repeat: int, trace: torch.Tensor | None, broadcast: bool
+):
+    """A closure running the standard (or broadcast) coefficients on one input set under `config`."""
+    x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
+    fn = inp["fn_broadcast"] if broadcast else inp["fn"]
 
     def call() -> None:
         ck.mhc_coefficients(
-            inp["streams"], inp["fn"], inp["scale"], inp["base"], **EPS, sinkhorn_repeat=repeat, broadcast=False,
+            x, fn, inp["scale"], inp["base"], **EPS, sinkhorn_repeat=repeat, broadcast=broadcast,
             workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"], arch=arch,
             config=config, trace=trace,
         )  # fmt: skip
@@ -50,12 +54,12 @@ def quantiles(v: torch.Tensor) -> str:
     return f"{v.min():8.0f} {v.median():8.0f} {v.max():8.0f}"
 
 
-def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor) -> dict:
+def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor, broadcast: bool) -> dict:
     """One traced call: the per-CTA stamps, summarised on stdout and returned raw."""
     inp = coefficient_inputs(rows, H, device, 0)
-    config = replace(ck.default_config(H, False, rows), trace=True)
-    trace = torch.zeros(ck.trace_slots(rows, config, False, False), dtype=torch.int64, device=device)
-    call = call_for(inp, arch, config, 20, trace)
+    config = replace(ck.default_config(H, broadcast, rows), trace=True)
+    trace = torch.zeros(ck.trace_slots(rows, config, broadcast, False), dtype=torch.int64, device=device)
+    call = call_for(inp, arch, config, 20, trace, broadcast)
     for _ in range(3):
         call()
     trace.zero_()
@@ -67,7 +71,8 @@ def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Te
     t = t[t[:, 0] != 0]
     start = t[:, 0].min()
     consumer = t[:, ck.TRACE_CONSUMER] == 1
-    print(f"\nH {H} rows {rows}: {t.shape[0]} CTAs on {t[:, ck.TRACE_SM].unique().numel()} SMs, "
+    variant = "broadcast" if broadcast else "standard"
+    print(f"\n{variant} H {H} rows {rows}: {t.shape[0]} CTAs on {t[:, ck.TRACE_SM].unique().numel()} SMs, "
           f"{int(consumer.sum())} ran the epilogue; config {config}")  # fmt: skip
     print(f"  {'phase':<13} {'ns since the first CTA: all CTAs (min med max)':>44}   {'epilogue CTAs':>26}"
           f"   {'cycles since the previous phase (min med max)':>40}")  # fmt: skip
@@ -88,7 +93,7 @@ def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Te
               + "; ".join(f"{k} {quantiles(v).strip()}" for k, v in spans.items()))  # fmt: skip
     end = t[consumer, 7].max() - start if consumer.any() else torch.tensor(0)
     print(f"  first CTA start to last epilogue end: {int(end)} ns")
-    return {"H": H, "rows": rows, "config": str(config), "trace": t.tolist()}
+    return {"H": H, "rows": rows, "broadcast": broadcast, "config": str(config), "trace": t.tolist()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
     p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--variant", nargs="+", default=["standard"], choices=["standard", "broadcast"])
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
 
@@ -106,19 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device)
     timer = GraphTimer(device, replays=args.replays)
     runs = []
-    for H in args.hidden:
-        for rows in args.rows:
-            runs.append(timeline(H, rows, device, arch, timer.flush))
+    for variant in args.variant:
+        for H in args.hidden:
+            for rows in args.rows:
+                runs.append(timeline(H, rows, device, arch, timer.flush, variant == "broadcast"))
     print("\nGraph timing, fn cold, us per call (4 input sets per graph): shipped kernel vs 1 Sinkhorn step")
-    for H in args.hidden:
-        for rows in args.rows:
-            sets = [coefficient_inputs(rows, H, device, seed) for seed in range(4)]
-            config = ck.default_config(H, False, rows)
-            us = {r: timer.per_call_us([call_for(s, arch, config, r, None) for s in sets]) for r in (20, 1)}
-            print(
-                f"  H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   difference {us[20] - us[1]:5.2f}"
-            )
-            runs.append({"H": H, "rows": rows, "sinkhorn_20_us": us[20], "sinkhorn_1_us": us[1]})
+    for variant in args.variant:
+        broadcast = variant == "broadcast"
+        for H in args.hidden:
+            for rows in args.rows:
+                sets = [coefficient_inputs(rows, H, device, seed) for seed in range(4)]
+                config = ck.default_config(H, broadcast, rows)
+                calls = {r: [call_for(s, arch, config, r, None, broadcast) for s in sets] for r in (20, 1)}
+                us = {r: timer.per_call_us(c) for r, c in calls.items()}
+                print(f"  {variant} H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   "
+                      f"difference {us[20] - us[1]:5.2f}")  # fmt: skip
+                runs.append(
+                    {"H": H, "rows": rows, "variant": variant, "sinkhorn_20_us": us[20], "sinkhorn_1_us": us[1]}
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"coefficients-trace-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
     path = args.out / f"{stem}.json"
