@@ -5,7 +5,7 @@ back in one CUDA graph; a 256 MiB buffer is zeroed before each replay (L2 flush)
 the median over replays / 20 (bench/timing.py). Columns: the standard projection, the broadcast
 (first layer) projection, the inline form (projection + layer input) and the layer-input-only
 kernel, each under the configs below; `*` marks the shipped default for that row count. Every
-projection config but the fma ones shares the default's reduction order (the GPU tests check the
+projection config but the fma and w8 ones shares the default's reduction order (the GPU tests check the
 bits), so any of them may become the default, or be picked per row count. The fma configs (the
 projection as fp32 FMAs on the CUDA cores instead of tensor-core MMAs, config.projection) do NOT
 share the default's bits: they measure the alternative and cannot be swapped in. The configs are
@@ -45,16 +45,26 @@ def _config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsCo
     return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
 
 
+def _wide_config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig | None:
+    """The same with 8 warps (256 columns) per CTA and so fewer groups, where the width allows it: other
+    (warps, groups), so other bits than the default split."""
+    chunks = ck.projection_width(H, broadcast) // ck.CHUNK
+    if chunks % (ck.CLUSTER * 8):
+        return None
+    knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, "handoff": "ticket", **knobs}
+    return ck.CoefficientsConfig(tm, 8, chunks // (ck.CLUSTER * 8), **knobs)
+
+
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
     """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
-    for comb (clN). The defaults are tm32 (tm32 vec rs2 at some row counts, see
+    for comb (clN), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
+    other bits, so only a new default split for every row count of that H). The defaults are tm32 (tm32 vec rs2 at some row counts, see
     coefficients_kernel.SPLIT_ROWS) and tm64."""
     f = functools.partial(_config, H, broadcast)
-
-    return {
+    cfgs = {
         "tm16": f(16),
         "tm32": f(32),
         "tm32 vec": f(32, push_vec=True),
@@ -74,6 +84,16 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm32 cl2": f(32, comb_lanes=2),
         "tm32 cl4": f(32, comb_lanes=4),
     }
+    wide = functools.partial(_wide_config, H, broadcast)
+    for label, cfg in {
+        "w8 tm16": wide(16),
+        "w8 tm32": wide(32),
+        "w8 tm32 vec rs2": wide(32, push_vec=True, row_split=2),
+        "w8 tm64": wide(64),
+    }.items():
+        if cfg is not None and (cfg.warps, cfg.groups) != (cfgs["tm32"].warps, cfgs["tm32"].groups):
+            cfgs[label] = cfg
+    return cfgs
 
 
 def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
