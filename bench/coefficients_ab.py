@@ -40,9 +40,9 @@ EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkho
 
 
 def _config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-    """A ticket-handoff config of row tile tm with the default Sinkhorn unroll, plus knobs."""
-    knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, **knobs}
-    return ck.CoefficientsConfig.for_shape(H, broadcast, tm, handoff="ticket", **knobs)
+    """A config of row tile tm with the ticket handoff and the default Sinkhorn unroll, unless knobs say otherwise."""
+    knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, "handoff": "ticket", **knobs}
+    return ck.CoefficientsConfig.for_shape(H, broadcast, tm, **knobs)
 
 
 def _wide_config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig | None:
@@ -56,7 +56,8 @@ def _wide_config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.Coefficie
 
 
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
-    """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
+    """The projection alternatives, with the ticket handoff unless `first` (the first CTA to start polls,
+    one row tile only): tile height (tm), 16-byte DSMEM pushes
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
@@ -83,6 +84,9 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm32 u8": f(32, sinkhorn_unroll=8),
         "tm32 cl2": f(32, comb_lanes=2),
         "tm32 cl4": f(32, comb_lanes=4),
+        "tm16 first": f(16, handoff="first"),
+        "tm32 first": f(32, handoff="first"),
+        "tm32 vec rs2 first": f(32, push_vec=True, row_split=2, handoff="first"),
     }
     wide = functools.partial(_wide_config, H, broadcast)
     for label, cfg in {
@@ -110,7 +114,14 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
         "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
         "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
         "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
+        "tm32 first": f(32, handoff="first"),
+        "tm32 vec rs2 first": f(32, push_vec=True, row_split=2, handoff="first"),
     }
+
+
+def runs_at(config: ck.CoefficientsConfig, rows: int) -> bool:
+    """Whether a config takes calls of `rows` rows (the first-to-start handoff takes one row tile only)."""
+    return config.handoff != "first" or rows <= config.rows_per_tile
 
 
 def mark_default(
@@ -264,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                         variant_configs(H, variant, args.configs), H, broadcast, rows, variant == "inline"
                     )
                     alts = {
-                        label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()
+                        label: [projection_call(s, ws, arch, variant, cfg) for s in sets]
+                        for label, cfg in cfgs.items()
+                        if runs_at(cfg, rows)
                     }
                 times = {label: timer.per_call_us(calls) for label, calls in alts.items()}
                 row[variant] = times

@@ -22,12 +22,14 @@ partials [G, rows, 25]; a written partial never has the sentinel's bits, NaN row
 One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue:
 warp 0 comb (softmax + Sinkhorn, a lane per row, or config.comb_lanes lanes per row sharing the
 column sums by shuffles; the Sinkhorn repeats as a loop of config.sinkhorn_unroll repeats per
-iteration), warp 1 pre and post (warp 0 too, after comb, in a one-warp CTA). Which one (config.handoff): "counter", the last
-to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
-a ticket when it starts (so every other one is resident and will finish), which keeps its own
-partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
-goes back to 0 and the slots back to the sentinel, so every call and every CUDA-graph replay
-starts clean. The config knobs never change the reduction order, only (warps, groups) do;
+iteration), warp 1 pre and post (warp 0 too, after comb, in a one-warp CTA). Which one
+(config.handoff): "counter", the last to bump a per-(tile, rank) arrival counter after writing its
+partial; "ticket", the last to take a ticket when it starts (so every other one is resident and
+will finish), which keeps its own partial and polls the others' slots until none holds the NaN
+sentinel; "first", the first to take a ticket, polling the same way (only for a one-tile call:
+then at most 8 CTAs ever wait, so the others always find room to start and finish). Either way
+the counter goes back to 0 and the slots back to the sentinel, so every call and every
+CUDA-graph replay starts clean. The config knobs never change the reduction order, only (warps, groups) do;
 config.projection changes the arithmetic of the warp partials, so the bits too.
 
 Layer input (inline form): extra clusters, after the projection clusters of the tile that reads
@@ -72,7 +74,7 @@ WARP = 32  # threads per warp
 MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
-HANDOFFS = ("counter", "ticket")
+HANDOFFS = ("counter", "ticket", "first")
 PROJECTIONS = ("mma", "fma")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
@@ -113,7 +115,9 @@ class CoefficientsConfig:
       fences and bumps an arrival counter; the last to arrive reads the G partials. "ticket": each
       CTA takes a ticket when it starts; the last to start (so every other one is resident) keeps its
       partial and polls the others' partials (workspace slots hold a NaN sentinel between calls),
-      which takes the fence and the atomic off the chain.
+      which takes the fence and the atomic off the chain. "first": the same with the first to start
+      as the poller; only for calls of one row tile (mhc_coefficients checks), where at most 8 CTAs
+      ever wait, so every other CTA finds room to start and finish.
     - `prefetch`: with more than one 64-row batch per tile, load the next batch's rows before the
       current batch's MMAs.
     - `norm_rows`: rows per layer-input cluster (inline form), 0 = as many as 2 (carried) or 4
@@ -682,7 +686,7 @@ class CoefficientsKernel:
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
             if const_expr(b == 0):
-                if const_expr(self.handoff == "ticket"):
+                if const_expr(self.handoff != "counter"):
                     # Take this CTA's ticket while the first rows are in flight.
                     if tidx == 0:
                         if share_rows > 0:
@@ -704,14 +708,15 @@ class CoefficientsKernel:
                 self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
-            if const_expr(b == 0 and self.handoff == "ticket"):
+            if const_expr(b == 0 and self.handoff != "counter"):
                 if tidx == 0:
-                    last = Int32(0)
                     if ticket == self.groups - 1:
-                        # The last of the G to start: every other CTA of these rows is resident.
-                        last = Int32(1)
                         cute.arch.store(counter, Int32(0))
-                    sFlag[0] = last
+                    # "ticket": the last of the G to start (every other CTA of these rows is
+                    # resident). "first": the first to start, likely the first done with its own
+                    # share and on an SM of its own (the last cluster to start often shares SMs).
+                    consumer_ticket = const_expr(0 if self.handoff == "first" else self.groups - 1)
+                    sFlag[0] = cutlass.select_(ticket == consumer_ticket, Int32(1), Int32(0))
             cute.arch.sync_threads()
             if const_expr(b == 0):
                 self.stamp(mTrace, 2)
@@ -731,7 +736,7 @@ class CoefficientsKernel:
             cute.arch.mbarrier_wait(mbar, 0)
             self.stamp(mTrace, 5)
             share_row0 = row0 + rank * self.share
-            if const_expr(self.handoff == "ticket"):
+            if const_expr(self.handoff != "counter"):
                 consumer = sFlag[0] != 0
                 if const_expr(self.trace):
                     if tidx == 0:
@@ -1562,6 +1567,13 @@ def mhc_coefficients(
     H = x.shape[-1]
     if config is None:
         config = default_config(H, broadcast, rows, layer_input_out is not None)
+    if config.handoff == "first" and rows > config.rows_per_tile:
+        # Checked even with validate=False: with several tiles, waiting first-started CTAs could
+        # fill the GPU and keep the CTAs they wait for from starting.
+        raise ValueError(
+            f"handoff 'first' is for calls of one row tile (rows <= rows_per_tile = {config.rows_per_tile}), "
+            f"got {rows} rows"
+        )
     if config.trace != (trace is not None):
         raise ValueError("trace must be given exactly when config.trace is set")
     if trace is not None:

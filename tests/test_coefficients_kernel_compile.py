@@ -197,8 +197,9 @@ def test_v3_knobs_compile_for_blackwell() -> None:
     assert callable(ck.compile_coefficients(7168, "standard", "carried", 20, config, arch="sm_100a"))
 
 
-def test_ticket_handoff_compiles_for_blackwell() -> None:
-    config = CoefficientsConfig.for_shape(4096, False, handoff="ticket")
+@pytest.mark.parametrize("handoff", ("ticket", "first"))
+def test_polling_handoffs_compile_for_blackwell(handoff: str) -> None:
+    config = CoefficientsConfig.for_shape(4096, False, 32, handoff=handoff)
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
 
 
