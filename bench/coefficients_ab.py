@@ -16,6 +16,7 @@ at H 7168 and 4096 only (about 1 min). Writes bench/results/coefficients-ab-<gpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -61,7 +62,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
-    for comb (clN), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
+    for comb (clN), the epilogue run once on scratch data while the partials arrive (warm, needs 6
+    warps), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
     other bits, so only a new default split for every row count of that H). The defaults are tm32 (tm32 vec rs2 at some row counts, see
     coefficients_kernel.SPLIT_ROWS) and tm64."""
     f = functools.partial(_config, H, broadcast)
@@ -88,6 +90,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm32 first": f(32, handoff="first"),
         "tm32 vec rs2 first": f(32, push_vec=True, row_split=2, handoff="first"),
     }
+    for label in ("tm32", "tm32 vec rs2", "tm32 vec rs2 first"):  # kept where valid (6 warps)
+        cfgs[f"{label} warm"] = dataclasses.replace(cfgs[label], warm_epilogue=True)
     wide = functools.partial(_wide_config, H, broadcast)
     for label, cfg in {
         "w8 tm16": wide(16),
@@ -116,6 +120,8 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
         "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
         "tm32 first": f(32, handoff="first"),
         "tm32 vec rs2 first": f(32, push_vec=True, row_split=2, handoff="first"),
+        "tm32 warm": f(32, warm_epilogue=True),
+        "tm32 vec rs2 warm": f(32, push_vec=True, row_split=2, warm_epilogue=True),
     }
 
 
@@ -138,10 +144,18 @@ def selected(cfgs: dict[str, ck.CoefficientsConfig], only: list[str] | None) -> 
 
 
 def variant_configs(H: int, variant: str, only: list[str] | None) -> dict[str, ck.CoefficientsConfig]:
-    """The configs timed for one projection variant (standard, broadcast or inline)."""
-    if variant == "inline":
-        return selected(inline_configs(H), only)
-    return selected(projection_configs(H, variant == "broadcast"), only)
+    """The configs timed for one projection variant (standard, broadcast or inline), those valid at H."""
+    broadcast = variant == "broadcast"
+    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
+    return {label: cfg for label, cfg in selected(cfgs, only).items() if _valid(cfg, H, broadcast)}
+
+
+def _valid(config: ck.CoefficientsConfig, H: int, broadcast: bool) -> bool:
+    try:
+        config.validate(H, broadcast)
+    except ValueError:
+        return False
+    return True
 
 
 def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int, only: list[str] | None) -> None:

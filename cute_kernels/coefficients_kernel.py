@@ -144,6 +144,11 @@ class CoefficientsConfig:
       into hi + lo; the default) or "fma" (fp32 FMAs on the CUDA cores, fn staged in shared memory,
       the 4 lanes of a row summed by shuffles). The sums are rounded in another order, so "fma"
       gives other bits than "mma" (as accurate); for A/B measurement at few rows, never a default.
+    - `warm_epilogue`: the CTA that finishes rows runs the epilogue on warps 4 (comb) and 5 (pre, post)
+      and first runs it once on scratch data, with a short Sinkhorn loop and no stores, while warps
+      0-3 wait for the partials: the real pass then finds its instructions in the SM's instruction
+      cache. Needs a polling handoff, >= 6 warps and share rows of <= 128 partial values (rows_per_tile
+      <= 32); same bits.
     """
 
     rows_per_tile: int
@@ -160,6 +165,7 @@ class CoefficientsConfig:
     sinkhorn_unroll: int = 1
     trace: bool = False
     projection: str = "mma"
+    warm_epilogue: bool = False
 
     @property
     def threads(self) -> int:
@@ -228,6 +234,16 @@ class CoefficientsConfig:
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if not isinstance(self.warm_epilogue, bool):
+            raise ValueError(f"warm_epilogue must be a bool, got {self.warm_epilogue!r}")
+        if self.warm_epilogue and (
+            self.handoff == "counter" or self.warps * self.row_split < 6 or tm // CLUSTER * NV > 4 * WARP
+        ):
+            raise ValueError(
+                "warm_epilogue needs a polling handoff ('ticket' or 'first'), >= 6 warps per CTA and "
+                f"rows_per_tile <= 32; got handoff {self.handoff!r}, {self.warps * self.row_split} warps, "
+                f"rows_per_tile {tm}"
+            )
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -484,6 +500,10 @@ class CoefficientsKernel:
         self.comb_lanes = config.comb_lanes
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
+        self.warm = config.warm_epilogue
+        # The epilogue's warps: comb on the first, pre and post on the next (warps 4 and 5 when warming,
+        # which are idle while warps 0-3 gather the partials).
+        self.epilogue_thread0 = 4 * WARP if self.warm else 0
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -656,7 +676,11 @@ class CoefficientsKernel:
 
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
-        sMix = smem.allocate_tensor(Float32, cute.make_layout(self.share * NV), byte_alignment=16)
+        # With warm_epilogue, a second half of scratch for the warming pass (never written, so the pass
+        # reads nothing another warp is writing).
+        sMix = smem.allocate_tensor(
+            Float32, cute.make_layout(self.share * NV * (2 if self.warm else 1)), byte_alignment=16
+        )
         sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         sFn = None
@@ -733,33 +757,43 @@ class CoefficientsKernel:
         self.stamp(mTrace, 4)
 
         if share_rows > 0:
-            cute.arch.mbarrier_wait(mbar, 0)
-            self.stamp(mTrace, 5)
             share_row0 = row0 + rank * self.share
             if const_expr(self.handoff != "counter"):
                 consumer = sFlag[0] != 0
-                if const_expr(self.trace):
-                    if tidx == 0:
-                        mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(sFlag[0])
-                for e in cutlass.range(tidx, share_rows * NV, self.threads):
-                    # This cluster's partial of the share rows: peers summed in rank order.
-                    acc = self.cluster_sum(sRecv, e)
-                    grow = share_row0 + e // NV
-                    n = e % NV
+                if const_expr(self.warm):
+                    # Pass 0 (the finishing CTA only): warps 4-5 run the epilogue on the scratch half
+                    # while the others go on to pass 1, wait for the partials and meet them at the
+                    # barrier; pass 1 runs it for real. One copy of the code, so pass 0 warms the
+                    # instruction cache for pass 1.
+                    passes = cutlass.select_(consumer, Int32(2), Int32(1))
+                    for p in cutlass.range(passes, unroll=1):
+                        live = p == passes - 1
+                        if live:
+                            self.collect_share(
+                                sRecv, sMix, sFlag, mbar, mPartial, mTrace, group, share_row0, share_rows, consumer
+                            )
+                        if consumer:
+                            scratch = cutlass.select_(live, Int32(0), Int32(self.share * NV))
+                            mix = cute.make_tensor(sMix.iterator + scratch, cute.make_layout(self.share * NV))
+                            self.finish_rows(
+                                mix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
+                                rms_eps, pre_eps, sinkhorn_eps, post_mult, live,
+                            )  # fmt: skip
                     if consumer:
-                        sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
-                    else:
-                        ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
-                        cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
-                self.stamp(mTrace, 6)
-                if consumer:
-                    cute.arch.sync_threads()
-                    self.finish_rows(
-                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
-                        rms_eps, pre_eps, sinkhorn_eps, post_mult,
-                    )  # fmt: skip
-                    self.stamp(mTrace, 7)
+                        self.stamp(mTrace, 7)
+                else:
+                    self.collect_share(
+                        sRecv, sMix, sFlag, mbar, mPartial, mTrace, group, share_row0, share_rows, consumer
+                    )
+                    if consumer:
+                        self.finish_rows(
+                            sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
+                            rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                        )  # fmt: skip
+                        self.stamp(mTrace, 7)
             else:
+                cute.arch.mbarrier_wait(mbar, 0)
+                self.stamp(mTrace, 5)
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
                     acc = self.cluster_sum(sRecv, e)
                     mPartial[group, share_row0 + e // NV, e % NV] = _not_sentinel(acc)
@@ -792,6 +826,43 @@ class CoefficientsKernel:
                         rms_eps, pre_eps, sinkhorn_eps, post_mult,
                     )  # fmt: skip
 
+    @cute.jit
+    def collect_share(
+        self,
+        sRecv: cute.Tensor,
+        sMix: cute.Tensor,
+        sFlag: cute.Tensor,
+        mbar: cute.Pointer,
+        mPartial: cute.Tensor,
+        mTrace: cute.Tensor | None,
+        group: Int32,
+        share_row0: Int32,
+        share_rows: Int32,
+        consumer,
+    ):
+        """Polling handoffs, after the pushes: wait for the peers' partials of the share rows and sum them
+        in rank order; then write this cluster's partials to the workspace, or, in the CTA that finishes
+        the rows (`consumer`), gather every group's into sMix (followed by a barrier)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.arch.mbarrier_wait(mbar, 0)
+        self.stamp(mTrace, 5)
+        if const_expr(self.trace):
+            if tidx == 0:
+                mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(sFlag[0])
+        for e in cutlass.range(tidx, share_rows * NV, self.threads):
+            # This cluster's partial of the share rows: peers summed in rank order.
+            acc = self.cluster_sum(sRecv, e)
+            grow = share_row0 + e // NV
+            n = e % NV
+            if consumer:
+                sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
+            else:
+                ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
+                cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
+        self.stamp(mTrace, 6)
+        if consumer:
+            cute.arch.sync_threads()
+
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
         rank, cluster_id, _ = cute.arch.block_idx()
@@ -810,12 +881,16 @@ class CoefficientsKernel:
                     mTrace[base + TRACE_SM] = Int64(prim.smid())
 
     @cute.jit
-    def clock_stamp(self, mTrace: cute.Tensor | None, k: int):
-        """Trace builds: thread 0 records clock64 at comb point k (TRACE_COMB; the loop's ends are
-        block boundaries, so the reads stay put up to one instruction latency)."""
+    def clock_stamp(self, mTrace: cute.Tensor | None, k: int, live=None):
+        """Trace builds: the comb warp's first thread records clock64 at comb point k (TRACE_COMB; the
+        loop's ends are block boundaries, so the reads stay put up to one instruction latency), not in a
+        warming pass."""
         if const_expr(self.trace):
             tidx, _, _ = cute.arch.thread_idx()
-            if tidx == 0:
+            first = tidx == 0
+            if const_expr(live is not None):
+                first = (tidx == self.epilogue_thread0) & live
+            if first:
                 mTrace[self.trace_base() + TRACE_COMB_SLOT + k] = prim.clock64()
 
     @cute.jit
@@ -1068,19 +1143,26 @@ class CoefficientsKernel:
         pre_eps: Float32,
         sinkhorn_eps: Float32,
         post_mult: Float32,
+        live=None,
     ):
         """The per-row epilogue of the share rows: warp 0 runs comb (the long Sinkhorn chain, comb_lanes
         lanes per row) and warp 1 pre and post (one lane per row), so they do not queue on one scheduler
-        (a one-warp CTA runs pre and post on warp 0 after comb)."""
+        (a one-warp CTA runs pre and post on warp 0 after comb); warps 4 and 5 with warm_epilogue, where
+        `live` (a runtime flag) is false in the warming pass: a short Sinkhorn loop and no stores."""
         tidx, _, _ = cute.arch.thread_idx()
-        if tidx < WARP:
-            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, mTrace, rms_eps, sinkhorn_eps)
-        pre_post_lane = tidx
+        t = tidx
+        comb_warp = tidx < WARP
+        if const_expr(self.warm):
+            t = tidx - self.epilogue_thread0
+            comb_warp = (t >= 0) & (t < WARP)
+        if comb_warp:
+            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, mTrace, rms_eps, sinkhorn_eps, live)
+        pre_post_lane = t
         if const_expr(self.threads >= 2 * WARP):
-            pre_post_lane = tidx - WARP
+            pre_post_lane = t - WARP
         if pre_post_lane >= 0 and pre_post_lane < share_rows:
             mixes = self.row_mixes(sMix, pre_post_lane, rms_eps, 2 * HC)
-            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult)
+            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult, live)
 
     @cute.jit
     def row_scale(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> Float32:
@@ -1103,14 +1185,24 @@ class CoefficientsKernel:
         mPre: cute.Tensor,
         pre_eps: Float32,
         post_mult: Float32,
+        live=None,
     ):
-        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
+        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids); no stores unless `live`."""
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * sParam[0] + sParam[3 + j]
-            mPre[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps
+            self.store_if(mPre, (row, j), prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps, live)
         for j in cutlass.range_constexpr(HC):
             z = mixes[HC + j] * sParam[1] + sParam[3 + HC + j]
-            mPost[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult
+            self.store_if(mPost, (row, j), prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult, live)
+
+    @cute.jit
+    def store_if(self, mOut: cute.Tensor, coord: tuple, value: Float32, live=None):
+        """mOut[coord] = value, unless `live` is given and false."""
+        if const_expr(live is None):
+            mOut[coord] = value
+        else:
+            if live:
+                mOut[coord] = value
 
     @cute.jit
     def row_comb(
@@ -1123,11 +1215,13 @@ class CoefficientsKernel:
         mTrace: cute.Tensor | None,
         rms_eps: Float32,
         sinkhorn_eps: Float32,
+        live=None,
     ):
         """SPEC §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits). Lane
         (i, h) of the comb_lanes lanes of share row i holds rows [h*R, (h+1)*R) of the 4 x 4 matrix;
-        lanes past the rows redo the last one (the column sums shuffle across the whole warp)."""
-        self.clock_stamp(mTrace, 0)
+        lanes past the rows redo the last one (the column sums shuffle across the whole warp). Unless
+        `live` (warm_epilogue's warming pass): a few Sinkhorn repeats only, and no stores."""
+        self.clock_stamp(mTrace, 0, live)
         lane = cute.arch.lane_idx()
         nl = const_expr(self.comb_lanes)
         R = const_expr(HC // nl)
@@ -1150,15 +1244,24 @@ class CoefficientsKernel:
         # The repeats as a rolled loop of sinkhorn_unroll repeats per iteration, not straight-line
         # code: one warp runs this chain on an SM whose instruction cache has not seen it, and fully
         # unrolled (39 normalisations) it was fetch-bound (docs/PERF.md, v4; unroll 4: v5).
-        self.clock_stamp(mTrace, 1)
-        for _ in cutlass.range(self.repeat - 1, unroll=self.sinkhorn_unroll):
+        self.clock_stamp(mTrace, 1, live)
+        repeats = self.repeat - 1
+        if const_expr(live is not None):
+            # The warming pass runs the unrolled loop body once and the remainder code (a dynamic count
+            # compiles to both).
+            warm = min(self.repeat - 1, self.sinkhorn_unroll + (self.repeat - 1) % self.sinkhorn_unroll)
+            repeats = cutlass.select_(live, Int32(self.repeat - 1), Int32(warm))
+        for _ in cutlass.range(repeats, unroll=self.sinkhorn_unroll):
             self.sinkhorn_step(rC, sinkhorn_eps)
-        self.clock_stamp(mTrace, 2)
-        if lane // nl < share_rows:
+        self.clock_stamp(mTrace, 2, live)
+        store = lane // nl < share_rows
+        if const_expr(live is not None):
+            store = store & live
+        if store:
             for k in cutlass.range_constexpr(R):
                 for b in cutlass.range_constexpr(HC):
                     mComb[share_row0 + i, h * R + k, b] = rC[k * HC + b]
-        self.clock_stamp(mTrace, 3)
+        self.clock_stamp(mTrace, 3, live)
 
     @cute.jit
     def sinkhorn_step(self, rC: cute.Tensor, eps: Float32):

@@ -147,6 +147,7 @@ KNOBS = [
     (4096, "broadcast", "none", dict(handoff="ticket", comb_lanes=4)),
     (7168, "standard", "none", dict(rows_per_tile=32, handoff="ticket", sinkhorn_unroll=2)),
     (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, row_split=4, projection="fma")),
+    (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", warm_epilogue=True)),
 ]
 
 
@@ -203,6 +204,15 @@ def test_polling_handoffs_compile_for_blackwell(handoff: str) -> None:
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_warm_epilogue_compiles(arch: str) -> None:
+    config = CoefficientsConfig.for_shape(
+        4096, False, 32, handoff="first", push_vec=True, row_split=2, warm_epilogue=True, trace=arch == "sm_90a"
+    )
+    assert config.threads == 256
+    assert callable(ck.compile_coefficients(4096, "standard", "none", 20, config, arch=arch))
+
+
 def test_trace_build_compiles() -> None:
     config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
     assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
@@ -235,6 +245,9 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(comb_lanes=True), "comb_lanes"),
         (dict(rows_per_tile=128, comb_lanes=4), "exceed a warp"),
         (dict(projection="tensor"), "projection"),
+        (dict(rows_per_tile=32, handoff="ticket", warm_epilogue=1), "warm_epilogue must be a bool"),
+        (dict(rows_per_tile=32, handoff="counter", warm_epilogue=True), "polling handoff"),
+        (dict(rows_per_tile=64, handoff="ticket", warm_epilogue=True), "rows_per_tile <= 32"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):

@@ -357,6 +357,11 @@ def test_layer_input_only_after_the_projection_that_makes_its_pre() -> None:
 # --- config knobs: the same bits as the default -----------------------------------------------
 
 
+def warm_where_it_fits(config: CoefficientsConfig) -> list[CoefficientsConfig]:
+    """The config with warm_epilogue, or nothing where the CTA has fewer than 6 warps."""
+    return [dataclasses.replace(config, warm_epilogue=True)] if config.warps * config.row_split >= 6 else []
+
+
 def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
     """Configs that share the default's reduction order (warps, groups), so must give its bits."""
     f = CoefficientsConfig.for_shape
@@ -381,6 +386,9 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
         f(H, broadcast, 16, handoff="counter", comb_lanes=4),
         f(H, broadcast, 32, handoff="ticket", sinkhorn_unroll=2),
         f(H, broadcast, handoff="ticket", comb_lanes=2, sinkhorn_unroll=4),
+        # The epilogue run once on scratch data first (warps 4-5), then for real.
+        *warm_where_it_fits(f(H, broadcast, 32, handoff="ticket", push_vec=True, row_split=2)),
+        *warm_where_it_fits(f(H, broadcast, 32, handoff="ticket", comb_lanes=2, sinkhorn_unroll=2)),
     ]
 
 
@@ -533,6 +541,7 @@ def first_configs(H: int, broadcast: bool, rows: int) -> list[CoefficientsConfig
     """Configs with the first CTA to start as the poller that take a call of `rows` rows (one tile)."""
     f = functools.partial(CoefficientsConfig.for_shape, H, broadcast, handoff="first")
     configs = [f(16), f(32), f(32, push_vec=True, row_split=2), f(64, comb_lanes=2)]
+    configs += warm_where_it_fits(f(32, push_vec=True, row_split=2))
     return [c for c in configs if rows <= c.rows_per_tile]
 
 
@@ -568,10 +577,11 @@ def test_first_handoff_refuses_a_call_of_more_than_one_tile() -> None:
     assert_counters_clean(workspace(H))
 
 
-def test_first_handoff_nan_and_inf_rows_do_not_hang_and_stay_in_their_row() -> None:
+@pytest.mark.parametrize("warm", (False, True))
+def test_first_handoff_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(warm: bool) -> None:
     H, rows = 7168, 32
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = CoefficientsConfig.for_shape(H, False, 32, handoff="first", push_vec=True, row_split=2)
+    config = CoefficientsConfig.for_shape(H, False, 32, handoff="first", push_vec=True, row_split=2, warm_epilogue=warm)
     clean = streams(rows, H, seed=51)
     want = call(clean, ws=ws, config=config)
     wait_or_fail()
