@@ -5,8 +5,8 @@ back in one CUDA graph; a 256 MiB buffer is zeroed before each replay (L2 flush)
 the median over replays / 20 (bench/timing.py). Columns: the standard projection, the broadcast
 (first layer) projection, the inline form (projection + layer input) and the layer-input-only
 kernel, each under the configs below; `*` marks the shipped default for that row count. Every
-projection config but the fma and w8 ones shares the default's reduction order (the GPU tests check the
-bits), so any of them may become the default, or be picked per row count. The fma configs (the
+projection config but the fma and w8 ones shares the default's reduction order (the GPU tests
+check the bits), so any of them may become the default, or be picked per row count. The fma configs (the
 projection as fp32 FMAs on the CUDA cores instead of tensor-core MMAs, config.projection) do NOT
 share the default's bits: they measure the alternative and cannot be swapped in. The configs are
 compiled first in parallel processes (--jobs) into the disk cache. `--quick`: standard and inline
@@ -16,7 +16,6 @@ at H 7168 and 4096 only (about 1 min). Writes bench/results/coefficients-ab-<gpu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import functools
 import json
@@ -41,7 +40,7 @@ EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkho
 
 
 def _config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-    """A config of row tile tm with the ticket handoff and the default Sinkhorn unroll, unless knobs say otherwise."""
+    """A config of row tile tm with the ticket handoff and the default Sinkhorn unroll, plus knobs."""
     knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, "handoff": "ticket", **knobs}
     return ck.CoefficientsConfig.for_shape(H, broadcast, tm, **knobs)
 
@@ -57,15 +56,13 @@ def _wide_config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.Coefficie
 
 
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:
-    """The projection alternatives, with the ticket handoff unless `first` (the first CTA to start polls,
-    one row tile only): tile height (tm), 16-byte DSMEM pushes
+    """The projection alternatives, all with the ticket handoff: tile height (tm), 16-byte DSMEM pushes
     (vec), warps split over the m-tiles (rsN), launch bound of N CTAs per SM with the largest shared
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
-    for comb (clN), the epilogue run once on scratch data while the partials arrive (warm, needs 6
-    warps), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
-    other bits, so only a new default split for every row count of that H). The defaults are tm32 (tm32 vec rs2 at some row counts, see
-    coefficients_kernel.SPLIT_ROWS) and tm64."""
+    for comb (clN), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
+    other bits, so only ever a new default split for every row count of that H). The defaults are
+    tm32 (tm32 vec rs2 at some row counts, see coefficients_kernel.split_rows) and tm64."""
     f = functools.partial(_config, H, broadcast)
     cfgs = {
         "tm16": f(16),
@@ -86,12 +83,7 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm32 u8": f(32, sinkhorn_unroll=8),
         "tm32 cl2": f(32, comb_lanes=2),
         "tm32 cl4": f(32, comb_lanes=4),
-        "tm16 first": f(16, handoff="first"),
-        "tm32 first": f(32, handoff="first"),
-        "tm32 vec rs2 first": f(32, push_vec=True, row_split=2, handoff="first"),
     }
-    for label in ("tm32", "tm32 vec rs2", "tm32 vec rs2 first"):  # kept where valid (6 warps)
-        cfgs[f"{label} warm"] = dataclasses.replace(cfgs[label], warm_epilogue=True)
     wide = functools.partial(_wide_config, H, broadcast)
     for label, cfg in {
         "w8 tm16": wide(16),
@@ -118,16 +110,7 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
         "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
         "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
         "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
-        "tm32 first": f(32, handoff="first"),
-        "tm32 vec rs2 first": f(32, push_vec=True, row_split=2, handoff="first"),
-        "tm32 warm": f(32, warm_epilogue=True),
-        "tm32 vec rs2 warm": f(32, push_vec=True, row_split=2, warm_epilogue=True),
     }
-
-
-def runs_at(config: ck.CoefficientsConfig, rows: int) -> bool:
-    """Whether a config takes calls of `rows` rows (the first-to-start handoff takes one row tile only)."""
-    return config.handoff != "first" or rows <= config.rows_per_tile
 
 
 def mark_default(
@@ -289,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                         variant_configs(H, variant, args.configs), H, broadcast, rows, variant == "inline"
                     )
                     alts = {
-                        label: [projection_call(s, ws, arch, variant, cfg) for s in sets]
-                        for label, cfg in cfgs.items()
-                        if runs_at(cfg, rows)
+                        label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()
                     }
                 times = {label: timer.per_call_us(calls) for label, calls in alts.items()}
                 row[variant] = times

@@ -22,14 +22,12 @@ partials [G, rows, 25]; a written partial never has the sentinel's bits, NaN row
 One of the G CTAs that own those rows sums the G partials in order and runs the per-row epilogue:
 warp 0 comb (softmax + Sinkhorn, a lane per row, or config.comb_lanes lanes per row sharing the
 column sums by shuffles; the Sinkhorn repeats as a loop of config.sinkhorn_unroll repeats per
-iteration), warp 1 pre and post (warp 0 too, after comb, in a one-warp CTA). Which one
-(config.handoff): "counter", the last to bump a per-(tile, rank) arrival counter after writing its
-partial; "ticket", the last to take a ticket when it starts (so every other one is resident and
-will finish), which keeps its own partial and polls the others' slots until none holds the NaN
-sentinel; "first", the first to take a ticket, polling the same way (only for a one-tile call:
-then at most 8 CTAs ever wait, so the others always find room to start and finish). Either way
-the counter goes back to 0 and the slots back to the sentinel, so every call and every
-CUDA-graph replay starts clean. The config knobs never change the reduction order, only (warps, groups) do;
+iteration), warp 1 pre and post (warp 0 too, after comb, in a one-warp CTA). Which one (config.handoff): "counter", the last
+to bump a per-(tile, rank) arrival counter after writing its partial; "ticket", the last to take
+a ticket when it starts (so every other one is resident and will finish), which keeps its own
+partial and polls the others' slots until none holds the NaN sentinel. Either way the counter
+goes back to 0 and the slots back to the sentinel, so every call and every CUDA-graph replay
+starts clean. The config knobs never change the reduction order, only (warps, groups) do;
 config.projection changes the arithmetic of the warp partials, so the bits too.
 
 Layer input (inline form): extra clusters, after the projection clusters of the tile that reads
@@ -74,7 +72,7 @@ WARP = 32  # threads per warp
 MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
-HANDOFFS = ("counter", "ticket", "first")
+HANDOFFS = ("counter", "ticket")
 PROJECTIONS = ("mma", "fma")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
@@ -115,9 +113,7 @@ class CoefficientsConfig:
       fences and bumps an arrival counter; the last to arrive reads the G partials. "ticket": each
       CTA takes a ticket when it starts; the last to start (so every other one is resident) keeps its
       partial and polls the others' partials (workspace slots hold a NaN sentinel between calls),
-      which takes the fence and the atomic off the chain. "first": the same with the first to start
-      as the poller; only for calls of one row tile (mhc_coefficients checks), where at most 8 CTAs
-      ever wait, so every other CTA finds room to start and finish.
+      which takes the fence and the atomic off the chain.
     - `prefetch`: with more than one 64-row batch per tile, load the next batch's rows before the
       current batch's MMAs.
     - `norm_rows`: rows per layer-input cluster (inline form), 0 = as many as 2 (carried) or 4
@@ -144,11 +140,6 @@ class CoefficientsConfig:
       into hi + lo; the default) or "fma" (fp32 FMAs on the CUDA cores, fn staged in shared memory,
       the 4 lanes of a row summed by shuffles). The sums are rounded in another order, so "fma"
       gives other bits than "mma" (as accurate); for A/B measurement at few rows, never a default.
-    - `warm_epilogue`: the CTA that finishes rows runs the epilogue on warps 4 (comb) and 5 (pre, post)
-      and first runs it once on scratch data, with a short Sinkhorn loop and no stores, while warps
-      0-3 wait for the partials: the real pass then finds its instructions in the SM's instruction
-      cache. Needs a polling handoff, >= 6 warps and share rows of <= 128 partial values (rows_per_tile
-      <= 32); same bits.
     """
 
     rows_per_tile: int
@@ -165,7 +156,6 @@ class CoefficientsConfig:
     sinkhorn_unroll: int = 1
     trace: bool = False
     projection: str = "mma"
-    warm_epilogue: bool = False
 
     @property
     def threads(self) -> int:
@@ -234,16 +224,6 @@ class CoefficientsConfig:
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if not isinstance(self.warm_epilogue, bool):
-            raise ValueError(f"warm_epilogue must be a bool, got {self.warm_epilogue!r}")
-        if self.warm_epilogue and (
-            self.handoff == "counter" or self.warps * self.row_split < 6 or tm // CLUSTER * NV > 4 * WARP
-        ):
-            raise ValueError(
-                "warm_epilogue needs a polling handoff ('ticket' or 'first'), >= 6 warps per CTA and "
-                f"rows_per_tile <= 32; got handoff {self.handoff!r}, {self.warps * self.row_split} warps, "
-                f"rows_per_tile {tm}"
-            )
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
             raise ValueError(
                 f"min_blocks ({self.min_blocks}) CTAs of {self.threads} threads exceed {MAX_THREADS_PER_SM} threads per SM"
@@ -275,9 +255,19 @@ DEFAULT_SINKHORN_UNROLL = 4
 # Measured on the H200 (docs/PERF.md, v5): 16-byte pushes with two warps per 32-column chunk
 # (push_vec, row_split 2) beat the plain 32-row tile for the standard projection by 0.13-0.36 us at
 # 16-32 rows (but 5120 x 32: 0.05 us slower) and lose at <= 8 rows; for the broadcast one by
-# 0.55-0.92 us at 4-32 rows and up to 0.15 us at 1-2. The inline form keeps the plain tile: the
-# split gains 0.3-0.6 us there at H 7168 x 16-32 but loses 0.3-1.1 us at H 4096-5120.
+# 0.55-0.92 us at 4-32 rows and up to 0.15 us at 1-2. The inline form (standard projection) takes
+# it from H 7168 only (v6: 7168 x 16 5.56-5.62 -> 5.25-5.31 us, x 32 6.87-6.90 -> 6.22-6.29, x 8
+# 5.01-5.11 -> 4.96-5.04) and keeps the plain tile below (it loses 0.3-1.1 us at H 4096-5120).
 SPLIT_ROWS = {False: (16, 32), True: (1, 32)}  # broadcast -> (first, last) row count of the split tile
+INLINE_SPLIT_ROWS = (8, 32)
+INLINE_SPLIT_MIN_H = 7168
+
+
+def split_rows(H: int, broadcast: bool, inline: bool) -> tuple[int, int] | None:
+    """(first, last) row count whose calls take the split tile by default, or None."""
+    if not inline:
+        return SPLIT_ROWS[broadcast]
+    return INLINE_SPLIT_ROWS if not broadcast and H >= INLINE_SPLIT_MIN_H else None
 
 
 def default_tile(rows: int) -> int:
@@ -285,15 +275,15 @@ def default_tile(rows: int) -> int:
     return 32 if rows <= SMALL_TILE_MAX_ROWS else 64
 
 
-def default_choice(broadcast: bool, inline: bool, rows: int) -> tuple[int, bool]:
+def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool]:
     """The defaults' (row tile, split) for a call: split = 16-byte pushes + two warps per chunk."""
-    first, last = SPLIT_ROWS[broadcast]
-    return default_tile(rows), not inline and first <= rows <= last
+    span = split_rows(H, broadcast, inline)
+    return default_tile(rows), span is not None and span[0] <= rows <= span[1]
 
 
 def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False) -> CoefficientsConfig:
     """The measured best config for a call of `rows` rows at hidden size H (memoized per choice)."""
-    return _default_config(H, broadcast, *default_choice(broadcast, inline, rows))
+    return _default_config(H, broadcast, *default_choice(H, broadcast, inline, rows))
 
 
 @functools.cache
@@ -305,13 +295,15 @@ def _default_config(H: int, broadcast: bool, rows_per_tile: int, split: bool = F
     return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, **knobs)
 
 
-def default_row_classes(broadcast: bool, inline: bool, max_rows: int) -> list[int]:
+def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int) -> list[int]:
     """One row count per distinct default config of calls of 1..max_rows rows."""
-    first, last = SPLIT_ROWS[broadcast]
-    bounds = {1, first, last + 1, SMALL_TILE_MAX_ROWS + 1}
+    bounds = {1, SMALL_TILE_MAX_ROWS + 1}
+    span = split_rows(H, broadcast, inline)
+    if span is not None:
+        bounds |= {span[0], span[1] + 1}
     seen: dict[tuple[int, bool], int] = {}
     for r in sorted(r for r in bounds if r <= max_rows):
-        seen.setdefault(default_choice(broadcast, inline, r), r)
+        seen.setdefault(default_choice(H, broadcast, inline, r), r)
     return sorted(seen.values())
 
 
@@ -500,10 +492,6 @@ class CoefficientsKernel:
         self.comb_lanes = config.comb_lanes
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
-        self.warm = config.warm_epilogue
-        # The epilogue's warps: comb on the first, pre and post on the next (warps 4 and 5 when warming,
-        # which are idle while warps 0-3 gather the partials).
-        self.epilogue_thread0 = 4 * WARP if self.warm else 0
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -676,11 +664,7 @@ class CoefficientsKernel:
 
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * self.share * NV), byte_alignment=16)
-        # With warm_epilogue, a second half of scratch for the warming pass (never written, so the pass
-        # reads nothing another warp is writing).
-        sMix = smem.allocate_tensor(
-            Float32, cute.make_layout(self.share * NV * (2 if self.warm else 1)), byte_alignment=16
-        )
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(self.share * NV), byte_alignment=16)
         sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         sFn = None
@@ -710,7 +694,7 @@ class CoefficientsKernel:
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
             if const_expr(b == 0):
-                if const_expr(self.handoff != "counter"):
+                if const_expr(self.handoff == "ticket"):
                     # Take this CTA's ticket while the first rows are in flight.
                     if tidx == 0:
                         if share_rows > 0:
@@ -732,15 +716,14 @@ class CoefficientsKernel:
                 self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
-            if const_expr(b == 0 and self.handoff != "counter"):
+            if const_expr(b == 0 and self.handoff == "ticket"):
                 if tidx == 0:
+                    last = Int32(0)
                     if ticket == self.groups - 1:
+                        # The last of the G to start: every other CTA of these rows is resident.
+                        last = Int32(1)
                         cute.arch.store(counter, Int32(0))
-                    # "ticket": the last of the G to start (every other CTA of these rows is
-                    # resident). "first": the first to start, likely the first done with its own
-                    # share and on an SM of its own (the last cluster to start often shares SMs).
-                    consumer_ticket = const_expr(0 if self.handoff == "first" else self.groups - 1)
-                    sFlag[0] = cutlass.select_(ticket == consumer_ticket, Int32(1), Int32(0))
+                    sFlag[0] = last
             cute.arch.sync_threads()
             if const_expr(b == 0):
                 self.stamp(mTrace, 2)
@@ -757,43 +740,33 @@ class CoefficientsKernel:
         self.stamp(mTrace, 4)
 
         if share_rows > 0:
+            cute.arch.mbarrier_wait(mbar, 0)
+            self.stamp(mTrace, 5)
             share_row0 = row0 + rank * self.share
-            if const_expr(self.handoff != "counter"):
+            if const_expr(self.handoff == "ticket"):
                 consumer = sFlag[0] != 0
-                if const_expr(self.warm):
-                    # Pass 0 (the finishing CTA only): warps 4-5 run the epilogue on the scratch half
-                    # while the others go on to pass 1, wait for the partials and meet them at the
-                    # barrier; pass 1 runs it for real. One copy of the code, so pass 0 warms the
-                    # instruction cache for pass 1.
-                    passes = cutlass.select_(consumer, Int32(2), Int32(1))
-                    for p in cutlass.range(passes, unroll=1):
-                        live = p == passes - 1
-                        if live:
-                            self.collect_share(
-                                sRecv, sMix, sFlag, mbar, mPartial, mTrace, group, share_row0, share_rows, consumer
-                            )
-                        if consumer:
-                            scratch = cutlass.select_(live, Int32(0), Int32(self.share * NV))
-                            mix = cute.make_tensor(sMix.iterator + scratch, cute.make_layout(self.share * NV))
-                            self.finish_rows(
-                                mix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
-                                rms_eps, pre_eps, sinkhorn_eps, post_mult, live,
-                            )  # fmt: skip
+                if const_expr(self.trace):
+                    if tidx == 0:
+                        mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(sFlag[0])
+                for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                    # This cluster's partial of the share rows: peers summed in rank order.
+                    acc = self.cluster_sum(sRecv, e)
+                    grow = share_row0 + e // NV
+                    n = e % NV
                     if consumer:
-                        self.stamp(mTrace, 7)
-                else:
-                    self.collect_share(
-                        sRecv, sMix, sFlag, mbar, mPartial, mTrace, group, share_row0, share_rows, consumer
-                    )
-                    if consumer:
-                        self.finish_rows(
-                            sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
-                            rms_eps, pre_eps, sinkhorn_eps, post_mult,
-                        )  # fmt: skip
-                        self.stamp(mTrace, 7)
+                        sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
+                    else:
+                        ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
+                        cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
+                self.stamp(mTrace, 6)
+                if consumer:
+                    cute.arch.sync_threads()
+                    self.finish_rows(
+                        sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
+                        rms_eps, pre_eps, sinkhorn_eps, post_mult,
+                    )  # fmt: skip
+                    self.stamp(mTrace, 7)
             else:
-                cute.arch.mbarrier_wait(mbar, 0)
-                self.stamp(mTrace, 5)
                 for e in cutlass.range(tidx, share_rows * NV, self.threads):
                     acc = self.cluster_sum(sRecv, e)
                     mPartial[group, share_row0 + e // NV, e % NV] = _not_sentinel(acc)
@@ -826,43 +799,6 @@ class CoefficientsKernel:
                         rms_eps, pre_eps, sinkhorn_eps, post_mult,
                     )  # fmt: skip
 
-    @cute.jit
-    def collect_share(
-        self,
-        sRecv: cute.Tensor,
-        sMix: cute.Tensor,
-        sFlag: cute.Tensor,
-        mbar: cute.Pointer,
-        mPartial: cute.Tensor,
-        mTrace: cute.Tensor | None,
-        group: Int32,
-        share_row0: Int32,
-        share_rows: Int32,
-        consumer,
-    ):
-        """Polling handoffs, after the pushes: wait for the peers' partials of the share rows and sum them
-        in rank order; then write this cluster's partials to the workspace, or, in the CTA that finishes
-        the rows (`consumer`), gather every group's into sMix (followed by a barrier)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        cute.arch.mbarrier_wait(mbar, 0)
-        self.stamp(mTrace, 5)
-        if const_expr(self.trace):
-            if tidx == 0:
-                mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(sFlag[0])
-        for e in cutlass.range(tidx, share_rows * NV, self.threads):
-            # This cluster's partial of the share rows: peers summed in rank order.
-            acc = self.cluster_sum(sRecv, e)
-            grow = share_row0 + e // NV
-            n = e % NV
-            if consumer:
-                sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
-            else:
-                ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
-                cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
-        self.stamp(mTrace, 6)
-        if consumer:
-            cute.arch.sync_threads()
-
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
         rank, cluster_id, _ = cute.arch.block_idx()
@@ -881,16 +817,12 @@ class CoefficientsKernel:
                     mTrace[base + TRACE_SM] = Int64(prim.smid())
 
     @cute.jit
-    def clock_stamp(self, mTrace: cute.Tensor | None, k: int, live=None):
-        """Trace builds: the comb warp's first thread records clock64 at comb point k (TRACE_COMB; the
-        loop's ends are block boundaries, so the reads stay put up to one instruction latency), not in a
-        warming pass."""
+    def clock_stamp(self, mTrace: cute.Tensor | None, k: int):
+        """Trace builds: thread 0 records clock64 at comb point k (TRACE_COMB; the loop's ends are
+        block boundaries, so the reads stay put up to one instruction latency)."""
         if const_expr(self.trace):
             tidx, _, _ = cute.arch.thread_idx()
-            first = tidx == 0
-            if const_expr(live is not None):
-                first = (tidx == self.epilogue_thread0) & live
-            if first:
+            if tidx == 0:
                 mTrace[self.trace_base() + TRACE_COMB_SLOT + k] = prim.clock64()
 
     @cute.jit
@@ -1143,26 +1075,19 @@ class CoefficientsKernel:
         pre_eps: Float32,
         sinkhorn_eps: Float32,
         post_mult: Float32,
-        live=None,
     ):
         """The per-row epilogue of the share rows: warp 0 runs comb (the long Sinkhorn chain, comb_lanes
         lanes per row) and warp 1 pre and post (one lane per row), so they do not queue on one scheduler
-        (a one-warp CTA runs pre and post on warp 0 after comb); warps 4 and 5 with warm_epilogue, where
-        `live` (a runtime flag) is false in the warming pass: a short Sinkhorn loop and no stores."""
+        (a one-warp CTA runs pre and post on warp 0 after comb)."""
         tidx, _, _ = cute.arch.thread_idx()
-        t = tidx
-        comb_warp = tidx < WARP
-        if const_expr(self.warm):
-            t = tidx - self.epilogue_thread0
-            comb_warp = (t >= 0) & (t < WARP)
-        if comb_warp:
-            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, mTrace, rms_eps, sinkhorn_eps, live)
-        pre_post_lane = t
+        if tidx < WARP:
+            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, mTrace, rms_eps, sinkhorn_eps)
+        pre_post_lane = tidx
         if const_expr(self.threads >= 2 * WARP):
-            pre_post_lane = t - WARP
+            pre_post_lane = tidx - WARP
         if pre_post_lane >= 0 and pre_post_lane < share_rows:
             mixes = self.row_mixes(sMix, pre_post_lane, rms_eps, 2 * HC)
-            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult, live)
+            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult)
 
     @cute.jit
     def row_scale(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> Float32:
@@ -1185,24 +1110,14 @@ class CoefficientsKernel:
         mPre: cute.Tensor,
         pre_eps: Float32,
         post_mult: Float32,
-        live=None,
     ):
-        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids); no stores unless `live`."""
+        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * sParam[0] + sParam[3 + j]
-            self.store_if(mPre, (row, j), prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps, live)
+            mPre[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps
         for j in cutlass.range_constexpr(HC):
             z = mixes[HC + j] * sParam[1] + sParam[3 + HC + j]
-            self.store_if(mPost, (row, j), prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult, live)
-
-    @cute.jit
-    def store_if(self, mOut: cute.Tensor, coord: tuple, value: Float32, live=None):
-        """mOut[coord] = value, unless `live` is given and false."""
-        if const_expr(live is None):
-            mOut[coord] = value
-        else:
-            if live:
-                mOut[coord] = value
+            mPost[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult
 
     @cute.jit
     def row_comb(
@@ -1215,13 +1130,11 @@ class CoefficientsKernel:
         mTrace: cute.Tensor | None,
         rms_eps: Float32,
         sinkhorn_eps: Float32,
-        live=None,
     ):
         """SPEC §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits). Lane
         (i, h) of the comb_lanes lanes of share row i holds rows [h*R, (h+1)*R) of the 4 x 4 matrix;
-        lanes past the rows redo the last one (the column sums shuffle across the whole warp). Unless
-        `live` (warm_epilogue's warming pass): a few Sinkhorn repeats only, and no stores."""
-        self.clock_stamp(mTrace, 0, live)
+        lanes past the rows redo the last one (the column sums shuffle across the whole warp)."""
+        self.clock_stamp(mTrace, 0)
         lane = cute.arch.lane_idx()
         nl = const_expr(self.comb_lanes)
         R = const_expr(HC // nl)
@@ -1244,24 +1157,15 @@ class CoefficientsKernel:
         # The repeats as a rolled loop of sinkhorn_unroll repeats per iteration, not straight-line
         # code: one warp runs this chain on an SM whose instruction cache has not seen it, and fully
         # unrolled (39 normalisations) it was fetch-bound (docs/PERF.md, v4; unroll 4: v5).
-        self.clock_stamp(mTrace, 1, live)
-        repeats = self.repeat - 1
-        if const_expr(live is not None):
-            # The warming pass runs the unrolled loop body once and the remainder code (a dynamic count
-            # compiles to both).
-            warm = min(self.repeat - 1, self.sinkhorn_unroll + (self.repeat - 1) % self.sinkhorn_unroll)
-            repeats = cutlass.select_(live, Int32(self.repeat - 1), Int32(warm))
-        for _ in cutlass.range(repeats, unroll=self.sinkhorn_unroll):
+        self.clock_stamp(mTrace, 1)
+        for _ in cutlass.range(self.repeat - 1, unroll=self.sinkhorn_unroll):
             self.sinkhorn_step(rC, sinkhorn_eps)
-        self.clock_stamp(mTrace, 2, live)
-        store = lane // nl < share_rows
-        if const_expr(live is not None):
-            store = store & live
-        if store:
+        self.clock_stamp(mTrace, 2)
+        if lane // nl < share_rows:
             for k in cutlass.range_constexpr(R):
                 for b in cutlass.range_constexpr(HC):
                     mComb[share_row0 + i, h * R + k, b] = rC[k * HC + b]
-        self.clock_stamp(mTrace, 3, live)
+        self.clock_stamp(mTrace, 3)
 
     @cute.jit
     def sinkhorn_step(self, rC: cute.Tensor, eps: Float32):
@@ -1538,7 +1442,7 @@ def coefficients_warmup_keys(
         broadcast = variant == "broadcast"
         for mode in modes:
             inline = mode != "none"
-            for rows in default_row_classes(broadcast, inline, max_rows):
+            for rows in default_row_classes(H, broadcast, inline, max_rows):
                 keys.append((H, variant, mode, sinkhorn_repeat, default_config(H, broadcast, rows, inline)))
     return keys
 
@@ -1670,13 +1574,6 @@ def mhc_coefficients(
     H = x.shape[-1]
     if config is None:
         config = default_config(H, broadcast, rows, layer_input_out is not None)
-    if config.handoff == "first" and rows > config.rows_per_tile:
-        # Checked even with validate=False: with several tiles, waiting first-started CTAs could
-        # fill the GPU and keep the CTAs they wait for from starting.
-        raise ValueError(
-            f"handoff 'first' is for calls of one row tile (rows <= rows_per_tile = {config.rows_per_tile}), "
-            f"got {rows} rows"
-        )
     if config.trace != (trace is not None):
         raise ValueError("trace must be given exactly when config.trace is set")
     if trace is not None:

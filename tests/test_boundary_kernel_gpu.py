@@ -213,14 +213,23 @@ def _row_outputs(res: Outputs, r: int, T: int, H: int) -> list[Tensor]:
 def test_batch_invariance(H: int, variant: bk.BoundaryVariant, arch: str) -> None:
     big = make_inputs(512, H, variant, seed=7)
     full = run(big, variant, arch)
+    assert_rows_alone_match(big, variant, arch, full, (0, 5, 63))
+    check(big, variant, full)
+
+
+def assert_rows_alone_match(
+    big: Inputs, variant: bk.BoundaryVariant, arch: str, full: Outputs, rows: tuple[int, ...]
+) -> None:
+    """Each of `rows` run alone (default config) gives the bits it has among the first 64 rows (default
+    config) and in `full`, a run of all 512 rows of `big`."""
+    H = big.residual.shape[-1]
     first64 = run(big.rows(slice(0, 64)), variant, arch)
-    for r in (0, 5, 63):
+    for r in rows:
         alone = run(big.rows(slice(r, r + 1)), variant, arch)
         want = _row_outputs(alone, 0, 1, H)
         for T, res in ((64, first64), (512, full)):
             for got, exp in zip(_row_outputs(res, r, T, H), want):
                 assert bitwise_equal(got, exp), f"row {r} differs between T=1 and T={T}"
-    check(big, variant, full)
 
 
 def test_cuda_graph_replay_with_inputs_changed_in_place(arch: str) -> None:
@@ -385,13 +394,7 @@ def test_looping_batch_invariance(H: int, arch: str) -> None:
     looping = replace(bk.default_config(H), max_clusters=5, prefetch=2)
     big = make_inputs(512, H, variant, seed=23)
     full = run(big, variant, arch, config=looping)
-    first64 = run(big.rows(slice(0, 64)), variant, arch)
-    for r in (0, 4, 5, 63):
-        alone = run(big.rows(slice(r, r + 1)), variant, arch)
-        want = _row_outputs(alone, 0, 1, H)
-        for T, res in ((64, first64), (512, full)):
-            for got, exp in zip(_row_outputs(res, r, T, H), want):
-                assert bitwise_equal(got, exp), f"row {r} differs between T=1 and T={T}"
+    assert_rows_alone_match(big, variant, arch, full, (0, 4, 5, 63))
     check(big, variant, full)
 
 

@@ -69,8 +69,10 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("standard", "none", 32, True),
         ("standard", "none", 64, False),
         ("standard", "carried", 32, False),
+        ("standard", "carried", 32, True),
         ("standard", "carried", 64, False),
         ("standard", "one_hot", 32, False),
+        ("standard", "one_hot", 32, True),
         ("standard", "one_hot", 64, False),
         ("broadcast", "none", 32, True),
         ("broadcast", "none", 32, False),
@@ -86,7 +88,9 @@ def test_warmup_keys_cover_every_call_path() -> None:
                 config = ck.default_config(7168, variant == "broadcast", rows, mode != "none")
                 assert (variant, mode, config) in compiled, (variant, mode, rows)
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
-    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 6
+    # Up to 16 rows: the plain and split tiles, the latter for the inline forms only from H 7168.
+    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 8
+    assert len(ck.coefficients_warmup_keys(5120, max_rows=16)) == 6
     jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
     layer_keys = ck.layer_input_warmup_keys(7168)
     assert [(k[1], k[2]) for k in layer_keys] == [
@@ -147,7 +151,6 @@ KNOBS = [
     (4096, "broadcast", "none", dict(handoff="ticket", comb_lanes=4)),
     (7168, "standard", "none", dict(rows_per_tile=32, handoff="ticket", sinkhorn_unroll=2)),
     (4096, "broadcast", "one_hot", dict(rows_per_tile=128, prefetch=True, row_split=4, projection="fma")),
-    (7168, "standard", "carried", dict(rows_per_tile=32, handoff="ticket", warm_epilogue=True)),
 ]
 
 
@@ -176,7 +179,7 @@ def test_projection_knob_is_validated_and_never_a_default() -> None:
     assert CoefficientsConfig(64, 7, 16).projection == "mma"
     for broadcast in (False, True):
         for inline in (False, True):
-            for rows in ck.default_row_classes(broadcast, inline, 512):
+            for rows in ck.default_row_classes(7168, broadcast, inline, 512):
                 assert ck.default_config(7168, broadcast, rows, inline).projection == "mma"
     for bad in ("wgmma", "FMA", None, 1):
         config = CoefficientsConfig.for_shape(7168, False, projection=bad)
@@ -198,19 +201,9 @@ def test_v3_knobs_compile_for_blackwell() -> None:
     assert callable(ck.compile_coefficients(7168, "standard", "carried", 20, config, arch="sm_100a"))
 
 
-@pytest.mark.parametrize("handoff", ("ticket", "first"))
-def test_polling_handoffs_compile_for_blackwell(handoff: str) -> None:
-    config = CoefficientsConfig.for_shape(4096, False, 32, handoff=handoff)
+def test_ticket_handoff_compiles_for_blackwell() -> None:
+    config = CoefficientsConfig.for_shape(4096, False, handoff="ticket")
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_warm_epilogue_compiles(arch: str) -> None:
-    config = CoefficientsConfig.for_shape(
-        4096, False, 32, handoff="first", push_vec=True, row_split=2, warm_epilogue=True, trace=arch == "sm_90a"
-    )
-    assert config.threads == 256
-    assert callable(ck.compile_coefficients(4096, "standard", "none", 20, config, arch=arch))
 
 
 def test_trace_build_compiles() -> None:
@@ -245,9 +238,6 @@ def test_knob_validation_names_the_problem() -> None:
         (dict(comb_lanes=True), "comb_lanes"),
         (dict(rows_per_tile=128, comb_lanes=4), "exceed a warp"),
         (dict(projection="tensor"), "projection"),
-        (dict(rows_per_tile=32, handoff="ticket", warm_epilogue=1), "warm_epilogue must be a bool"),
-        (dict(rows_per_tile=32, handoff="counter", warm_epilogue=True), "polling handoff"),
-        (dict(rows_per_tile=64, handoff="ticket", warm_epilogue=True), "rows_per_tile <= 32"),
     ):
         fields = {**base.__dict__, **knobs}
         with pytest.raises(ValueError, match=message):

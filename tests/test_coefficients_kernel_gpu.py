@@ -99,7 +99,6 @@ def call(
     rms_eps: float = EPS["rms_eps"],
     stream: torch.cuda.Stream | None = None,
     config: CoefficientsConfig | None = None,
-    validate: bool = True,
 ) -> Out:
     """One kernel launch on the current stream; allocates the outputs unless given."""
     rows, H = x.shape[0], x.shape[-1]
@@ -119,7 +118,7 @@ def call(
         pre_mix=pre_mix if inline else None,
         norm_weight=wt.norm_weight if inline else None,
         norm_eps=NORM_EPS if inline else None,
-        layer_input_out=out.layer_input, arch=arch(), stream=stream, config=config, validate=validate,
+        layer_input_out=out.layer_input, arch=arch(), stream=stream, config=config,
     )  # fmt: skip
     return out
 
@@ -357,11 +356,6 @@ def test_layer_input_only_after_the_projection_that_makes_its_pre() -> None:
 # --- config knobs: the same bits as the default -----------------------------------------------
 
 
-def warm_where_it_fits(config: CoefficientsConfig) -> list[CoefficientsConfig]:
-    """The config with warm_epilogue, or nothing where the CTA has fewer than 6 warps."""
-    return [dataclasses.replace(config, warm_epilogue=True)] if config.warps * config.row_split >= 6 else []
-
-
 def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
     """Configs that share the default's reduction order (warps, groups), so must give its bits."""
     f = CoefficientsConfig.for_shape
@@ -386,9 +380,6 @@ def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
         f(H, broadcast, 16, handoff="counter", comb_lanes=4),
         f(H, broadcast, 32, handoff="ticket", sinkhorn_unroll=2),
         f(H, broadcast, handoff="ticket", comb_lanes=2, sinkhorn_unroll=4),
-        # The epilogue run once on scratch data first (warps 4-5), then for real.
-        *warm_where_it_fits(f(H, broadcast, 32, handoff="ticket", push_vec=True, row_split=2)),
-        *warm_where_it_fits(f(H, broadcast, 32, handoff="ticket", comb_lanes=2, sinkhorn_unroll=2)),
     ]
 
 
@@ -534,77 +525,11 @@ def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: Coefficients
     assert_counters_clean(ws)
 
 
-# --- the first-to-start handoff: one row tile only -------------------------------------------
-
-
-def first_configs(H: int, broadcast: bool, rows: int) -> list[CoefficientsConfig]:
-    """Configs with the first CTA to start as the poller that take a call of `rows` rows (one tile)."""
-    f = functools.partial(CoefficientsConfig.for_shape, H, broadcast, handoff="first")
-    configs = [f(16), f(32), f(32, push_vec=True, row_split=2), f(64, comb_lanes=2)]
-    configs += warm_where_it_fits(f(32, push_vec=True, row_split=2))
-    return [c for c in configs if rows <= c.rows_per_tile]
-
-
-@pytest.mark.parametrize("H", (4096, 7168))
-@pytest.mark.parametrize("variant", ("standard", "broadcast", "inline"))
-def test_first_handoff_gives_the_default_bits(H: int, variant: str) -> None:
-    broadcast, inline = variant == "broadcast", variant == "inline"
+@pytest.mark.parametrize("handoff", ("counter", "ticket"))
+def test_graph_replay_and_mixed_handoffs_keep_the_workspace_clean(handoff: str) -> None:
+    H, rows = 7168, 40
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    for rows in (1, 7, 16, 32, 64):
-        x = streams(rows, H, seed=rows + 60)
-        if broadcast:
-            x = x[:, 1].contiguous()
-        pre_mix = carried_pre(rows) if inline else None
-        want = call(x, broadcast=broadcast, inline=inline, pre_mix=pre_mix, ws=ws)
-        for config in first_configs(H, broadcast, rows):
-            got = call(x, broadcast=broadcast, inline=inline, pre_mix=pre_mix, ws=ws, config=config)
-            wait_or_fail()
-            for name in Out._fields:
-                a, b = getattr(got, name), getattr(want, name)
-                assert (a is None and b is None) or bitwise_equal(a, b), f"{name}, {rows} rows, {config}"
-            assert_counters_clean(ws)
-
-
-def test_first_handoff_refuses_a_call_of_more_than_one_tile() -> None:
-    # With several tiles, first-started CTAs waiting for their tiles could fill the GPU and keep
-    # the CTAs they wait for from ever starting: the host refuses, even without validation.
-    H = 4096
-    config = CoefficientsConfig.for_shape(H, False, 32, handoff="first")
-    x = streams(33, H)
-    for validate in (True, False):
-        with pytest.raises(ValueError, match="one row tile"):
-            call(x, config=config, validate=validate)
-    assert_counters_clean(workspace(H))
-
-
-@pytest.mark.parametrize("warm", (False, True))
-def test_first_handoff_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(warm: bool) -> None:
-    H, rows = 7168, 32
-    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = CoefficientsConfig.for_shape(H, False, 32, handoff="first", push_vec=True, row_split=2, warm_epilogue=warm)
-    clean = streams(rows, H, seed=51)
-    want = call(clean, ws=ws, config=config)
-    wait_or_fail()
-    bad_rows = [3, 17, rows - 1]
-    x = clean.clone()
-    x[3, 1, 100] = float("nan")
-    x[17, 0, 5] = float("inf")
-    x[rows - 1, 3, H - 1] = float("-inf")
-    got = call(x, ws=ws, config=config)
-    wait_or_fail()
-    good = torch.ones(rows, dtype=torch.bool, device="cuda")
-    good[bad_rows] = False
-    for name in ("post", "comb", "pre"):
-        assert bitwise_equal(getattr(got, name)[good], getattr(want, name)[good]), f"{name} of the finite rows changed"
-        assert bool(getattr(got, name)[bad_rows].isnan().all()), f"{name} of the NaN / Inf rows is not all NaN"
-    assert_counters_clean(ws)
-
-
-@pytest.mark.parametrize(("handoff", "rows"), (("counter", 40), ("ticket", 40), ("first", 16)))
-def test_graph_replay_and_mixed_handoffs_keep_the_workspace_clean(handoff: str, rows: int) -> None:
-    H = 7168
-    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = CoefficientsConfig.for_shape(H, False, 32 if handoff == "first" else 64, handoff=handoff)
+    config = CoefficientsConfig.for_shape(H, False, handoff=handoff)
     other = CoefficientsConfig.for_shape(H, False, handoff="ticket" if handoff == "counter" else "counter")
     x = streams(rows, H, seed=47)
     pre_mix = carried_pre(rows)
