@@ -244,41 +244,46 @@ class LayerInputConfig:
             raise ValueError(f"norm_rows must be one of {NORM_ROWS} (0 = auto), got {self.norm_rows!r}")
 
 
-# Measured on the H200 (docs/PERF.md, v2): the ticket handoff wins at every row count; 32-row tiles
-# win up to 256 rows, 64-row tiles above. Every choice here shares (warps, groups), so the bits of a
-# row do not depend on which one a call gets.
+# Measured on the H200 (docs/PERF.md, v2): the ticket handoff wins at every row count. Every default
+# below shares (warps, groups), so the bits of a row do not depend on which one a call gets.
 DEFAULT_HANDOFF = "ticket"
-SMALL_TILE_MAX_ROWS = 256
 # Measured on the H200 (docs/PERF.md, v5): 4 Sinkhorn repeats per loop iteration take 0.07-0.26 us
 # off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
 DEFAULT_SINKHORN_UNROLL = 4
-# Measured on the H200 (docs/PERF.md, v5): 16-byte pushes with two warps per 32-column chunk
-# (push_vec, row_split 2) beat the plain 32-row tile for the standard projection by 0.13-0.36 us at
-# 16-32 rows (but 5120 x 32: 0.05 us slower) and lose at <= 8 rows; for the broadcast one by
-# 0.55-0.92 us at 4-32 rows and up to 0.15 us at 1-2. The inline form (standard projection) takes
-# it from H 7168 only (v6: 7168 x 16 5.56-5.62 -> 5.25-5.31 us, x 32 6.87-6.90 -> 6.22-6.29, x 8
-# 5.01-5.11 -> 4.96-5.04) and keeps the plain tile below (it loses 0.3-1.1 us at H 4096-5120).
-SPLIT_ROWS = {False: (16, 32), True: (1, 32)}  # broadcast -> (first, last) row count of the split tile
-INLINE_SPLIT_ROWS = (8, 32)
+# The default (row tile, push_vec, row_split) by form and row count, from interleaved A/B runs on the
+# H200 (docs/PERF.md, v5 and v6), us per call:
+# - split = 16-byte pushes + two warps per 32-column chunk. Standard projection at 16-32 rows
+#   (7168 x 16: 5.40-5.46 -> 5.21-5.22; loses at <= 8 rows); broadcast at 1-32 (7168 x 16: 5.13-5.17
+#   -> 4.49-4.50); the inline form at 8-32 rows from H 7168 only (7168 x 16: 5.56-5.62 -> 5.25-5.31,
+#   x 32: 6.87-6.90 -> 6.22-6.29; it loses 0.3-1.1 at H 4096-5120).
+# - Standard above 32 rows: 16-byte pushes (64 rows: 7.55 -> 7.16 at 7168, 6.53 -> 6.28 at 4096), and
+#   64-row tiles from 129 rows (192 rows: 13.19 -> 12.34 at 7168, 9.87 -> 9.31 at 4096; 256 rows:
+#   11.17 -> 9.79 at 4096, a tie at 7168).
+# - Broadcast and inline keep the plain 32-row tile up to 256 rows (pushes and 64-row tiles win at
+#   some H and lose at others there), then take 64-row tiles with 16-byte pushes (512 rows: standard
+#   24.08 -> 23.29-23.44 at 7168, 15.78 -> 15.20-15.28 at 4096; broadcast 12.95 -> 12.36; inline
+#   35.01 -> 34.51).
+SPLIT_ROWS = {"standard": (16, 32), "broadcast": (1, 32), "inline": (8, 32)}
 INLINE_SPLIT_MIN_H = 7168
+VEC_TILE_MIN_ROWS = {"standard": 33, "broadcast": None, "inline": None}  # 32-row tile with pushes
+BIG_TILE_MIN_ROWS = {"standard": 129, "broadcast": 257, "inline": 257}  # 64-row tile with pushes
 
 
-def split_rows(H: int, broadcast: bool, inline: bool) -> tuple[int, int] | None:
-    """(first, last) row count whose calls take the split tile by default, or None."""
-    if not inline:
-        return SPLIT_ROWS[broadcast]
-    return INLINE_SPLIT_ROWS if not broadcast and H >= INLINE_SPLIT_MIN_H else None
+def default_form(broadcast: bool, inline: bool) -> str:
+    """Which row of the defaults table a call uses: "inline" (with a layer input), "broadcast" or "standard"."""
+    return "inline" if inline else "broadcast" if broadcast else "standard"
 
 
-def default_tile(rows: int) -> int:
-    """The row tile the defaults use for a call of `rows` rows."""
-    return 32 if rows <= SMALL_TILE_MAX_ROWS else 64
-
-
-def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool]:
-    """The defaults' (row tile, split) for a call: split = 16-byte pushes + two warps per chunk."""
-    span = split_rows(H, broadcast, inline)
-    return default_tile(rows), span is not None and span[0] <= rows <= span[1]
+def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool, int]:
+    """The defaults' (rows_per_tile, push_vec, row_split) for a call of `rows` rows."""
+    form = default_form(broadcast, inline)
+    first, last = SPLIT_ROWS[form]
+    if first <= rows <= last and not (inline and (broadcast or H < INLINE_SPLIT_MIN_H)):
+        return 32, True, 2
+    if rows >= BIG_TILE_MIN_ROWS[form]:
+        return 64, True, 1
+    vec_from = VEC_TILE_MIN_ROWS[form]
+    return 32, vec_from is not None and rows >= vec_from, 1
 
 
 def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False) -> CoefficientsConfig:
@@ -287,21 +292,24 @@ def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False)
 
 
 @functools.cache
-def _default_config(H: int, broadcast: bool, rows_per_tile: int, split: bool = False) -> CoefficientsConfig:
-    """The default config of one (row tile, split) choice."""
-    knobs: dict[str, Any] = dict(handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL)
-    if split:
-        knobs.update(push_vec=True, row_split=2)
-    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, **knobs)
+def _default_config(
+    H: int, broadcast: bool, rows_per_tile: int, push_vec: bool = False, row_split: int = 1
+) -> CoefficientsConfig:
+    """The default config of one (row tile, push_vec, row_split) choice."""
+    return CoefficientsConfig.for_shape(
+        H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL,
+        push_vec=push_vec, row_split=row_split,
+    )  # fmt: skip
 
 
 def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int) -> list[int]:
     """One row count per distinct default config of calls of 1..max_rows rows."""
-    bounds = {1, SMALL_TILE_MAX_ROWS + 1}
-    span = split_rows(H, broadcast, inline)
-    if span is not None:
-        bounds |= {span[0], span[1] + 1}
-    seen: dict[tuple[int, bool], int] = {}
+    form = default_form(broadcast, inline)
+    first, last = SPLIT_ROWS[form]
+    bounds = {1, first, last + 1, BIG_TILE_MIN_ROWS[form]}
+    if VEC_TILE_MIN_ROWS[form] is not None:
+        bounds.add(VEC_TILE_MIN_ROWS[form])
+    seen: dict[tuple[int, bool, int], int] = {}
     for r in sorted(r for r in bounds if r <= max_rows):
         seen.setdefault(default_choice(H, broadcast, inline, r), r)
     return sorted(seen.values())

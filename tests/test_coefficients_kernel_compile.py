@@ -63,22 +63,23 @@ def test_kernel_rejects_bad_variants() -> None:
 
 def test_warmup_keys_cover_every_call_path() -> None:
     keys = ck.coefficients_warmup_keys(7168, max_rows=512)
-    split = lambda c: c.row_split == 2 and c.push_vec  # noqa: E731
-    assert [(k[1], k[2], k[4].rows_per_tile, split(k[4])) for k in keys] == [
-        ("standard", "none", 32, False),
-        ("standard", "none", 32, True),
-        ("standard", "none", 64, False),
-        ("standard", "carried", 32, False),
-        ("standard", "carried", 32, True),
-        ("standard", "carried", 64, False),
-        ("standard", "one_hot", 32, False),
-        ("standard", "one_hot", 32, True),
-        ("standard", "one_hot", 64, False),
-        ("broadcast", "none", 32, True),
-        ("broadcast", "none", 32, False),
-        ("broadcast", "none", 64, False),
-        ("broadcast", "one_hot", 32, False),
-        ("broadcast", "one_hot", 64, False),
+    # (variant, layer input, rows_per_tile, push_vec, row_split) of each compiled default
+    assert [(k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split) for k in keys] == [
+        ("standard", "none", 32, False, 1),
+        ("standard", "none", 32, True, 2),
+        ("standard", "none", 32, True, 1),
+        ("standard", "none", 64, True, 1),
+        ("standard", "carried", 32, False, 1),
+        ("standard", "carried", 32, True, 2),
+        ("standard", "carried", 64, True, 1),
+        ("standard", "one_hot", 32, False, 1),
+        ("standard", "one_hot", 32, True, 2),
+        ("standard", "one_hot", 64, True, 1),
+        ("broadcast", "none", 32, True, 2),
+        ("broadcast", "none", 32, False, 1),
+        ("broadcast", "none", 64, True, 1),
+        ("broadcast", "one_hot", 32, False, 1),
+        ("broadcast", "one_hot", 64, True, 1),
     ]
     # Every call of 1..512 rows, whatever its form, gets a config that the keys compile.
     compiled = {(k[1], k[2], k[4]) for k in keys}
