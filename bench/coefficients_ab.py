@@ -75,6 +75,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm64 vec mb3": f(64, push_vec=True, min_blocks=3),
         "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
         "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
+        "tm128 vec": f(128, push_vec=True),
+        "tm128 pf vec": f(128, prefetch=True, push_vec=True),
         "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
         "tm128 pf vec rs4": f(128, prefetch=True, push_vec=True, row_split=4),
         "tm32 fma": f(32, projection="fma"),

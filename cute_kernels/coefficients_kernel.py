@@ -263,10 +263,14 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   some H and lose at others there), then take 64-row tiles with 16-byte pushes (512 rows: standard
 #   24.08 -> 23.29-23.44 at 7168, 15.78 -> 15.20-15.28 at 4096; broadcast 12.95 -> 12.36; inline
 #   35.01 -> 34.51).
+# - The standard projection's 64-row tile with CTAs of >= 7 warps (H 7168) also asks for 3 CTAs per SM
+#   (min_blocks 3: a register cap and the largest shared-memory carveout; 2 fit without): 7168 x 512
+#   23.29-23.32 -> 22.16 (two runs), x 256 15.16 -> 14.63; at H 4096 (4 warps) it loses 1 us.
 SPLIT_ROWS = {"standard": (16, 32), "broadcast": (1, 32), "inline": (8, 32)}
 INLINE_SPLIT_MIN_H = 7168
 VEC_TILE_MIN_ROWS = {"standard": 33, "broadcast": None, "inline": None}  # 32-row tile with pushes
 BIG_TILE_MIN_ROWS = {"standard": 129, "broadcast": 257, "inline": 257}  # 64-row tile with pushes
+BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs this wide take min_blocks 3
 
 
 def default_form(broadcast: bool, inline: bool) -> str:
@@ -274,16 +278,18 @@ def default_form(broadcast: bool, inline: bool) -> str:
     return "inline" if inline else "broadcast" if broadcast else "standard"
 
 
-def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool, int]:
-    """The defaults' (rows_per_tile, push_vec, row_split) for a call of `rows` rows."""
+@functools.cache
+def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool, int, int]:
+    """The defaults' (rows_per_tile, push_vec, row_split, min_blocks) for a call of `rows` rows."""
     form = default_form(broadcast, inline)
     first, last = SPLIT_ROWS[form]
     if first <= rows <= last and not (inline and (broadcast or H < INLINE_SPLIT_MIN_H)):
-        return 32, True, 2
+        return 32, True, 2, 0
     if rows >= BIG_TILE_MIN_ROWS[form]:
-        return 64, True, 1
+        wide = form == "standard" and CoefficientsConfig.for_shape(H, False).warps >= BIG_TILE_MIN_BLOCKS_WARPS
+        return 64, True, 1, 3 if wide else 0
     vec_from = VEC_TILE_MIN_ROWS[form]
-    return 32, vec_from is not None and rows >= vec_from, 1
+    return 32, vec_from is not None and rows >= vec_from, 1, 0
 
 
 def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False) -> CoefficientsConfig:
@@ -293,12 +299,12 @@ def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False)
 
 @functools.cache
 def _default_config(
-    H: int, broadcast: bool, rows_per_tile: int, push_vec: bool = False, row_split: int = 1
+    H: int, broadcast: bool, rows_per_tile: int, push_vec: bool = False, row_split: int = 1, min_blocks: int = 0
 ) -> CoefficientsConfig:
-    """The default config of one (row tile, push_vec, row_split) choice."""
+    """The default config of one (row tile, push_vec, row_split, min_blocks) choice."""
     return CoefficientsConfig.for_shape(
         H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL,
-        push_vec=push_vec, row_split=row_split,
+        push_vec=push_vec, row_split=row_split, min_blocks=min_blocks,
     )  # fmt: skip
 
 
@@ -309,7 +315,7 @@ def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int) ->
     bounds = {1, first, last + 1, BIG_TILE_MIN_ROWS[form]}
     if VEC_TILE_MIN_ROWS[form] is not None:
         bounds.add(VEC_TILE_MIN_ROWS[form])
-    seen: dict[tuple[int, bool, int], int] = {}
+    seen: dict[tuple[int, bool, int, int], int] = {}
     for r in sorted(r for r in bounds if r <= max_rows):
         seen.setdefault(default_choice(H, broadcast, inline, r), r)
     return sorted(seen.values())

@@ -81,6 +81,9 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("broadcast", "one_hot", 32, False, 1),
         ("broadcast", "one_hot", 64, True, 1),
     ]
+    # The standard 64-row tile asks for 3 CTAs per SM where a CTA has 7 warps (H 7168), not at 4 (H 4096).
+    assert keys[3][4].min_blocks == 3 and all(k[4].min_blocks == 0 for k in keys if k[:3] != keys[3][:3])
+    assert ck.default_config(4096, False, 512).min_blocks == 0
     # Every call of 1..512 rows, whatever its form, gets a config that the keys compile.
     compiled = {(k[1], k[2], k[4]) for k in keys}
     for variant, modes in (("standard", ck.LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
