@@ -210,14 +210,6 @@ def test_ticket_handoff_compiles_for_blackwell() -> None:
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_batched_poll_of_several_values_per_thread_compiles(arch: str) -> None:
-    # The broadcast projection's 64-thread CTAs hold 4 of a 64-row tile's 200 share values per thread.
-    config = ck.default_config(7168, True, 512)
-    assert ck.CoefficientsKernel(7168, variant="broadcast", config=config).gather_rounds == 4
-    assert callable(ck.compile_coefficients(7168, "broadcast", "none", 20, config, arch=arch))
-
-
 def test_trace_build_compiles() -> None:
     config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
     assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))
