@@ -494,7 +494,6 @@ class CoefficientsKernel:
         self.cta_warps = config.warps * config.row_split
         self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
-        self.gather_rounds = -(-(self.share * NV) // self.threads)  # share values per thread
         self.mtiles_per_batch = min(4, self.tm // 16)
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
@@ -763,28 +762,16 @@ class CoefficientsKernel:
                 if const_expr(self.trace):
                     if tidx == 0:
                         mTrace[self.trace_base() + TRACE_CONSUMER] = Int64(sFlag[0])
-                if const_expr(self.gather_rounds > 1):
-                    # Several values per thread: the finishing CTA polls them all in one round.
+                for e in cutlass.range(tidx, share_rows * NV, self.threads):
+                    # This cluster's partial of the share rows: peers summed in rank order.
+                    acc = self.cluster_sum(sRecv, e)
+                    grow = share_row0 + e // NV
+                    n = e % NV
                     if consumer:
-                        self.gather_share(sRecv, sMix, mPartial, group, share_row0, share_rows)
+                        sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
                     else:
-                        for e in cutlass.range(tidx, share_rows * NV, self.threads):
-                            acc = self.cluster_sum(sRecv, e)
-                            ptr = mPartial.iterator + cute.crd2idx(
-                                (group, share_row0 + e // NV, e % NV), mPartial.layout
-                            )
-                            cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
-                else:
-                    for e in cutlass.range(tidx, share_rows * NV, self.threads):
-                        # This cluster's partial of the share rows: peers summed in rank order.
-                        acc = self.cluster_sum(sRecv, e)
-                        grow = share_row0 + e // NV
-                        n = e % NV
-                        if consumer:
-                            sMix[e] = self.gather_partials(mPartial, group, grow, n, acc)
-                        else:
-                            ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
-                            cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
+                        ptr = mPartial.iterator + cute.crd2idx((group, grow, n), mPartial.layout)
+                        cute.arch.store(ptr, _not_sentinel(acc), sem="relaxed", scope="gpu")
                 self.stamp(mTrace, 6)
                 if consumer:
                     cute.arch.sync_threads()
@@ -880,53 +867,6 @@ class CoefficientsKernel:
                     total = v
         self.clear_partials(mPartial, row, n)
         return total
-
-    @cute.jit
-    def gather_share(
-        self,
-        sRecv: cute.Tensor,
-        sMix: cute.Tensor,
-        mPartial: cute.Tensor,
-        group: Int32,
-        share_row0: Int32,
-        share_rows: Int32,
-    ):
-        """gather_partials for every value of the share rows this thread holds (gather_rounds of them), all
-        their G slots polled in the same round: one round trip per poll round, not one per value. The
-        sums are gather_partials' (groups in order, this CTA's own for `group`), into sMix."""
-        tidx, _, _ = cute.arch.thread_idx()
-        count = share_rows * NV
-        own, rows, ns, live = [], [], [], []
-        for k in cutlass.range_constexpr(self.gather_rounds):
-            e = tidx + k * self.threads
-            live.append(e < count)
-            e = cutlass.min(e, count - 1)  # past the end: poll a real value again, store nothing
-            own.append(self.cluster_sum(sRecv, e))
-            rows.append(share_row0 + e // NV)
-            ns.append(e % NV)
-        rTotal = cute.make_rmem_tensor((self.gather_rounds,), Float32)
-        pending = Int32(1)
-        while pending != 0:
-            vals = [
-                [self.load_partial(mPartial, g, rows[k], ns[k]) for g in range(self.groups)]
-                for k in range(self.gather_rounds)
-            ]
-            pending = Int32(0)
-            for k in cutlass.range_constexpr(self.gather_rounds):
-                total = own[k]
-                for g in cutlass.range_constexpr(self.groups):
-                    unset = vals[k][g].bitcast(Int32) == Int32(SENTINEL)
-                    pending = pending + cutlass.select_(unset & (group != g), Int32(1), Int32(0))
-                    v = cutlass.select_(group == g, own[k], vals[k][g])
-                    if const_expr(g > 0):
-                        total = total + v
-                    else:
-                        total = v
-                rTotal[k] = total
-        for k in cutlass.range_constexpr(self.gather_rounds):
-            if live[k]:
-                sMix[tidx + k * self.threads] = rTotal[k]
-                self.clear_partials(mPartial, rows[k], ns[k])
 
     @cute.jit
     def clear_partials(self, mPartial: cute.Tensor, row: Int32, n: Int32):

@@ -525,35 +525,6 @@ def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: Coefficients
     assert_counters_clean(ws)
 
 
-@pytest.mark.parametrize(("H", "broadcast"), ((4096, False), (7168, True)))
-def test_nan_rows_when_the_finishing_cta_polls_several_values_per_thread(H: int, broadcast: bool) -> None:
-    # At 512 rows (64-row tiles) the finishing CTA of H 4096 (128 threads) or of the broadcast projection
-    # (64 threads) holds 2 or 4 of its 200 share values per thread and polls them all in one round.
-    rows = 512
-    config = default_config(H, broadcast, rows)
-    assert -(-(config.rows_per_tile // 8 * 25) // config.threads) > 1
-    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    clean = streams(rows, H, seed=53)
-    if broadcast:
-        clean = clean[:, 2].contiguous()
-    want = call(clean, broadcast=broadcast, ws=ws)
-    wait_or_fail()
-    assert_matches(want, reference(clean, broadcast=broadcast))
-    bad_rows = [3, 100, rows - 1]
-    x = clean.clone()
-    x[3, ..., 7] = float("nan")
-    x[100, ..., 9] = float("inf")
-    x[rows - 1, ..., H - 1] = float("-inf")
-    got = call(x, broadcast=broadcast, ws=ws)
-    wait_or_fail()
-    good = torch.ones(rows, dtype=torch.bool, device="cuda")
-    good[bad_rows] = False
-    for name in ("post", "comb", "pre"):
-        assert bitwise_equal(getattr(got, name)[good], getattr(want, name)[good]), f"{name} of the finite rows changed"
-        assert bool(getattr(got, name)[bad_rows].isnan().all()), f"{name} of the NaN / Inf rows is not all NaN"
-    assert_counters_clean(ws)
-
-
 @pytest.mark.parametrize("handoff", ("counter", "ticket"))
 def test_graph_replay_and_mixed_handoffs_keep_the_workspace_clean(handoff: str) -> None:
     H, rows = 7168, 40
