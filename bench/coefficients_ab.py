@@ -61,8 +61,9 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
     for comb (clN), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
-    other bits, so only ever a new default split for every row count of that H). The defaults are
-    tm32 (tm32 vec rs2 at some row counts, see coefficients_kernel.split_rows) and tm64."""
+    other bits, so only ever a new default split for every row count of that H). The defaults
+    (coefficients_kernel.default_choice) are among them: tm32, tm32 vec rs2, tm32 vec, tm64 vec and
+    tm64 vec mb3, by form and row count."""
     f = functools.partial(_config, H, broadcast)
     cfgs = {
         "tm16": f(16),
@@ -99,8 +100,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
 
 
 def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
-    """The inline alternatives: the defaults (tm32, tm64: interleaved layer-input clusters, ticket
-    handoff) and the projection knobs that look best for the standard projection."""
+    """The inline alternatives (interleaved layer-input clusters, ticket handoff): the defaults (tm32,
+    tm32 vec rs2, tm64 vec) and the projection knobs that look best for the standard projection."""
     f = functools.partial(_config, H, False)
 
     return {
@@ -129,18 +130,9 @@ def selected(cfgs: dict[str, ck.CoefficientsConfig], only: list[str] | None) -> 
 
 
 def variant_configs(H: int, variant: str, only: list[str] | None) -> dict[str, ck.CoefficientsConfig]:
-    """The configs timed for one projection variant (standard, broadcast or inline), those valid at H."""
-    broadcast = variant == "broadcast"
-    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, broadcast)
-    return {label: cfg for label, cfg in selected(cfgs, only).items() if _valid(cfg, H, broadcast)}
-
-
-def _valid(config: ck.CoefficientsConfig, H: int, broadcast: bool) -> bool:
-    try:
-        config.validate(H, broadcast)
-    except ValueError:
-        return False
-    return True
+    """The configs timed for one projection variant (standard, broadcast or inline)."""
+    cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, variant == "broadcast")
+    return selected(cfgs, only)
 
 
 def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int, only: list[str] | None) -> None:
@@ -241,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.only = [7168, 4096], ["standard", "inline"]
+    if args.configs is not None:  # a typo fails before any GPU work
+        projections = [v for v in args.only if v != "input-only"]
+        known = {label for H in args.hidden for v in projections for label in variant_configs(H, v, None)}
+        if set(args.configs) - known:
+            p.error(f"unknown config labels {sorted(set(args.configs) - known)}; known: {sorted(known)}")
 
     from cute_kernels.compile import arch_for_device
 
@@ -251,10 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = timer.copy_bandwidth()
     print(f"{name} ({arch}), copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per call, fn cold, "
           f"{SETS} input sets per graph, median of {args.replays} replays", flush=True)  # fmt: skip
-    if args.configs is not None:  # a typo fails before any GPU work
-        known = {label for v in args.only if v != "input-only" for label in variant_configs(args.hidden[0], v, None)}
-        if set(args.configs) - known:
-            p.error(f"unknown config labels {sorted(set(args.configs) - known)}; known: {sorted(known)}")
     precompile(args.hidden, args.only, arch, args.jobs, args.configs)
     t0 = time.time()
     results = []

@@ -263,14 +263,15 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   some H and lose at others there), then take 64-row tiles with 16-byte pushes (512 rows: standard
 #   24.08 -> 23.29-23.44 at 7168, 15.78 -> 15.20-15.28 at 4096; broadcast 12.95 -> 12.36; inline
 #   35.01 -> 34.51).
-# - The standard projection's 64-row tile with CTAs of >= 7 warps (H 7168) also asks for 3 CTAs per SM
-#   (min_blocks 3: a register cap and the largest shared-memory carveout; 2 fit without): 7168 x 512
-#   23.29-23.32 -> 22.16 (two runs), x 256 15.16 -> 14.63; at H 4096 (4 warps) it loses 1 us.
+# - The standard projection's 64-row tile with 7-warp CTAs (H 7168) also asks for 3 CTAs per SM
+#   (min_blocks 3: the largest shared-memory carveout, and a register cap of 96 that the 94 registers
+#   already meet; 2 fit without): 7168 x 512 23.29-23.32 -> 22.16 (two runs), x 256 15.16 -> 14.63.
+#   At H 4096 (4 warps) it loses 1 us; 8-warp CTAs (a cap of 80 registers) were not measured.
 SPLIT_ROWS = {"standard": (16, 32), "broadcast": (1, 32), "inline": (8, 32)}
 INLINE_SPLIT_MIN_H = 7168
 VEC_TILE_MIN_ROWS = {"standard": 33, "broadcast": None, "inline": None}  # 32-row tile with pushes
 BIG_TILE_MIN_ROWS = {"standard": 129, "broadcast": 257, "inline": 257}  # 64-row tile with pushes
-BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs this wide take min_blocks 3
+BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
 def default_form(broadcast: bool, inline: bool) -> str:
@@ -286,7 +287,7 @@ def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[in
     if first <= rows <= last and not (inline and (broadcast or H < INLINE_SPLIT_MIN_H)):
         return 32, True, 2, 0
     if rows >= BIG_TILE_MIN_ROWS[form]:
-        wide = form == "standard" and CoefficientsConfig.for_shape(H, False).warps >= BIG_TILE_MIN_BLOCKS_WARPS
+        wide = form == "standard" and CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
         return 64, True, 1, 3 if wide else 0
     vec_from = VEC_TILE_MIN_ROWS[form]
     return 32, vec_from is not None and rows >= vec_from, 1, 0

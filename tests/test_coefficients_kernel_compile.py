@@ -61,6 +61,34 @@ def test_kernel_rejects_bad_variants() -> None:
         CoefficientsKernel(4096, sinkhorn_repeat=0)
 
 
+@pytest.mark.parametrize("H", (4096, 5120, 7168))
+def test_every_call_finds_its_default_among_the_warmup_keys(H: int) -> None:
+    # Every call of 1..512 rows, whatever its form, gets a config that the keys compile.
+    compiled = {(k[1], k[2], k[4]) for k in ck.coefficients_warmup_keys(H, max_rows=512)}
+    for variant, modes in (("standard", ck.LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
+        for mode in modes:
+            for rows in range(1, 513):
+                config = ck.default_config(H, variant == "broadcast", rows, mode != "none")
+                assert (variant, mode, config) in compiled, (variant, mode, rows)
+
+
+# The defaults v6 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM, the
+# split tile in the inline form.
+V6_DEFAULTS = [
+    (7168, "standard", "none", 100, False),
+    (7168, "standard", "none", 512, False),
+    (7168, "broadcast", "none", 512, False),
+    (7168, "standard", "carried", 16, True),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("H,variant,mode,rows,inline", V6_DEFAULTS)
+def test_v6_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool, arch: str) -> None:
+    config = ck.default_config(H, variant == "broadcast", rows, inline)
+    assert callable(ck.compile_coefficients(H, variant, mode, 20, config, arch=arch))
+
+
 def test_warmup_keys_cover_every_call_path() -> None:
     keys = ck.coefficients_warmup_keys(7168, max_rows=512)
     # (variant, layer input, rows_per_tile, push_vec, row_split) of each compiled default
@@ -81,16 +109,10 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("broadcast", "one_hot", 32, False, 1),
         ("broadcast", "one_hot", 64, True, 1),
     ]
-    # The standard 64-row tile asks for 3 CTAs per SM where a CTA has 7 warps (H 7168), not at 4 (H 4096).
-    assert keys[3][4].min_blocks == 3 and all(k[4].min_blocks == 0 for k in keys if k[:3] != keys[3][:3])
-    assert ck.default_config(4096, False, 512).min_blocks == 0
-    # Every call of 1..512 rows, whatever its form, gets a config that the keys compile.
-    compiled = {(k[1], k[2], k[4]) for k in keys}
-    for variant, modes in (("standard", ck.LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
-        for mode in modes:
-            for rows in range(1, 513):
-                config = ck.default_config(7168, variant == "broadcast", rows, mode != "none")
-                assert (variant, mode, config) in compiled, (variant, mode, rows)
+    # The standard 64-row tile asks for 3 CTAs per SM where a CTA has 7 warps (H 7168) only.
+    assert [i for i, k in enumerate(keys) if k[4].min_blocks] == [3] and keys[3][4].min_blocks == 3
+    assert ck.default_config(4096, False, 512).min_blocks == 0  # 4 warps
+    assert ck.default_config(8192, False, 512).min_blocks == 0  # 8 warps: not measured
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
     # Up to 16 rows: the plain and split tiles, the latter for the inline forms only from H 7168.
     assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 8
