@@ -250,8 +250,8 @@ DEFAULT_HANDOFF = "ticket"
 # Measured on the H200 (docs/PERF.md, v5): 4 Sinkhorn repeats per loop iteration take 0.07-0.26 us
 # off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
 DEFAULT_SINKHORN_UNROLL = 4
-# The default (row tile, push_vec, row_split) by form and row count, from interleaved A/B runs on the
-# H200 (docs/PERF.md, v5 and v6), us per call:
+# The default (row tile, push_vec, row_split, min_blocks) by form and row count, from interleaved A/B
+# runs on the H200 (docs/PERF.md, v5 and v6), us per call:
 # - split = 16-byte pushes + two warps per 32-column chunk. Standard projection at 16-32 rows
 #   (7168 x 16: 5.40-5.46 -> 5.21-5.22; loses at <= 8 rows); broadcast at 1-32 (7168 x 16: 5.13-5.17
 #   -> 4.49-4.50); the inline form at 8-32 rows from H 7168 only (7168 x 16: 5.56-5.62 -> 5.25-5.31,
