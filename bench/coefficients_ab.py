@@ -39,10 +39,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20)
 
 
+def _knobs(**knobs: Any) -> dict[str, Any]:
+    """The ticket handoff and the default Sinkhorn unroll, unless `knobs` say otherwise."""
+    return {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, "handoff": "ticket", **knobs}
+
+
 def _config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig:
-    """A config of row tile tm with the ticket handoff and the default Sinkhorn unroll, plus knobs."""
-    knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, "handoff": "ticket", **knobs}
-    return ck.CoefficientsConfig.for_shape(H, broadcast, tm, **knobs)
+    """A config of row tile tm (the default split of H) with _knobs(knobs)."""
+    return ck.CoefficientsConfig.for_shape(H, broadcast, tm, **_knobs(**knobs))
 
 
 def _wide_config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.CoefficientsConfig | None:
@@ -51,8 +55,7 @@ def _wide_config(H: int, broadcast: bool, tm: int, **knobs: Any) -> ck.Coefficie
     chunks = ck.projection_width(H, broadcast) // ck.CHUNK
     if chunks % (ck.CLUSTER * 8):
         return None
-    knobs = {"sinkhorn_unroll": ck.DEFAULT_SINKHORN_UNROLL, "handoff": "ticket", **knobs}
-    return ck.CoefficientsConfig(tm, 8, chunks // (ck.CLUSTER * 8), **knobs)
+    return ck.CoefficientsConfig(tm, 8, chunks // (ck.CLUSTER * 8), **_knobs(**knobs))
 
 
 def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConfig]:

@@ -21,29 +21,11 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import coefficient_inputs
+from bench.kernels import coefficient_inputs, coefficients_call
 from bench.timing import GraphTimer
 from cute_kernels import coefficients_kernel as ck
 
 RESULTS = Path(__file__).resolve().parent / "results"
-EPS = dict(rms_eps=1e-20, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0)
-
-
-def call_for(
-    inp: dict, arch: str, config: ck.CoefficientsConfig, repeat: int, trace: torch.Tensor | None, broadcast: bool
-):
-    """A closure running the standard (or broadcast) coefficients on one input set under `config`."""
-    x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
-    fn = inp["fn_broadcast"] if broadcast else inp["fn"]
-
-    def call() -> None:
-        ck.mhc_coefficients(
-            x, fn, inp["scale"], inp["base"], **EPS, sinkhorn_repeat=repeat, broadcast=broadcast,
-            workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"], arch=arch,
-            config=config, trace=trace,
-        )  # fmt: skip
-
-    return call
 
 
 def quantiles(v: torch.Tensor) -> str:
@@ -54,12 +36,13 @@ def quantiles(v: torch.Tensor) -> str:
     return f"{v.min():8.0f} {v.median():8.0f} {v.max():8.0f}"
 
 
-def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor, broadcast: bool) -> dict:
+def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Tensor, variant: str) -> dict:
     """One traced call: the per-CTA stamps, summarised on stdout and returned raw."""
+    broadcast = variant == "broadcast"
     inp = coefficient_inputs(rows, H, device, 0)
     config = replace(ck.default_config(H, broadcast, rows), trace=True)
     trace = torch.zeros(ck.trace_slots(rows, config, broadcast, False), dtype=torch.int64, device=device)
-    call = call_for(inp, arch, config, 20, trace, broadcast)
+    call = coefficients_call(inp, arch, variant, config, 20, trace)
     for _ in range(3):
         call()
     trace.zero_()
@@ -71,7 +54,6 @@ def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Te
     t = t[t[:, 0] != 0]
     start = t[:, 0].min()
     consumer = t[:, ck.TRACE_CONSUMER] == 1
-    variant = "broadcast" if broadcast else "standard"
     print(f"\n{variant} H {H} rows {rows}: {t.shape[0]} CTAs on {t[:, ck.TRACE_SM].unique().numel()} SMs, "
           f"{int(consumer.sum())} ran the epilogue; config {config}")  # fmt: skip
     print(f"  {'phase':<13} {'ns since the first CTA: all CTAs (min med max)':>44}   {'epilogue CTAs':>26}"
@@ -93,7 +75,7 @@ def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Te
               + "; ".join(f"{k} {quantiles(v).strip()}" for k, v in spans.items()))  # fmt: skip
     end = t[consumer, 7].max() - start if consumer.any() else torch.tensor(0)
     print(f"  first CTA start to last epilogue end: {int(end)} ns")
-    return {"H": H, "rows": rows, "broadcast": broadcast, "config": str(config), "trace": t.tolist()}
+    return {"H": H, "rows": rows, "variant": variant, "config": str(config), "trace": t.tolist()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,15 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variant:
         for H in args.hidden:
             for rows in args.rows:
-                runs.append(timeline(H, rows, device, arch, timer.flush, variant == "broadcast"))
+                runs.append(timeline(H, rows, device, arch, timer.flush, variant))
     print("\nGraph timing, fn cold, us per call (4 input sets per graph): shipped kernel vs 1 Sinkhorn step")
     for variant in args.variant:
-        broadcast = variant == "broadcast"
         for H in args.hidden:
             for rows in args.rows:
                 sets = [coefficient_inputs(rows, H, device, seed) for seed in range(4)]
-                config = ck.default_config(H, broadcast, rows)
-                calls = {r: [call_for(s, arch, config, r, None, broadcast) for s in sets] for r in (20, 1)}
+                config = ck.default_config(H, variant == "broadcast", rows)
+                calls = {r: [coefficients_call(s, arch, variant, config, r) for s in sets] for r in (20, 1)}
                 us = {r: timer.per_call_us(c) for r, c in calls.items()}
                 print(f"  {variant} H {H} rows {rows:>4}: 20 steps {us[20]:6.2f}   1 step {us[1]:6.2f}   "
                       f"difference {us[20] - us[1]:5.2f}")  # fmt: skip

@@ -155,21 +155,26 @@ def coefficient_inputs(rows: int, hidden: int, device: torch.device, seed: int,
 
 
 def coefficients_call(
-    inp: dict[str, Any], arch: str, variant: str = "standard", config: ck.CoefficientsConfig | None = None
+    inp: dict[str, Any],
+    arch: str,
+    variant: str = "standard",
+    config: ck.CoefficientsConfig | None = None,
+    sinkhorn_repeat: int = 20,
+    trace: torch.Tensor | None = None,
 ):
     """A closure running the coefficients kernel (standard, broadcast or inline) on one input set (default config
-    unless `config`)."""
+    unless `config`; `trace` goes with a trace build)."""
     broadcast, inline = variant == "broadcast", variant == "inline"
     x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
 
     def call() -> None:
         ck.mhc_coefficients(
             x, inp["fn_broadcast"] if broadcast else inp["fn"], inp["scale"], inp["base"], rms_eps=1e-20,
-            pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20, broadcast=broadcast,
+            pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=sinkhorn_repeat, broadcast=broadcast,
             workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"],
             pre_mix=inp["pre_mix"] if inline else None, norm_weight=inp["norm_weight"] if inline else None,
             norm_eps=1e-20 if inline else None, layer_input_out=inp["layer_input"] if inline else None, arch=arch,
-            config=config,
+            config=config, trace=trace,
         )  # fmt: skip
 
     return call

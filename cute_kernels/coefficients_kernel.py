@@ -279,7 +279,6 @@ def default_form(broadcast: bool, inline: bool) -> str:
     return "inline" if inline else "broadcast" if broadcast else "standard"
 
 
-@functools.cache
 def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool, int, int]:
     """The defaults' (rows_per_tile, push_vec, row_split, min_blocks) for a call of `rows` rows."""
     form = default_form(broadcast, inline)
@@ -293,8 +292,9 @@ def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[in
     return 32, vec_from is not None and rows >= vec_from, 1, 0
 
 
+@functools.cache
 def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False) -> CoefficientsConfig:
-    """The measured best config for a call of `rows` rows at hidden size H (memoized per choice)."""
+    """The measured best config for a call of `rows` rows at hidden size H (memoized: one lookup per call)."""
     return _default_config(H, broadcast, *default_choice(H, broadcast, inline, rows))
 
 
