@@ -9,6 +9,8 @@ the stores, the clock reads and whatever the compiler moves across them cancel. 
   matrix spread over 1, 2 or 4 lanes (`comb_lanes`; column sums by shuffles);
 - `rcp1`: the one-lane repeat with one reciprocal per normalisation (1/s_a from 1/(s0 s1 s2 s3));
 - `unroll2`: two one-lane repeats per loop iteration (half the loop overhead);
+- `vectors`: the one-lane repeat in scaling-vector form, C = diag(r) K diag(c) with K fixed: a row
+  normalisation is r_a *= 1 / (r_a (K c)_a + eps) (28 instructions, FMA trees), a column one alike;
 - latency probes: dependent chains of 1 and 8 FADD, 8 FMUL, 4 `rcp.approx` per iteration; one
   and four independent chains of FADD + `rcp.approx`; 8 independent `rcp.approx` (MUFU issue
   interval); a chain of `shfl.bfly` (+ FADD).
@@ -32,7 +34,7 @@ from cute_kernels.coefficients_kernel import HC, CoefficientsConfig, Coefficient
 from cute_kernels.compile import arch_for_device, compile_kernel, fake_stream, fake_tensor
 
 BODIES = (
-    "lanes1", "lanes2", "lanes4", "rcp1", "unroll2",
+    "lanes1", "lanes2", "lanes4", "rcp1", "unroll2", "vectors",
     "fadd_chain", "fadd_chain8", "fmul_chain8", "rcp_chain", "rcp_chain4", "rcp_dep4", "rcp_indep8", "shfl_chain",
 )  # fmt: skip
 BODY_LANES = {"lanes1": 1, "lanes2": 2, "lanes4": 4}  # the kernel's comb_lanes
@@ -63,22 +65,38 @@ class SinkhornMicro:
         rC = cute.make_rmem_tensor((HC * HC,), Float32)
         for k in cutlass.range_constexpr(HC * HC):
             rC[k] = mIn[tidx * HC * HC + k]
+        rV = cute.make_rmem_tensor((2 * HC,), Float32)  # the vectors body's r and c
+        for k in cutlass.range_constexpr(2 * HC):
+            rV[k] = Float32(1.0)
         t0 = Int64(0)
         t1 = Int64(0)
         if tidx < self.lanes:
             t0 = prim.clock64()
             for _ in cutlass.range(n, unroll=1):
-                self.step(rC, eps)
+                self.step(rC, rV, eps)
             t1 = prim.clock64()
         for k in cutlass.range_constexpr(HC * HC):
-            mOut[tidx * HC * HC + k] = rC[k]
+            mOut[tidx * HC * HC + k] = rC[k] * rV[k // HC] * rV[HC + k % HC]
         mCycles[tidx] = t1 - t0
 
     @cute.jit
-    def step(self, rC: cute.Tensor, eps: Float32):
+    def step(self, rC: cute.Tensor, rV: cute.Tensor, eps: Float32):
         """One iteration of the chosen body."""
         if const_expr(self.body in BODY_LANES):
             self.coef.sinkhorn_step(rC, eps)
+        elif const_expr(self.body == "vectors"):
+            K = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
+            r = [rV[a] for a in range(HC)]
+            c = [rV[HC + b] for b in range(HC)]
+            for a in cutlass.range_constexpr(HC):
+                u = (K[a][0] * c[0] + K[a][1] * c[1]) + (K[a][2] * c[2] + K[a][3] * c[3])
+                r[a] = r[a] * prim.rcp_approx(r[a] * u + eps)
+            for b in cutlass.range_constexpr(HC):
+                v = (K[0][b] * r[0] + K[1][b] * r[1]) + (K[2][b] * r[2] + K[3][b] * r[3])
+                c[b] = c[b] * prim.rcp_approx(c[b] * v + eps)
+            for k in cutlass.range_constexpr(HC):
+                rV[k] = r[k]
+                rV[HC + k] = c[k]
         elif const_expr(self.body == "rcp1"):
             c = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
             inv = one_rcp([(c[a][0] + c[a][1]) + (c[a][2] + c[a][3]) + eps for a in range(HC)])

@@ -251,45 +251,67 @@ DEFAULT_HANDOFF = "ticket"
 # off the call at <= 16 rows against 1 (the epilogue runs cold code once per call), same at 512.
 DEFAULT_SINKHORN_UNROLL = 4
 # The default (row tile, push_vec, row_split, min_blocks) by form and row count, from interleaved A/B
-# runs on the H200 (docs/PERF.md, v5 and v6), us per call:
-# - split = 16-byte pushes + two warps per 32-column chunk. Standard projection at 16-32 rows
+# runs on the H200 (docs/PERF.md, v5, v6 and v7), us per call:
+# - SPLIT = 16-byte pushes + two warps per 32-column chunk. Standard projection at 16-32 rows
 #   (7168 x 16: 5.40-5.46 -> 5.21-5.22; loses at <= 8 rows); broadcast at 1-32 (7168 x 16: 5.13-5.17
 #   -> 4.49-4.50); the inline form at 8-32 rows from H 7168 only (7168 x 16: 5.56-5.62 -> 5.25-5.31,
 #   x 32: 6.87-6.90 -> 6.22-6.29; it loses 0.3-1.1 at H 4096-5120).
 # - Standard above 32 rows: 16-byte pushes (64 rows: 7.55 -> 7.16 at 7168, 6.53 -> 6.28 at 4096), and
 #   64-row tiles from 129 rows (192 rows: 13.19 -> 12.34 at 7168, 9.87 -> 9.31 at 4096; 256 rows:
 #   11.17 -> 9.79 at 4096, a tie at 7168).
-# - Broadcast and inline keep the plain 32-row tile up to 256 rows (pushes and 64-row tiles win at
-#   some H and lose at others there), then take 64-row tiles with 16-byte pushes (512 rows: standard
-#   24.08 -> 23.29-23.44 at 7168, 15.78 -> 15.20-15.28 at 4096; broadcast 12.95 -> 12.36; inline
-#   35.01 -> 34.51).
 # - The standard projection's 64-row tile with 7-warp CTAs (H 7168) also asks for 3 CTAs per SM
 #   (min_blocks 3: the largest shared-memory carveout, and a register cap of 96 that the 94 registers
 #   already meet; 2 fit without): 7168 x 512 23.29-23.32 -> 22.16 (two runs), x 256 15.16 -> 14.63.
 #   At H 4096 (4 warps) it loses 1 us; 8-warp CTAs (a cap of 80 registers) were not measured.
-SPLIT_ROWS = {"standard": (16, 32), "broadcast": (1, 32), "inline": (8, 32)}
-INLINE_SPLIT_MIN_H = 7168
-VEC_TILE_MIN_ROWS = {"standard": 33, "broadcast": None, "inline": None}  # 32-row tile with pushes
-BIG_TILE_MIN_ROWS = {"standard": 129, "broadcast": 257, "inline": 257}  # 64-row tile with pushes
+# - Broadcast (2-warp CTAs, so min_blocks 3 only buys the largest carveout) from 129 rows at H >= 5120:
+#   64-row tiles, pushes, min_blocks 3 (7168 x 192: 10.03 -> 8.75, x 256: 10.55 -> 9.45, 5120 x 256:
+#   10.1-10.2 -> 8.47). At H 4096 the same tile wins at 193-384 rows (256: 9.6 -> 8.0) and the 32-row
+#   tile with pushes at 512 (11.67 -> 10.49).
+# - Inline: at H 7168 the 32-row tile with pushes from 257 rows (512: 34.34 -> 32.53, 384: 26.23 ->
+#   25.47); below H 7168 64-row tiles with pushes from 129 rows (5120 x 256: 15.12 -> 14.08) or, at H
+#   4096, from 192 (192 rows: 10.78 -> 10.25). The first-layer inline form keeps v6's bands.
+Choice = tuple[int, bool, int, int]  # (rows_per_tile, push_vec, row_split, min_blocks)
+T32: Choice = (32, False, 1, 0)
+T32_VEC: Choice = (32, True, 1, 0)
+SPLIT: Choice = (32, True, 2, 0)
+T64_VEC: Choice = (64, True, 1, 0)
+T64_VEC_MB3: Choice = (64, True, 1, 3)
 BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
 def default_form(broadcast: bool, inline: bool) -> str:
-    """Which row of the defaults table a call uses: "inline" (with a layer input), "broadcast" or "standard"."""
-    return "inline" if inline else "broadcast" if broadcast else "standard"
+    """Which row of the defaults table a call uses: "inline", "first inline" (broadcast with a layer
+    input), "broadcast" or "standard"."""
+    if inline:
+        return "first inline" if broadcast else "inline"
+    return "broadcast" if broadcast else "standard"
 
 
-def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> tuple[int, bool, int, int]:
+def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
+    """The defaults of one form at hidden size H: (first row, choice) bands in row order."""
+    if form == "standard":
+        wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
+        return ((1, T32), (16, SPLIT), (33, T32_VEC), (129, T64_VEC_MB3 if wide else T64_VEC))
+    if form == "broadcast":
+        if H >= 5120:
+            return ((1, SPLIT), (33, T32), (129, T64_VEC_MB3))
+        return ((1, SPLIT), (33, T32), (193, T64_VEC_MB3), (385, T32_VEC))
+    if form == "inline":
+        if H >= 7168:
+            return ((1, T32), (8, SPLIT), (33, T32), (257, T32_VEC))
+        return ((1, T32), (129 if H >= 5120 else 192, T64_VEC))
+    if form == "first inline":
+        return ((1, T32), (257, T64_VEC))
+    raise ValueError(f"unknown defaults form {form!r}")
+
+
+def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> Choice:
     """The defaults' (rows_per_tile, push_vec, row_split, min_blocks) for a call of `rows` rows."""
-    form = default_form(broadcast, inline)
-    first, last = SPLIT_ROWS[form]
-    if first <= rows <= last and not (inline and (broadcast or H < INLINE_SPLIT_MIN_H)):
-        return 32, True, 2, 0
-    if rows >= BIG_TILE_MIN_ROWS[form]:
-        wide = form == "standard" and CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
-        return 64, True, 1, 3 if wide else 0
-    vec_from = VEC_TILE_MIN_ROWS[form]
-    return 32, vec_from is not None and rows >= vec_from, 1, 0
+    choice = T32
+    for first, band in default_bands(H, default_form(broadcast, inline)):
+        if rows >= first:
+            choice = band
+    return choice
 
 
 @functools.cache
@@ -311,14 +333,10 @@ def _default_config(
 
 def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int) -> list[int]:
     """One row count per distinct default config of calls of 1..max_rows rows."""
-    form = default_form(broadcast, inline)
-    first, last = SPLIT_ROWS[form]
-    bounds = {1, first, last + 1, BIG_TILE_MIN_ROWS[form]}
-    if VEC_TILE_MIN_ROWS[form] is not None:
-        bounds.add(VEC_TILE_MIN_ROWS[form])
-    seen: dict[tuple[int, bool, int, int], int] = {}
-    for r in sorted(r for r in bounds if r <= max_rows):
-        seen.setdefault(default_choice(H, broadcast, inline, r), r)
+    seen: dict[Choice, int] = {}
+    for first, choice in default_bands(H, default_form(broadcast, inline)):
+        if first <= max_rows:
+            seen.setdefault(choice, first)
     return sorted(seen.values())
 
 

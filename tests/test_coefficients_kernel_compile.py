@@ -72,13 +72,18 @@ def test_every_call_finds_its_default_among_the_warmup_keys(H: int) -> None:
                 assert (variant, mode, config) in compiled, (variant, mode, rows)
 
 
-# The defaults v6 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM, the
-# split tile in the inline form.
+# The defaults v6 and v7 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM,
+# the split tile in the inline form, the re-tuned broadcast and inline bands above 128 rows.
 V6_DEFAULTS = [
     (7168, "standard", "none", 100, False),
     (7168, "standard", "none", 512, False),
     (7168, "broadcast", "none", 512, False),
     (7168, "standard", "carried", 16, True),
+    # v7: broadcast 64-row tiles with min_blocks 3, inline 32-row tiles with pushes, broadcast 4096 x 512
+    (7168, "broadcast", "none", 200, False),
+    (7168, "standard", "carried", 300, True),
+    (4096, "broadcast", "none", 512, False),
+    (4096, "standard", "carried", 200, True),
 ]
 
 
@@ -99,18 +104,18 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("standard", "none", 64, True, 1),
         ("standard", "carried", 32, False, 1),
         ("standard", "carried", 32, True, 2),
-        ("standard", "carried", 64, True, 1),
+        ("standard", "carried", 32, True, 1),
         ("standard", "one_hot", 32, False, 1),
         ("standard", "one_hot", 32, True, 2),
-        ("standard", "one_hot", 64, True, 1),
+        ("standard", "one_hot", 32, True, 1),
         ("broadcast", "none", 32, True, 2),
         ("broadcast", "none", 32, False, 1),
         ("broadcast", "none", 64, True, 1),
         ("broadcast", "one_hot", 32, False, 1),
         ("broadcast", "one_hot", 64, True, 1),
     ]
-    # The standard 64-row tile asks for 3 CTAs per SM where a CTA has 7 warps (H 7168) only.
-    assert [i for i, k in enumerate(keys) if k[4].min_blocks] == [3] and keys[3][4].min_blocks == 3
+    # 3 CTAs per SM: the standard 64-row tile where a CTA has 7 warps (H 7168), the broadcast 64-row tile.
+    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(3, 3), (12, 3)]
     assert ck.default_config(4096, False, 512).min_blocks == 0  # 4 warps
     assert ck.default_config(8192, False, 512).min_blocks == 0  # 8 warps: not measured
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
