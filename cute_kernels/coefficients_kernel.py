@@ -73,6 +73,7 @@ MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
 HANDOFFS = ("counter", "ticket")
+SCHEDULES = ("tile", "partials")
 PROJECTIONS = ("mma", "fma")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
@@ -156,6 +157,7 @@ class CoefficientsConfig:
     sinkhorn_unroll: int = 1
     trace: bool = False
     projection: str = "mma"
+    schedule: str = "tile"
 
     @property
     def threads(self) -> int:
@@ -222,6 +224,10 @@ class CoefficientsConfig:
             )
         if not isinstance(self.trace, bool):
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "partials" and (self.trace or self.projection != "mma"):
+            raise ValueError("schedule 'partials' needs the mma projection and no trace")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
@@ -525,6 +531,9 @@ class CoefficientsKernel:
         self.comb_lanes = config.comb_lanes
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
+        self.schedule = config.schedule
+        if self.schedule == "partials" and layer_input != "none":
+            raise ValueError("schedule 'partials' runs the projection only: layer_input must be 'none'")
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -561,28 +570,46 @@ class CoefficientsKernel:
     ):
         rows = mX.shape[0]
         tiles = (rows + (self.tm - 1)) // self.tm
-        norm_clusters = Int32(0)
-        clusters = tiles * self.groups
-        if const_expr(self.layer_input != "none"):
-            if const_expr(self.norm_order == "front"):
-                norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
-                clusters = norm_clusters + tiles * self.groups
-            else:
-                norm_clusters = tiles * self.norm_per_tile
-                clusters = tiles * (self.groups + self.norm_per_tile)
-        self.kernel(
-            mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut, mTrace,
-            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, norm_clusters,
-        ).launch(
-            grid=[CLUSTER, clusters, 1],
-            block=[self.threads, 1, 1],
-            cluster=[CLUSTER, 1, 1],
-            stream=stream,
-            use_pdl=True,
-            min_blocks_per_mp=self.min_blocks,
-            # The largest carveout, so shared memory does not cap the CTAs per SM below the bound.
-            preferred_smem_carveout=100 if self.min_blocks > 1 else None,
-        )  # fmt: skip
+        if const_expr(self.schedule == "partials"):
+            self.partials_kernel(mX, mFn, mPartial).launch(
+                grid=[CLUSTER, tiles * self.groups, 1],
+                block=[self.threads, 1, 1],
+                stream=stream,
+                use_pdl=True,
+                min_blocks_per_mp=self.min_blocks,
+                preferred_smem_carveout=100 if self.min_blocks > 1 else None,
+            )
+            self.finish_kernel(
+                mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult
+            ).launch(
+                grid=[rows, 1, 1],
+                block=[self.finish_threads, 1, 1],
+                stream=stream,
+                use_pdl=True,
+            )
+        else:
+            norm_clusters = Int32(0)
+            clusters = tiles * self.groups
+            if const_expr(self.layer_input != "none"):
+                if const_expr(self.norm_order == "front"):
+                    norm_clusters = (rows + (self.norm_rows - 1)) // self.norm_rows
+                    clusters = norm_clusters + tiles * self.groups
+                else:
+                    norm_clusters = tiles * self.norm_per_tile
+                    clusters = tiles * (self.groups + self.norm_per_tile)
+            self.kernel(
+                mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut, mTrace,
+                rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, norm_clusters,
+            ).launch(
+                grid=[CLUSTER, clusters, 1],
+                block=[self.threads, 1, 1],
+                cluster=[CLUSTER, 1, 1],
+                stream=stream,
+                use_pdl=True,
+                min_blocks_per_mp=self.min_blocks,
+                # The largest carveout, so shared memory does not cap the CTAs per SM below the bound.
+                preferred_smem_carveout=100 if self.min_blocks > 1 else None,
+            )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
     # Device side
@@ -831,6 +858,104 @@ class CoefficientsKernel:
                         sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, mTrace,
                         rms_eps, pre_eps, sinkhorn_eps, post_mult,
                     )  # fmt: skip
+
+    @cute.kernel
+    def partials_kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor):
+        """schedule "partials", first launch: CTA (rank, tile, group) of the tile schedule without the
+        cluster: its K slice of one row tile, summed over its warps in warp order (push_batch's sums),
+        into slot group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, cluster, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        split = 0
+        if const_expr(self.row_split > 1):
+            split = warp // self.warps
+            warp = warp - split * self.warps
+        rows = mX.shape[0]
+        tile = cluster // self.groups
+        group = cluster - tile * self.groups
+        row0 = tile * self.tm
+        tile_rows = cutlass.min(rows - row0, self.tm)
+        slot = group * CLUSTER + rank
+        stride = const_expr(self.batch_rows * NV)
+        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
+        fn = self.load_fn(mFn, col, lane)
+        cute.arch.griddepcontrol_wait()
+        words = self.load_rows(mX, row0, col, lane, split)
+        hi, lo = self.split_fn(fn)
+        for b in cutlass.range_constexpr(self.batches):
+            batch_row0 = b * self.batch_rows
+            current = words
+            if const_expr(self.prefetch and b < self.batches - 1):
+                words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
+            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+            if const_expr(b == self.batches - 1):
+                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.sync_threads()
+            rows_here = cutlass.max(cutlass.min(tile_rows - batch_row0, self.batch_rows), 0)
+            for e in cutlass.range(tidx, rows_here * NV, self.threads):
+                acc = sWarp[e]
+                for w in cutlass.range_constexpr(1, self.warps):
+                    acc = acc + sWarp[w * stride + e]
+                mRank[slot, row0 + batch_row0 + e // NV, e % NV] = acc
+            if const_expr(b < self.batches - 1):
+                if const_expr(not self.prefetch):
+                    words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
+                cute.arch.sync_threads()
+
+    @property
+    def finish_threads(self) -> int:
+        """Threads of a finish CTA (schedule "partials"): one per (group, element) of its row, >= 2 warps."""
+        return max(2, -(-self.groups * NV // WARP)) * WARP
+
+    @cute.kernel
+    def finish_kernel(
+        self,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mRank: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+    ):
+        """schedule "partials", second launch: CTA b finishes row b. Thread (g, n) sums group g's 8 CTA
+        partials of element n in rank order (the cluster sum; 8 loads in flight), then 25 threads sum
+        the G groups in order (the finishing CTA's sum): the tile schedule's bits. Then the epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sGroup = smem.allocate_tensor(Float32, cute.make_layout(self.groups * NV), byte_alignment=16)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(NV), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        if tidx < 3:
+            sParam[tidx] = mScale[tidx]
+        if tidx < MIX:
+            sParam[3 + tidx] = mBase[tidx]
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if tidx < self.groups * NV:
+            g = tidx // NV
+            n = tidx - g * NV
+            parts = [mRank[g * CLUSTER + r, row, n] for r in range(CLUSTER)]
+            acc = parts[0]
+            for r in cutlass.range_constexpr(1, CLUSTER):
+                acc = acc + parts[r]
+            sGroup[tidx] = acc
+        cute.arch.sync_threads()
+        if tidx < NV:
+            total = sGroup[tidx]
+            for g in cutlass.range_constexpr(1, self.groups):
+                total = total + sGroup[g * NV + tidx]
+            sMix[tidx] = total
+        cute.arch.sync_threads()
+        self.finish_rows(sMix, sParam, row, Int32(1), mPost, mComb, mPre, None, rms_eps, pre_eps, sinkhorn_eps, post_mult)
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
@@ -1550,6 +1675,8 @@ class CoefficientsWorkspace:
         self.partials = torch.full((self.groups, max_rows, NV), SENTINEL, dtype=torch.int32, device=device).view(_F32)
         # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
         self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
+        # The partials schedule's per-CTA sums [G * 8, max_rows, 25]: written and read within a call.
+        self.rank_partials = torch.empty((self.groups * CLUSTER, max_rows, NV), dtype=_F32, device=device)
         self.device = self.partials.device
 
     def reset(self) -> None:
@@ -1621,7 +1748,8 @@ def mhc_coefficients(
         post_out = post_out.view(rows, HC)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         compiled(
-            x, fn, scale, base, post_out, comb_out, pre_out, workspace.partials, workspace.counters,
+            x, fn, scale, base, post_out, comb_out, pre_out,
+            workspace.rank_partials if config.schedule == "partials" else workspace.partials, workspace.counters,
             pre_mix if mode == "carried" else None,
             norm_weight if mode != "none" else None,
             layer_input_out,

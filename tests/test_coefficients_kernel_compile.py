@@ -237,6 +237,19 @@ def test_ticket_handoff_compiles_for_blackwell() -> None:
     assert callable(ck.compile_coefficients(4096, "standard", "carried", 20, config, arch="sm_100a"))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", ("standard", "broadcast"))
+def test_partials_schedule_compiles(variant: str, arch: str) -> None:
+    config = CoefficientsConfig.for_shape(7168, variant == "broadcast", 64, push_vec=True, schedule="partials")
+    assert callable(ck.compile_coefficients(7168, variant, "none", 20, config, arch=arch))
+    with pytest.raises(ValueError, match="layer_input"):
+        CoefficientsKernel(7168, variant=variant, layer_input="one_hot", config=config)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        CoefficientsConfig.for_shape(7168, False, schedule="stream").validate(7168, False)
+    with pytest.raises(ValueError, match="schedule 'partials' needs"):
+        CoefficientsConfig.for_shape(7168, False, schedule="partials", projection="fma").validate(7168, False)
+
+
 def test_trace_build_compiles() -> None:
     config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
     assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))

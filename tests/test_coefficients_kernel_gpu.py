@@ -651,3 +651,60 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- the partials schedule (two launches, no cluster): the default's bits ------------------------
+
+
+def partials_config(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs) -> CoefficientsConfig:
+    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff="ticket", schedule="partials", **knobs)
+
+
+@pytest.mark.parametrize("H", (4096, 5120, 7168))
+@pytest.mark.parametrize("broadcast", (False, True))
+def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> None:
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    configs = (partials_config(H, broadcast), partials_config(H, broadcast, 32, row_split=2, push_vec=True))
+    for rows in (1, 7, 64, 65, 129, 300, 512):
+        x = streams(rows, H, seed=rows + 80)
+        if broadcast:
+            x = x[:, 1].contiguous()
+        want = call(x, broadcast=broadcast, ws=ws)
+        if rows == 300:
+            assert_matches(want, reference(x, broadcast=broadcast))
+        for config in configs:
+            got = call(x, broadcast=broadcast, ws=ws, config=config)
+            wait_or_fail()
+            for name in ("post", "comb", "pre"):
+                assert bitwise_equal(getattr(got, name), getattr(want, name)), f"{name}, {rows} rows, {config}"
+        assert_counters_clean(ws)
+
+
+def test_partials_schedule_nan_rows_and_graph_replay() -> None:
+    H, rows = 7168, 200
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    config = partials_config(H, False, push_vec=True, min_blocks=3)
+    x = streams(rows, H, seed=81)
+    want = call(x, ws=ws)
+    bad = x.clone()
+    bad[5, 2, 11] = float("nan")
+    bad[150, 0, 3] = float("inf")
+    got = call(bad, ws=ws, config=config)
+    wait_or_fail()
+    good = torch.ones(rows, dtype=torch.bool, device="cuda")
+    good[[5, 150]] = False
+    for name in ("post", "comb", "pre"):
+        assert bitwise_equal(getattr(got, name)[good], getattr(want, name)[good]), name
+        assert bool(getattr(got, name)[[5, 150]].isnan().all()), name
+    out = call(x, ws=ws, config=config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):  # back to back: each call's finish launch must end before the next writes
+            call(x, ws=ws, out=out, config=config)
+    for step in range(2):
+        x.copy_(streams(rows, H, seed=910 + step))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference(x))
+    assert_counters_clean(ws)
