@@ -77,6 +77,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm64": f(64),
         "tm64 vec": f(64, push_vec=True),
         "tm64 vec mb3": f(64, push_vec=True, min_blocks=3),
+        "tm16 partials": f(16, schedule="partials"),
+        "split partials": f(32, push_vec=True, row_split=2, schedule="partials"),
         "tm32 partials": f(32, schedule="partials"),
         "tm32 vec partials": f(32, push_vec=True, schedule="partials"),
         "tm64 vec partials": f(64, push_vec=True, schedule="partials"),
