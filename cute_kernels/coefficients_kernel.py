@@ -73,7 +73,7 @@ MAX_WARPS = 8
 VARIANTS = ("standard", "broadcast")
 LAYER_INPUTS = ("none", "carried", "one_hot")
 HANDOFFS = ("counter", "ticket")
-SCHEDULES = ("tile", "partials", "partials-poll")
+SCHEDULES = ("tile", "partials")
 PROJECTIONS = ("mma", "fma")
 NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
@@ -226,7 +226,7 @@ class CoefficientsConfig:
             raise ValueError(f"trace must be a bool, got {self.trace!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.schedule != "tile" and (self.trace or self.projection != "mma"):
+        if self.schedule == "partials" and (self.trace or self.projection != "mma"):
             raise ValueError("schedule 'partials' needs the mma projection and no trace")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
@@ -532,7 +532,7 @@ class CoefficientsKernel:
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
         self.schedule = config.schedule
-        if self.schedule != "tile" and layer_input != "none":
+        if self.schedule == "partials" and layer_input != "none":
             raise ValueError("schedule 'partials' runs the projection only: layer_input must be 'none'")
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
@@ -570,8 +570,8 @@ class CoefficientsKernel:
     ):
         rows = mX.shape[0]
         tiles = (rows + (self.tm - 1)) // self.tm
-        if const_expr(self.schedule != "tile"):
-            self.partials_kernel(mX, mFn, mPartial, mCounter).launch(
+        if const_expr(self.schedule == "partials"):
+            self.partials_kernel(mX, mFn, mPartial).launch(
                 grid=[CLUSTER, tiles * self.groups, 1],
                 block=[self.threads, 1, 1],
                 stream=stream,
@@ -580,7 +580,7 @@ class CoefficientsKernel:
                 preferred_smem_carveout=100 if self.min_blocks > 1 else None,
             )
             self.finish_kernel(
-                mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, rms_eps, pre_eps, sinkhorn_eps, post_mult
+                mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult
             ).launch(
                 grid=[rows, 1, 1],
                 block=[self.finish_threads, 1, 1],
@@ -860,7 +860,7 @@ class CoefficientsKernel:
                     )  # fmt: skip
 
     @cute.kernel
-    def partials_kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor, mCounter: cute.Tensor):
+    def partials_kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor):
         """schedule "partials", first launch: CTA (rank, tile, group) of the tile schedule without the
         cluster: its K slice of one row tile, summed over its warps in warp order (push_batch's sums),
         into slot group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
@@ -905,12 +905,6 @@ class CoefficientsKernel:
                 if const_expr(not self.prefetch):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
                 cute.arch.sync_threads()
-        if const_expr(self.schedule == "partials-poll"):
-            # Release on behalf of the CTA: the tile's arrival count, which its finish CTAs poll.
-            cute.arch.sync_threads()
-            if tidx == 0:
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.atomic_add(mCounter.iterator + 2 * tile, Int32(1), sem="relaxed", scope="gpu")
 
     @property
     def finish_threads(self) -> int:
@@ -926,7 +920,6 @@ class CoefficientsKernel:
         mComb: cute.Tensor,
         mPre: cute.Tensor,
         mRank: cute.Tensor,
-        mCounter: cute.Tensor,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -945,28 +938,12 @@ class CoefficientsKernel:
             sParam[tidx] = mScale[tidx]
         if tidx < MIX:
             sParam[3 + tidx] = mBase[tidx]
-        if const_expr(self.schedule == "partials-poll"):
-            # Not the end of the first launch: its tile's arrival count (every CTA of the first launch
-            # has started once this one runs, so the wait ends). The tile's last reader resets both counts.
-            tile = row // self.tm
-            tile_rows = cutlass.min(mPost.shape[0] - tile * self.tm, self.tm)
-            if tidx == 0:
-                arrived = Int32(0)
-                while arrived < self.groups * CLUSTER:
-                    arrived = cute.arch.load(mCounter.iterator + 2 * tile, Int32, sem="relaxed", scope="gpu")
-                cute.arch.fence_acq_rel_gpu()
-                readers = cute.arch.atomic_add(mCounter.iterator + (2 * tile + 1), Int32(1), sem="relaxed", scope="gpu")
-                if readers == tile_rows - 1:
-                    cute.arch.store(mCounter.iterator + 2 * tile, Int32(0))
-                    cute.arch.store(mCounter.iterator + (2 * tile + 1), Int32(0))
-            cute.arch.sync_threads()
-        else:
-            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         if tidx < self.groups * NV:
             g = tidx // NV
             n = tidx - g * NV
-            parts = [self.load_partial(mRank, g * CLUSTER + r, row, n) for r in range(CLUSTER)]
+            parts = [mRank[g * CLUSTER + r, row, n] for r in range(CLUSTER)]
             acc = parts[0]
             for r in cutlass.range_constexpr(1, CLUSTER):
                 acc = acc + parts[r]
@@ -978,9 +955,7 @@ class CoefficientsKernel:
                 total = total + sGroup[g * NV + tidx]
             sMix[tidx] = total
         cute.arch.sync_threads()
-        self.finish_rows(
-            sMix, sParam, row, Int32(1), mPost, mComb, mPre, None, rms_eps, pre_eps, sinkhorn_eps, post_mult
-        )
+        self.finish_rows(sMix, sParam, row, Int32(1), mPost, mComb, mPre, None, rms_eps, pre_eps, sinkhorn_eps, post_mult)
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""

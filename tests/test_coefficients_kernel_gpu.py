@@ -656,22 +656,15 @@ if __name__ == "__main__":
 # --- the partials schedule (two launches, no cluster): the default's bits ------------------------
 
 
-def partials_config(
-    H: int, broadcast: bool, rows_per_tile: int = 64, schedule: str = "partials", **knobs
-) -> CoefficientsConfig:
-    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff="ticket", schedule=schedule, **knobs)
+def partials_config(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs) -> CoefficientsConfig:
+    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff="ticket", schedule="partials", **knobs)
 
 
 @pytest.mark.parametrize("H", (4096, 5120, 7168))
 @pytest.mark.parametrize("broadcast", (False, True))
 def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> None:
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    configs = (
-        partials_config(H, broadcast),
-        partials_config(H, broadcast, 32, row_split=2, push_vec=True),
-        partials_config(H, broadcast, 16, schedule="partials-poll"),
-        partials_config(H, broadcast, 64, schedule="partials-poll", push_vec=True),
-    )
+    configs = (partials_config(H, broadcast), partials_config(H, broadcast, 32, row_split=2, push_vec=True))
     for rows in (1, 7, 64, 65, 129, 300, 512):
         x = streams(rows, H, seed=rows + 80)
         if broadcast:
@@ -687,11 +680,10 @@ def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> No
         assert_counters_clean(ws)
 
 
-@pytest.mark.parametrize("schedule", ("partials", "partials-poll"))
-def test_partials_schedule_nan_rows_and_graph_replay(schedule: str) -> None:
+def test_partials_schedule_nan_rows_and_graph_replay() -> None:
     H, rows = 7168, 200
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = partials_config(H, False, schedule=schedule, push_vec=True, min_blocks=3)
+    config = partials_config(H, False, push_vec=True, min_blocks=3)
     x = streams(rows, H, seed=81)
     want = call(x, ws=ws)
     bad = x.clone()
