@@ -40,7 +40,8 @@ def timeline(H: int, rows: int, device: torch.device, arch: str, flush: torch.Te
     """One traced call: the per-CTA stamps, summarised on stdout and returned raw."""
     broadcast = variant == "broadcast"
     inp = coefficient_inputs(rows, H, device, 0)
-    config = replace(ck.default_config(H, broadcast, rows), trace=True)
+    # The trace instruments the one-launch tile schedule (the partials schedule has no trace build).
+    config = replace(ck.default_config(H, broadcast, rows), trace=True, schedule="tile")
     trace = torch.zeros(ck.trace_slots(rows, config, broadcast, False), dtype=torch.int64, device=device)
     call = coefficients_call(inp, arch, variant, config, 20, trace)
     for _ in range(3):

@@ -276,12 +276,25 @@ DEFAULT_SINKHORN_UNROLL = 4
 # - Inline: at H 7168 the 32-row tile with pushes from 257 rows (512: 34.34 -> 32.53, 384: 26.23 ->
 #   25.47); below H 7168 64-row tiles with pushes from 129 rows (5120 x 256: 15.12 -> 14.08) or, at H
 #   4096, from 192 (192 rows: 10.78 -> 10.25). The first-layer inline form keeps v6's bands.
-Choice = tuple[int, bool, int, int]  # (rows_per_tile, push_vec, row_split, min_blocks)
-T32: Choice = (32, False, 1, 0)
-T32_VEC: Choice = (32, True, 1, 0)
-SPLIT: Choice = (32, True, 2, 0)
-T64_VEC: Choice = (64, True, 1, 0)
-T64_VEC_MB3: Choice = (64, True, 1, 3)
+# - v7, the partials schedule (two launches, no cluster; same bits), from two A/B runs at >= 64 rows and
+#   one below (docs/PERF.md, v7). Standard projection at H >= 5120: 7168 x 16 5.23 -> 5.04, x 32 6.07 ->
+#   5.55, x 64 7.15-7.20 -> 6.56-6.62, x 256 14.74-14.80 -> 12.65-12.70, x 512 22.13-22.30 -> 20.16-20.18;
+#   5120 x 16 4.95 -> 4.80, x 512 17.92-17.96 -> 17.09-17.10. At H 4096 it wins only at 33-64 rows and
+#   from 384 (512: 15.28 -> 14.88-14.92). Broadcast from 129 rows: 64-row tiles, min_blocks 3 (512 rows:
+#   12.04-12.20 -> 11.12-11.23 at 7168, 10.46-10.55 -> 9.05-9.11 at 4096). The broadcast split tile also
+#   wins up to 96 rows (48 rows: 5.32-6.28 -> 4.60-5.11; 96 rows: 5.60-7.12 -> 4.96-6.47; 97-128 not
+#   measured, so the plain tile stays there).
+Choice = tuple[int, bool, int, int, str]  # (rows_per_tile, push_vec, row_split, min_blocks, schedule)
+T32: Choice = (32, False, 1, 0, "tile")
+T32_VEC: Choice = (32, True, 1, 0, "tile")
+SPLIT: Choice = (32, True, 2, 0, "tile")
+T64_VEC: Choice = (64, True, 1, 0, "tile")
+T64_VEC_MB3: Choice = (64, True, 1, 3, "tile")
+SPLIT_P: Choice = (32, True, 2, 0, "partials")
+T16_P: Choice = (16, False, 1, 0, "partials")
+T32_P: Choice = (32, False, 1, 0, "partials")
+T64_VEC_P: Choice = (64, True, 1, 0, "partials")
+T64_VEC_MB3_P: Choice = (64, True, 1, 3, "partials")
 BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
@@ -296,12 +309,13 @@ def default_form(broadcast: bool, inline: bool) -> str:
 def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
     """The defaults of one form at hidden size H: (first row, choice) bands in row order."""
     if form == "standard":
-        wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
-        return ((1, T32), (16, SPLIT), (33, T32_VEC), (129, T64_VEC_MB3 if wide else T64_VEC))
-    if form == "broadcast":
         if H >= 5120:
-            return ((1, SPLIT), (33, T32), (129, T64_VEC_MB3))
-        return ((1, SPLIT), (33, T32), (193, T64_VEC_MB3), (385, T32_VEC))
+            return ((1, SPLIT_P), (17, T16_P), (49, T64_VEC_P), (65, T32_P if H >= 7168 else T32_VEC), (129, T32_P))
+        wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
+        big = T64_VEC_MB3 if wide else T64_VEC
+        return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_VEC_P), (65, T32_VEC), (129, big), (384, T32_P))
+    if form == "broadcast":
+        return ((1, SPLIT), (97, T32), (129, T64_VEC_MB3_P))
     if form == "inline":
         if H >= 7168:
             return ((1, T32), (8, SPLIT), (33, T32), (257, T32_VEC))
@@ -312,7 +326,7 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
 
 
 def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> Choice:
-    """The defaults' (rows_per_tile, push_vec, row_split, min_blocks) for a call of `rows` rows."""
+    """The defaults' (rows_per_tile, push_vec, row_split, min_blocks, schedule) for a call of `rows` rows."""
     choice = T32
     for first, band in default_bands(H, default_form(broadcast, inline)):
         if rows >= first:
@@ -328,12 +342,18 @@ def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False)
 
 @functools.cache
 def _default_config(
-    H: int, broadcast: bool, rows_per_tile: int, push_vec: bool = False, row_split: int = 1, min_blocks: int = 0
+    H: int,
+    broadcast: bool,
+    rows_per_tile: int,
+    push_vec: bool = False,
+    row_split: int = 1,
+    min_blocks: int = 0,
+    schedule: str = "tile",
 ) -> CoefficientsConfig:
-    """The default config of one (row tile, push_vec, row_split, min_blocks) choice."""
+    """The default config of one (row tile, push_vec, row_split, min_blocks, schedule) choice."""
     return CoefficientsConfig.for_shape(
         H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL,
-        push_vec=push_vec, row_split=row_split, min_blocks=min_blocks,
+        push_vec=push_vec, row_split=row_split, min_blocks=min_blocks, schedule=schedule,
     )  # fmt: skip
 
 
@@ -1675,7 +1695,8 @@ class CoefficientsWorkspace:
         self.partials = torch.full((self.groups, max_rows, NV), SENTINEL, dtype=torch.int32, device=device).view(_F32)
         # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
         self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
-        # The partials schedule's per-CTA sums [G * 8, max_rows, 25]: written and read within a call.
+        # The partials schedule's per-CTA sums [G * 8, max_rows, 25] (6.5 MB at H 7168 x 512 rows):
+        # written by its first launch and read by its second within one call.
         self.rank_partials = torch.empty((self.groups * CLUSTER, max_rows, NV), dtype=_F32, device=device)
         self.device = self.partials.device
 

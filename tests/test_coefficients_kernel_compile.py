@@ -84,6 +84,11 @@ V6_DEFAULTS = [
     (7168, "standard", "carried", 300, True),
     (4096, "broadcast", "none", 512, False),
     (4096, "standard", "carried", 200, True),
+    # v7 partials defaults
+    (7168, "standard", "none", 16, False),
+    (7168, "standard", "none", 40, False),
+    (7168, "standard", "none", 512, False),
+    (4096, "standard", "none", 60, False),
 ]
 
 
@@ -96,32 +101,36 @@ def test_v6_defaults_compile(H: int, variant: str, mode: str, rows: int, inline:
 
 def test_warmup_keys_cover_every_call_path() -> None:
     keys = ck.coefficients_warmup_keys(7168, max_rows=512)
-    # (variant, layer input, rows_per_tile, push_vec, row_split) of each compiled default
-    assert [(k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split) for k in keys] == [
-        ("standard", "none", 32, False, 1),
-        ("standard", "none", 32, True, 2),
-        ("standard", "none", 32, True, 1),
-        ("standard", "none", 64, True, 1),
-        ("standard", "carried", 32, False, 1),
-        ("standard", "carried", 32, True, 2),
-        ("standard", "carried", 32, True, 1),
-        ("standard", "one_hot", 32, False, 1),
-        ("standard", "one_hot", 32, True, 2),
-        ("standard", "one_hot", 32, True, 1),
-        ("broadcast", "none", 32, True, 2),
-        ("broadcast", "none", 32, False, 1),
-        ("broadcast", "none", 64, True, 1),
-        ("broadcast", "one_hot", 32, False, 1),
-        ("broadcast", "one_hot", 64, True, 1),
+    # (variant, layer input, rows_per_tile, push_vec, row_split, schedule) of each compiled default
+    assert [(k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split, k[4].schedule) for k in keys] == [
+        ("standard", "none", 32, True, 2, "partials"),
+        ("standard", "none", 16, False, 1, "partials"),
+        ("standard", "none", 64, True, 1, "partials"),
+        ("standard", "none", 32, False, 1, "partials"),
+        ("standard", "carried", 32, False, 1, "tile"),
+        ("standard", "carried", 32, True, 2, "tile"),
+        ("standard", "carried", 32, True, 1, "tile"),
+        ("standard", "one_hot", 32, False, 1, "tile"),
+        ("standard", "one_hot", 32, True, 2, "tile"),
+        ("standard", "one_hot", 32, True, 1, "tile"),
+        ("broadcast", "none", 32, True, 2, "tile"),
+        ("broadcast", "none", 32, False, 1, "tile"),
+        ("broadcast", "none", 64, True, 1, "partials"),
+        ("broadcast", "one_hot", 32, False, 1, "tile"),
+        ("broadcast", "one_hot", 64, True, 1, "tile"),
     ]
-    # 3 CTAs per SM: the standard 64-row tile where a CTA has 7 warps (H 7168), the broadcast 64-row tile.
-    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(3, 3), (12, 3)]
-    assert ck.default_config(4096, False, 512).min_blocks == 0  # 4 warps
-    assert ck.default_config(8192, False, 512).min_blocks == 0  # 8 warps: not measured
+    # 3 CTAs per SM: the broadcast partials 64-row tile; the standard 64-row tile of 7-warp CTAs (H 7168)
+    # only where it is a tile default (H 7168 takes the partials schedule above 48 rows).
+    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(12, 3)]
+    assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
+    assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
+    # The partials schedule never takes a layer input.
+    assert all(k[4].schedule == "tile" for k in keys if k[2] != "none")
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
-    # Up to 16 rows: the plain and split tiles, the latter for the inline forms only from H 7168.
-    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 8
-    assert len(ck.coefficients_warmup_keys(5120, max_rows=16)) == 6
+    # Up to 16 rows: the split partials (standard, H >= 5120), the plain and split tiles (the split one
+    # for the inline forms only from H 7168).
+    assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 7
+    assert len(ck.coefficients_warmup_keys(5120, max_rows=16)) == 5
     jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
     layer_keys = ck.layer_input_warmup_keys(7168)
     assert [(k[1], k[2]) for k in layer_keys] == [
@@ -157,7 +166,7 @@ COMPILE_CASES += [(4096, "standard", "none"), (4096, "standard", "carried"), (40
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("H,variant,mode", COMPILE_CASES)
 def test_variant_compiles(H: int, variant: str, mode: str, arch: str) -> None:
-    config = ck.default_config(H, variant == "broadcast")
+    config = ck.default_config(H, variant == "broadcast", inline=mode != "none")
     compiled = ck.compile_coefficients(H, variant, mode, 20, config, arch=arch)
     assert callable(compiled)
 
