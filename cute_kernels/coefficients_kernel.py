@@ -975,7 +975,9 @@ class CoefficientsKernel:
                 total = total + sGroup[g * NV + tidx]
             sMix[tidx] = total
         cute.arch.sync_threads()
-        self.finish_rows(sMix, sParam, row, Int32(1), mPost, mComb, mPre, None, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+        self.finish_rows(
+            sMix, sParam, row, Int32(1), mPost, mComb, mPre, None, rms_eps, pre_eps, sinkhorn_eps, post_mult
+        )
 
     def trace_base(self) -> Int32:
         """This CTA's first slot in the trace buffer."""
