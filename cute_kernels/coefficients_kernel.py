@@ -1,4 +1,4 @@
-"""The mHC coefficients (SPEC §3, `mhc_pre_delayed`) in one launch: split-K projection + Sinkhorn.
+"""The mHC coefficients (SPEC §3, `mhc_pre_delayed`) in one or two launches: split-K projection + Sinkhorn.
 
 Per row t: mixes = (x . fn) * rsqrt(sum x^2 / K + rms_eps) over the K = 4H stream columns (or the
 H embedding columns with fn_broadcast), then pre / post / comb (softmax + Sinkhorn).
@@ -36,6 +36,13 @@ owns the columns [r*H/8, (r+1)*H/8); c = bf16(sum_j pre_mix[j]*R[j]) (or stream 
 exactly), the sum of squares of the rounded c is exchanged across the cluster the same way, then
 out = bf16(c * rsqrt(sum/H + eps) * w). LayerInputKernel (mhc_layer_input) runs those clusters
 alone, with the same bits, for a scheduler that runs the projection on a side stream.
+
+Schedule "partials" (config.schedule; projection only, no layer input): the same CTAs without the
+cluster. Each stores its warp-ordered sums into the workspace's rank_partials [G*8, rows, 25] and
+exits; a second launch (PDL), one CTA per row, adds each group's 8 CTA sums in rank order, then the
+G groups in order (the very additions of the one-launch schedule, so the same bits), then runs the
+epilogue. No cluster co-scheduling, no exchange, no handoff: faster from 1 row at H >= 5120
+(docs/PERF.md, v7).
 
 PDL: before griddepcontrol.wait a CTA reads only weights (fn, w); the streams, the carried
 pre-mix and the workspace come after it.
@@ -141,6 +148,10 @@ class CoefficientsConfig:
       into hi + lo; the default) or "fma" (fp32 FMAs on the CUDA cores, fn staged in shared memory,
       the 4 lanes of a row summed by shuffles). The sums are rounded in another order, so "fma"
       gives other bits than "mma" (as accurate); for A/B measurement at few rows, never a default.
+    - `schedule`: "tile" (one launch, clusters, the last CTA of a row tile finishes its rows) or
+      "partials" (two launches, no clusters: CTA sums to the workspace, then one CTA per row sums
+      them in the same order and finishes it; the same bits; mma projection, no layer input, no
+      trace, no push_vec; `handoff` does not apply to it).
     """
 
     rows_per_tile: int
@@ -228,6 +239,8 @@ class CoefficientsConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "partials" and (self.trace or self.projection != "mma"):
             raise ValueError("schedule 'partials' needs the mma projection and no trace")
+        if self.schedule == "partials" and self.push_vec:
+            raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.min_blocks * self.threads > MAX_THREADS_PER_SM:
@@ -290,11 +303,11 @@ T32_VEC: Choice = (32, True, 1, 0, "tile")
 SPLIT: Choice = (32, True, 2, 0, "tile")
 T64_VEC: Choice = (64, True, 1, 0, "tile")
 T64_VEC_MB3: Choice = (64, True, 1, 3, "tile")
-SPLIT_P: Choice = (32, True, 2, 0, "partials")
+SPLIT_P: Choice = (32, False, 2, 0, "partials")
 T16_P: Choice = (16, False, 1, 0, "partials")
 T32_P: Choice = (32, False, 1, 0, "partials")
-T64_VEC_P: Choice = (64, True, 1, 0, "partials")
-T64_VEC_MB3_P: Choice = (64, True, 1, 3, "partials")
+T64_P: Choice = (64, False, 1, 0, "partials")
+T64_MB3_P: Choice = (64, False, 1, 3, "partials")
 BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
@@ -310,12 +323,12 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
     """The defaults of one form at hidden size H: (first row, choice) bands in row order."""
     if form == "standard":
         if H >= 5120:
-            return ((1, SPLIT_P), (17, T16_P), (49, T64_VEC_P), (65, T32_P if H >= 7168 else T32_VEC), (129, T32_P))
+            return ((1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_P if H >= 7168 else T32_VEC), (129, T32_P))
         wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
         big = T64_VEC_MB3 if wide else T64_VEC
-        return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_VEC_P), (65, T32_VEC), (129, big), (384, T32_P))
+        return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (384, T32_P))
     if form == "broadcast":
-        return ((1, SPLIT), (97, T32), (129, T64_VEC_MB3_P))
+        return ((1, SPLIT), (97, T32), (129, T64_MB3_P))
     if form == "inline":
         if H >= 7168:
             return ((1, T32), (8, SPLIT), (33, T32), (257, T32_VEC))

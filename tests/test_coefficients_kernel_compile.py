@@ -103,9 +103,9 @@ def test_warmup_keys_cover_every_call_path() -> None:
     keys = ck.coefficients_warmup_keys(7168, max_rows=512)
     # (variant, layer input, rows_per_tile, push_vec, row_split, schedule) of each compiled default
     assert [(k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split, k[4].schedule) for k in keys] == [
-        ("standard", "none", 32, True, 2, "partials"),
+        ("standard", "none", 32, False, 2, "partials"),
         ("standard", "none", 16, False, 1, "partials"),
-        ("standard", "none", 64, True, 1, "partials"),
+        ("standard", "none", 64, False, 1, "partials"),
         ("standard", "none", 32, False, 1, "partials"),
         ("standard", "carried", 32, False, 1, "tile"),
         ("standard", "carried", 32, True, 2, "tile"),
@@ -115,7 +115,7 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("standard", "one_hot", 32, True, 1, "tile"),
         ("broadcast", "none", 32, True, 2, "tile"),
         ("broadcast", "none", 32, False, 1, "tile"),
-        ("broadcast", "none", 64, True, 1, "partials"),
+        ("broadcast", "none", 64, False, 1, "partials"),
         ("broadcast", "one_hot", 32, False, 1, "tile"),
         ("broadcast", "one_hot", 64, True, 1, "tile"),
     ]
@@ -249,8 +249,10 @@ def test_ticket_handoff_compiles_for_blackwell() -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", ("standard", "broadcast"))
 def test_partials_schedule_compiles(variant: str, arch: str) -> None:
-    config = CoefficientsConfig.for_shape(7168, variant == "broadcast", 64, push_vec=True, schedule="partials")
+    config = CoefficientsConfig.for_shape(7168, variant == "broadcast", 64, schedule="partials")
     assert callable(ck.compile_coefficients(7168, variant, "none", 20, config, arch=arch))
+    with pytest.raises(ValueError, match="push_vec does not apply"):
+        CoefficientsConfig.for_shape(7168, False, 64, push_vec=True, schedule="partials").validate(7168, False)
     with pytest.raises(ValueError, match="layer_input"):
         CoefficientsKernel(7168, variant=variant, layer_input="one_hot", config=config)
     with pytest.raises(ValueError, match="schedule must be one of"):

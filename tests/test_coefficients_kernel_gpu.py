@@ -665,7 +665,7 @@ def partials_config(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs) -
 @pytest.mark.parametrize("broadcast", (False, True))
 def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> None:
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    configs = (partials_config(H, broadcast), partials_config(H, broadcast, 32, row_split=2, push_vec=True))
+    configs = (partials_config(H, broadcast), partials_config(H, broadcast, 32, row_split=2))
     for rows in (1, 7, 64, 65, 129, 300, 512):
         x = streams(rows, H, seed=rows + 80)
         if broadcast:
@@ -684,7 +684,7 @@ def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> No
 def test_partials_schedule_nan_rows_and_graph_replay() -> None:
     H, rows = 7168, 200
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = partials_config(H, False, push_vec=True, min_blocks=3)
+    config = partials_config(H, False, min_blocks=3)
     x = streams(rows, H, seed=81)
     want = call(x, ws=ws)
     bad = x.clone()
