@@ -121,6 +121,9 @@ def inline_configs(H: int) -> dict[str, ck.CoefficientsConfig]:
         "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
         "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
         "tm128 pf vec rs2 mb2": f(128, prefetch=True, push_vec=True, row_split=2, min_blocks=2),
+        "split partials": f(32, row_split=2, schedule="partials"),
+        "tm32 partials": f(32, schedule="partials"),
+        "tm64 partials": f(64, schedule="partials"),
     }
 
 

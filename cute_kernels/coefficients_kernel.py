@@ -565,8 +565,6 @@ class CoefficientsKernel:
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
         self.schedule = config.schedule
-        if self.schedule == "partials" and layer_input != "none":
-            raise ValueError("schedule 'partials' runs the projection only: layer_input must be 'none'")
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -603,7 +601,7 @@ class CoefficientsKernel:
     ):
         rows = mX.shape[0]
         tiles = (rows + (self.tm - 1)) // self.tm
-        if const_expr(self.schedule == "partials"):
+        if const_expr(self.schedule == "partials" and self.layer_input == "none"):
             self.partials_kernel(mX, mFn, mPartial).launch(
                 grid=[CLUSTER, tiles * self.groups, 1],
                 block=[self.threads, 1, 1],
@@ -612,15 +610,9 @@ class CoefficientsKernel:
                 min_blocks_per_mp=self.min_blocks,
                 preferred_smem_carveout=100 if self.min_blocks > 1 else None,
             )
-            self.finish_kernel(
-                mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult
-            ).launch(
-                grid=[rows, 1, 1],
-                block=[self.finish_threads, 1, 1],
-                stream=stream,
-                use_pdl=True,
-            )
         else:
+            # With a layer input the partials schedule keeps this launch (its layer-input clusters
+            # exchange sums of squares); its projection clusters skip the exchange and the handoff.
             norm_clusters = Int32(0)
             clusters = tiles * self.groups
             if const_expr(self.layer_input != "none"):
@@ -643,6 +635,15 @@ class CoefficientsKernel:
                 # The largest carveout, so shared memory does not cap the CTAs per SM below the bound.
                 preferred_smem_carveout=100 if self.min_blocks > 1 else None,
             )  # fmt: skip
+        if const_expr(self.schedule == "partials"):
+            self.finish_kernel(
+                mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult
+            ).launch(
+                grid=[rows, 1, 1],
+                block=[self.finish_threads, 1, 1],
+                stream=stream,
+                use_pdl=True,
+            )
 
     # -----------------------------------------------------------------------------------------
     # Device side
@@ -690,6 +691,8 @@ class CoefficientsKernel:
                 # A cluster past the last row (the tail of an interleaved grid) has nothing to do.
                 if norm_cluster * self.norm_rows < mX.shape[0]:
                     self.layer_input_rows(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, norm_cluster)
+            elif const_expr(self.schedule == "partials"):
+                self.partials_role(smem, mX, mFn, mPartial, rank, proj_cluster)
             else:
                 self.projection_role(
                     smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mTrace,
@@ -894,12 +897,19 @@ class CoefficientsKernel:
 
     @cute.kernel
     def partials_kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor):
-        """schedule "partials", first launch: CTA (rank, tile, group) of the tile schedule without the
-        cluster: its K slice of one row tile, summed over its warps in warp order (push_batch's sums),
-        into slot group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
-        tidx, _, _ = cute.arch.thread_idx()
+        """schedule "partials", first launch without a layer input: the projection CTAs, no clusters."""
         rank, cluster, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
+        self.partials_role(cutlass.memory.SmemAllocator(), mX, mFn, mRank, rank, cluster)
+
+    @cute.jit
+    def partials_role(
+        self, smem: cutlass.memory.SmemAllocator, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor,
+        rank: Int32, cluster: Int32,
+    ):  # fmt: skip
+        """schedule "partials": CTA (rank, tile, group) of the tile schedule without the cluster exchange:
+        its K slice of one row tile, summed over its warps in warp order (push_batch's sums), into slot
+        group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
+        tidx, _, _ = cute.arch.thread_idx()
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()

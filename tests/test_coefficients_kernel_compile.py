@@ -253,8 +253,7 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
     assert callable(ck.compile_coefficients(7168, variant, "none", 20, config, arch=arch))
     with pytest.raises(ValueError, match="push_vec does not apply"):
         CoefficientsConfig.for_shape(7168, False, 64, push_vec=True, schedule="partials").validate(7168, False)
-    with pytest.raises(ValueError, match="layer_input"):
-        CoefficientsKernel(7168, variant=variant, layer_input="one_hot", config=config)
+    assert callable(ck.compile_coefficients(7168, variant, "one_hot", 20, config, arch=arch))
     with pytest.raises(ValueError, match="schedule must be one of"):
         CoefficientsConfig.for_shape(7168, False, schedule="stream").validate(7168, False)
     with pytest.raises(ValueError, match="schedule 'partials' needs"):

@@ -709,3 +709,25 @@ def test_partials_schedule_nan_rows_and_graph_replay() -> None:
         torch.cuda.synchronize()
         assert_matches(out, reference(x))
     assert_counters_clean(ws)
+
+
+@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("variant", ("inline", "first"))
+def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -> None:
+    # With a layer input the first launch keeps its layer-input clusters; the coefficients and the
+    # layer input both keep the default's bits.
+    broadcast = variant == "first"
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    configs = (partials_config(H, broadcast, 32), partials_config(H, broadcast, 64, row_split=2))
+    for rows in (1, 16, 129, 300, 512):
+        x = streams(rows, H, seed=rows + 90)
+        if broadcast:
+            x = x[:, 0].contiguous()
+        pre_mix = None if broadcast else carried_pre(rows)
+        want = call(x, broadcast=broadcast, inline=True, pre_mix=pre_mix, ws=ws)
+        for config in configs:
+            got = call(x, broadcast=broadcast, inline=True, pre_mix=pre_mix, ws=ws, config=config)
+            wait_or_fail()
+            for name in Out._fields:
+                assert bitwise_equal(getattr(got, name), getattr(want, name)), f"{name}, {rows} rows, {config}"
+        assert_counters_clean(ws)
