@@ -287,7 +287,7 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   10.1-10.2 -> 8.47). At H 4096 the same tile wins at 193-384 rows (256: 9.6 -> 8.0) and the 32-row
 #   tile with pushes at 512 (11.67 -> 10.49).
 # - Inline: at H 7168 the 32-row tile with pushes from 257 rows (512: 34.34 -> 32.53, 384: 26.23 ->
-#   25.47); below H 7168 64-row tiles with pushes from 129 rows (5120 x 256: 15.12 -> 14.08) or, at H
+#   25.47; replaced by the partials band below); below H 7168 64-row tiles with pushes from 129 rows (5120 x 256: 15.12 -> 14.08) or, at H
 #   4096, from 192 (192 rows: 10.78 -> 10.25). The first-layer inline form keeps v6's bands.
 # - v7, the partials schedule (two launches, no cluster; same bits), from two A/B runs at >= 64 rows and
 #   one below (docs/PERF.md, v7). Standard projection at H >= 5120: 7168 x 16 5.23 -> 5.04, x 32 6.07 ->
@@ -297,6 +297,9 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   12.04-12.20 -> 11.12-11.23 at 7168, 10.46-10.55 -> 9.05-9.11 at 4096). The broadcast split tile also
 #   wins up to 96 rows (48 rows: 5.32-6.28 -> 4.60-5.11; 96 rows: 5.60-7.12 -> 4.96-6.47; 97-128 not
 #   measured, so the plain tile stays there).
+# - v7, inline at H 7168 from 129 rows: 32-row partials (one A/B run, bits GPU-tested): 129 rows 12.29 ->
+#   11.72, 256 rows 18.44 -> 17.02, 512 rows 32.54 -> 28.77. At H 4096-5120 the tile schedule stays
+#   (partials 0.1-1 us slower there).
 Choice = tuple[int, bool, int, int, str]  # (rows_per_tile, push_vec, row_split, min_blocks, schedule)
 T32: Choice = (32, False, 1, 0, "tile")
 T32_VEC: Choice = (32, True, 1, 0, "tile")
@@ -331,7 +334,7 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
         return ((1, SPLIT), (97, T32), (129, T64_MB3_P))
     if form == "inline":
         if H >= 7168:
-            return ((1, T32), (8, SPLIT), (33, T32), (257, T32_VEC))
+            return ((1, T32), (8, SPLIT), (33, T32), (129, T32_P))
         return ((1, T32), (129 if H >= 5120 else 192, T64_VEC))
     if form == "first inline":
         return ((1, T32), (257, T64_VEC))

@@ -109,10 +109,10 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("standard", "none", 32, False, 1, "partials"),
         ("standard", "carried", 32, False, 1, "tile"),
         ("standard", "carried", 32, True, 2, "tile"),
-        ("standard", "carried", 32, True, 1, "tile"),
+        ("standard", "carried", 32, False, 1, "partials"),
         ("standard", "one_hot", 32, False, 1, "tile"),
         ("standard", "one_hot", 32, True, 2, "tile"),
-        ("standard", "one_hot", 32, True, 1, "tile"),
+        ("standard", "one_hot", 32, False, 1, "partials"),
         ("broadcast", "none", 32, True, 2, "tile"),
         ("broadcast", "none", 32, False, 1, "tile"),
         ("broadcast", "none", 64, False, 1, "partials"),
@@ -124,8 +124,11 @@ def test_warmup_keys_cover_every_call_path() -> None:
     assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(12, 3)]
     assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
     assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
-    # The partials schedule never takes a layer input.
-    assert all(k[4].schedule == "tile" for k in keys if k[2] != "none")
+    # With a layer input, the partials schedule only for the inline form at H 7168 from 129 rows.
+    assert ck.default_config(7168, False, 129, inline=True).schedule == "partials"
+    assert ck.default_config(7168, False, 128, inline=True).schedule == "tile"
+    assert ck.default_config(7168, True, 512, inline=True).schedule == "tile"
+    assert ck.default_config(5120, False, 512, inline=True).schedule == "tile"
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
     # Up to 16 rows: the split partials (standard, H >= 5120), the plain and split tiles (the split one
     # for the inline forms only from H 7168).
