@@ -708,6 +708,23 @@ class CoefficientsKernel:
             )  # fmt: skip
 
     @cute.jit
+    def cta_coords(self, mX: cute.Tensor, cluster: Int32) -> tuple:
+        """(warp, lane, split, tile, group, row0, tile_rows) of a projection CTA: warp (chunk w, split s)
+        takes the columns of chunk w and the m-tiles of split s of every batch; cluster index
+        tile * G + group."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        split = 0
+        if const_expr(self.row_split > 1):
+            split = warp // self.warps
+            warp = warp - split * self.warps
+        tile = cluster // self.groups
+        group = cluster - tile * self.groups
+        row0 = tile * self.tm
+        tile_rows = cutlass.min(mX.shape[0] - row0, self.tm)
+        return warp, lane, split, tile, group, row0, tile_rows
+
+    @cute.jit
     def cluster_prologue(self) -> tuple:
         """(rank in the cluster, cluster index, shared-memory allocator, the exchange mbarrier
         initialised), after the cluster arrive that the first cluster_wait matches."""
@@ -747,18 +764,7 @@ class CoefficientsKernel:
         """One CTA of a projection cluster: its K slice of one row tile, then its share of the rows."""
         tidx, _, _ = cute.arch.thread_idx()
         self.stamp(mTrace, 0)
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        # Warp (chunk w, split s): the columns of chunk w, the m-tiles of split s of every batch.
-        split = 0
-        if const_expr(self.row_split > 1):
-            split = warp // self.warps
-            warp = warp - split * self.warps
-        rows = mX.shape[0]
-        tile = cluster // self.groups
-        group = cluster - tile * self.groups
-        row0 = tile * self.tm
-        tile_rows = cutlass.min(rows - row0, self.tm)
+        warp, lane, split, tile, group, row0, tile_rows = self.cta_coords(mX, cluster)
         share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
 
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
@@ -914,17 +920,7 @@ class CoefficientsKernel:
         group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
         tidx, _, _ = cute.arch.thread_idx()
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        split = 0
-        if const_expr(self.row_split > 1):
-            split = warp // self.warps
-            warp = warp - split * self.warps
-        rows = mX.shape[0]
-        tile = cluster // self.groups
-        group = cluster - tile * self.groups
-        row0 = tile * self.tm
-        tile_rows = cutlass.min(rows - row0, self.tm)
+        warp, lane, split, tile, group, row0, tile_rows = self.cta_coords(mX, cluster)
         slot = group * CLUSTER + rank
         stride = const_expr(self.batch_rows * NV)
         col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
