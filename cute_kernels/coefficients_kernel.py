@@ -1689,7 +1689,8 @@ _F32 = torch.float32
 
 
 class CoefficientsWorkspace:
-    """Partials [groups, max_rows, 25] fp32 and per-(tile, CTA) arrival counters (int32, zero between calls).
+    """Partials [groups, max_rows, 25] fp32, per-(tile, CTA) arrival counters (int32, zero between calls)
+    and the partials schedule's per-CTA sums [groups * 8, max_rows, 25] fp32.
 
     One workspace serves every variant of hidden size H on one device, but one launch at a time:
     two calls that may run concurrently (e.g. the main stream and an mHC side stream) need two
