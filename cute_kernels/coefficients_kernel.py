@@ -37,12 +37,12 @@ exactly), the sum of squares of the rounded c is exchanged across the cluster th
 out = bf16(c * rsqrt(sum/H + eps) * w). LayerInputKernel (mhc_layer_input) runs those clusters
 alone, with the same bits, for a scheduler that runs the projection on a side stream.
 
-Schedule "partials" (config.schedule; projection only, no layer input): the same CTAs without the
-cluster. Each stores its warp-ordered sums into the workspace's rank_partials [G*8, rows, 25] and
-exits; a second launch (PDL), one CTA per row, adds each group's 8 CTA sums in rank order, then the
-G groups in order (the very additions of the one-launch schedule, so the same bits), then runs the
-epilogue. No cluster co-scheduling, no exchange, no handoff: faster from 1 row at H >= 5120
-(docs/PERF.md, v7).
+Schedule "partials" (config.schedule): the same projection CTAs without the cluster exchange. Each
+stores its warp-ordered sums into the workspace's rank_partials [G*8, rows, 25] and exits; a second
+launch (PDL), one CTA per row, adds each group's 8 CTA sums in rank order, then the G groups in order
+(the very additions of the one-launch schedule, so the same bits), then runs the epilogue. Without a
+layer input the first launch has no clusters at all; with one it keeps them for the layer-input
+clusters. No exchange, no handoff: faster from 1 row at H >= 5120 (docs/PERF.md, v7).
 
 PDL: before griddepcontrol.wait a CTA reads only weights (fn, w); the streams, the carried
 pre-mix and the workspace come after it.
@@ -150,8 +150,8 @@ class CoefficientsConfig:
       gives other bits than "mma" (as accurate); for A/B measurement at few rows, never a default.
     - `schedule`: "tile" (one launch, clusters, the last CTA of a row tile finishes its rows) or
       "partials" (two launches, no clusters: CTA sums to the workspace, then one CTA per row sums
-      them in the same order and finishes it; the same bits; mma projection, no layer input, no
-      trace, no push_vec; `handoff` does not apply to it).
+      them in the same order and finishes it; the same bits; mma projection, no trace, no
+      push_vec; `handoff` does not apply to it).
     """
 
     rows_per_tile: int
@@ -708,10 +708,10 @@ class CoefficientsKernel:
             )  # fmt: skip
 
     @cute.jit
-    def cta_coords(self, mX: cute.Tensor, cluster: Int32) -> tuple:
-        """(warp, lane, split, tile, group, row0, tile_rows) of a projection CTA: warp (chunk w, split s)
-        takes the columns of chunk w and the m-tiles of split s of every batch; cluster index
-        tile * G + group."""
+    def cta_coords(self, mX: cute.Tensor, rank: Int32, cluster: Int32) -> tuple:
+        """(warp, lane, split, tile, group, row0, tile_rows, col) of a projection CTA: warp (chunk w,
+        split s) takes the columns of chunk w and the m-tiles of split s of every batch; cluster index
+        tile * G + group; col is the first of this lane's 8 columns."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         split = 0
@@ -722,7 +722,8 @@ class CoefficientsKernel:
         group = cluster - tile * self.groups
         row0 = tile * self.tm
         tile_rows = cutlass.min(mX.shape[0] - row0, self.tm)
-        return warp, lane, split, tile, group, row0, tile_rows
+        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
+        return warp, lane, split, tile, group, row0, tile_rows, col
 
     @cute.jit
     def cluster_prologue(self) -> tuple:
@@ -764,7 +765,7 @@ class CoefficientsKernel:
         """One CTA of a projection cluster: its K slice of one row tile, then its share of the rows."""
         tidx, _, _ = cute.arch.thread_idx()
         self.stamp(mTrace, 0)
-        warp, lane, split, tile, group, row0, tile_rows = self.cta_coords(mX, cluster)
+        warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
         share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
 
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
@@ -779,7 +780,6 @@ class CoefficientsKernel:
         # Weights before the wait (the previous kernel does not write them): this warp's fn slice
         # (with "fma", the CTA's, on its way to shared memory), and scale / base for whichever CTA
         # ends up running the epilogue.
-        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
         fn = None
         if const_expr(self.projection == "fma"):
             self.stage_fn(mFn, sFn, (group * CLUSTER + rank) * (self.warps * CHUNK))
@@ -920,10 +920,8 @@ class CoefficientsKernel:
         group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
         tidx, _, _ = cute.arch.thread_idx()
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
-        warp, lane, split, tile, group, row0, tile_rows = self.cta_coords(mX, cluster)
+        warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
         slot = group * CLUSTER + rank
-        stride = const_expr(self.batch_rows * NV)
-        col = ((group * CLUSTER + rank) * self.warps + warp) * CHUNK + (lane % 4) * 8
         fn = self.load_fn(mFn, col, lane)
         cute.arch.griddepcontrol_wait()
         words = self.load_rows(mX, row0, col, lane, split)
@@ -939,10 +937,7 @@ class CoefficientsKernel:
             cute.arch.sync_threads()
             rows_here = cutlass.max(cutlass.min(tile_rows - batch_row0, self.batch_rows), 0)
             for e in cutlass.range(tidx, rows_here * NV, self.threads):
-                acc = sWarp[e]
-                for w in cutlass.range_constexpr(1, self.warps):
-                    acc = acc + sWarp[w * stride + e]
-                mRank[slot, row0 + batch_row0 + e // NV, e % NV] = acc
+                mRank[slot, row0 + batch_row0 + e // NV, e % NV] = self.warp_sum(sWarp, e)
             if const_expr(b < self.batches - 1):
                 if const_expr(not self.prefetch):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
@@ -1026,6 +1021,14 @@ class CoefficientsKernel:
             tidx, _, _ = cute.arch.thread_idx()
             if tidx == 0:
                 mTrace[self.trace_base() + TRACE_COMB_SLOT + k] = prim.clock64()
+
+    @cute.jit
+    def warp_sum(self, sWarp: cute.Tensor, e: Int32) -> Float32:
+        """Element e of a batch's partials summed over the CTA's warps in warp order."""
+        acc = sWarp[e]
+        for w in cutlass.range_constexpr(1, self.warps):
+            acc = acc + sWarp[w * (self.batch_rows * NV) + e]
+        return acc
 
     @cute.jit
     def cluster_sum(self, sRecv: cute.Tensor, e: Int32) -> Float32:
@@ -1222,7 +1225,6 @@ class CoefficientsKernel:
         """Sum the warps' partials of a batch (warp order) and push each row to the CTA that owns it."""
         tidx, _, _ = cute.arch.thread_idx()
         rows_here = cutlass.max(cutlass.min(tile_rows - batch_row0, self.batch_rows), 0)
-        stride = const_expr(self.batch_rows * NV)
         seg = const_expr(self.share * NV)  # elements of one owner's rows
         if const_expr(self.push_vec):
             # 4 elements per store. seg, stride and batch_row0 * NV are multiples of 4, so a vector
@@ -1232,19 +1234,14 @@ class CoefficientsKernel:
                 e = cute.assume(v * 4, divby=4)
                 accs = []
                 for k in cutlass.range_constexpr(4):
-                    acc = sWarp[e + k]
-                    for w in cutlass.range_constexpr(1, self.warps):
-                        acc = acc + sWarp[w * stride + e + k]
-                    accs.append(acc.bitcast(Int32))
+                    accs.append(self.warp_sum(sWarp, e + k).bitcast(Int32))
                 flat = batch_row0 * NV + e
                 owner = flat // seg
                 slot = cute.assume(rank * seg + flat - owner * seg, divby=4)
                 cute.arch.store_async_dsmem(sRecv.iterator + slot, tuple(accs), mbar, owner)
         else:
             for e in cutlass.range(tidx, rows_here * NV, self.threads):
-                acc = sWarp[e]
-                for w in cutlass.range_constexpr(1, self.warps):
-                    acc = acc + sWarp[w * stride + e]
+                acc = self.warp_sum(sWarp, e)
                 flat = batch_row0 * NV + e  # element index within the tile
                 owner = flat // seg
                 slot = rank * seg + flat - owner * seg

@@ -74,7 +74,7 @@ def test_every_call_finds_its_default_among_the_warmup_keys(H: int) -> None:
 
 # The defaults v6 and v7 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM,
 # the split tile in the inline form, the re-tuned broadcast and inline bands above 128 rows.
-V6_DEFAULTS = [
+ADDED_DEFAULTS = [
     (7168, "standard", "none", 100, False),
     (7168, "standard", "none", 512, False),
     (7168, "broadcast", "none", 512, False),
@@ -93,8 +93,8 @@ V6_DEFAULTS = [
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("H,variant,mode,rows,inline", V6_DEFAULTS)
-def test_v6_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool, arch: str) -> None:
+@pytest.mark.parametrize("H,variant,mode,rows,inline", ADDED_DEFAULTS)
+def test_added_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool, arch: str) -> None:
     config = ck.default_config(H, variant == "broadcast", rows, inline)
     assert callable(ck.compile_coefficients(H, variant, mode, 20, config, arch=arch))
 
