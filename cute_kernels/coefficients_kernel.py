@@ -195,8 +195,10 @@ class CoefficientsConfig:
         """Raise ValueError unless this config tiles the projection of hidden size H."""
         _check_hidden(H)
         tm, w, g = self.rows_per_tile, self.warps, self.groups
-        if not _is_int_in(tm, (16, 32, 64, 128)):
-            raise ValueError(f"rows_per_tile must be 16, 32, 64 or 128, got {tm!r}")
+        if not _is_int_in(tm, (16, 32, 64, 128, 256, 512)):
+            raise ValueError(f"rows_per_tile must be 16, 32, 64, 128, 256 or 512, got {tm!r}")
+        if tm > 128 and self.schedule != "partials":
+            raise ValueError(f"rows_per_tile {tm} needs schedule 'partials' (a cluster finishes at most 128 rows)")
         if not (isinstance(w, int) and 1 <= w <= MAX_WARPS):
             raise ValueError(f"warps must be an int in 1..{MAX_WARPS}, got {w!r}")
         width = projection_width(H, broadcast)
@@ -229,7 +231,7 @@ class CoefficientsConfig:
             raise ValueError(f"sinkhorn_unroll must be one of {SINKHORN_UNROLLS}, got {self.sinkhorn_unroll!r}")
         if not _is_int_in(self.comb_lanes, COMB_LANES):
             raise ValueError(f"comb_lanes must be one of {COMB_LANES}, got {self.comb_lanes!r}")
-        if tm // CLUSTER * self.comb_lanes > 32:
+        if self.schedule == "tile" and tm // CLUSTER * self.comb_lanes > 32:
             raise ValueError(
                 f"comb_lanes ({self.comb_lanes}) lanes for each of the {tm // CLUSTER} rows a CTA finishes exceed a warp"
             )
