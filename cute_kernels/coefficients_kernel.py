@@ -88,6 +88,8 @@ ROW_SPLITS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
 COMB_LANES = (1, 2, 4)
 SINKHORN_UNROLLS = (1, 2, 4, 8)
+STAGES = (0, 2, 3, 4)
+BULK_BATCH_MTILES = 2  # 16-row m-tiles per batch of the bulk-copy ring (config.stages)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
 INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
@@ -152,6 +154,10 @@ class CoefficientsConfig:
       "partials" (two launches, no clusters: CTA sums to the workspace, then one CTA per row sums
       them in the same order and finishes it; the same bits; mma projection, no trace, no
       push_vec; `handoff` does not apply to it).
+    - `stages`: schedule "partials" only: 0 (each thread loads its rows into registers) or 2-4: a CTA
+      walks its tile in 32-row batches that one thread copies into a ring of this many stages in
+      shared memory (a bulk copy per row, completing on the stage's mbarrier), so several batches are
+      in flight without registers; the same MMAs and sums, so the same bits.
     """
 
     rows_per_tile: int
@@ -169,6 +175,7 @@ class CoefficientsConfig:
     trace: bool = False
     projection: str = "mma"
     schedule: str = "tile"
+    stages: int = 0
 
     @property
     def threads(self) -> int:
@@ -219,8 +226,9 @@ class CoefficientsConfig:
             raise ValueError(f"norm_order must be one of {NORM_ORDERS}, got {self.norm_order!r}")
         if not _is_int_in(self.row_split, ROW_SPLITS):
             raise ValueError(f"row_split must be one of {ROW_SPLITS}, got {self.row_split!r}")
-        if min(4, tm // 16) % self.row_split:
-            raise ValueError(f"row_split ({self.row_split}) must divide the {min(4, tm // 16)} m-tiles of a batch")
+        mtiles = min(BULK_BATCH_MTILES if self.stages else 4, tm // 16)
+        if mtiles % self.row_split:
+            raise ValueError(f"row_split ({self.row_split}) must divide the {mtiles} m-tiles of a batch")
         if not isinstance(self.push_vec, bool):
             raise ValueError(f"push_vec must be a bool, got {self.push_vec!r}")
         if self.push_vec and tm < 32:
@@ -241,6 +249,10 @@ class CoefficientsConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "partials" and (self.trace or self.projection != "mma"):
             raise ValueError("schedule 'partials' needs the mma projection and no trace")
+        if not _is_int_in(self.stages, STAGES):
+            raise ValueError(f"stages must be one of {STAGES}, got {self.stages!r}")
+        if self.stages and (self.schedule != "partials" or self.prefetch):
+            raise ValueError("stages (the bulk-copy ring) needs schedule 'partials' and no prefetch")
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -498,6 +510,18 @@ def _cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> 
     )
 
 
+@dsl_user_op
+def _bulk_copy_row(dst: cute.Pointer, src: cute.Pointer, size: int, mbar: cute.Pointer, *, loc=None, ip=None) -> None:
+    """Copy `size` bytes (a multiple of 16, both ends 16-byte aligned) from global to this CTA's shared
+    memory with one bulk copy (cp.async.bulk), counted against mbar's expected transaction bytes."""
+    cute.arch.inline_ptx(
+        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{{$r0}}], [{{$r1}}], {size}, [{{$r2}}];",
+        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip), mbar.toint(loc=loc, ip=ip)],
+        loc=loc,
+        ip=ip,
+    )
+
+
 def _dot8(x: list, f: list) -> Float32:
     """sum_c x[c] * f[c] over 8 values in column order: one multiply, then 7 fused multiply-adds."""
     acc = x[0] * f[0]
@@ -557,7 +581,8 @@ class CoefficientsKernel:
         self.cta_warps = config.warps * config.row_split
         self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
-        self.mtiles_per_batch = min(4, self.tm // 16)
+        self.stages = config.stages
+        self.mtiles_per_batch = min(BULK_BATCH_MTILES if self.stages else 4, self.tm // 16)
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch
@@ -570,6 +595,12 @@ class CoefficientsKernel:
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
         self.schedule = config.schedule
+        if self.stages and layer_input != "none":
+            raise ValueError("stages (the bulk-copy ring) applies to the projection without a layer input")
+        # The ring's rows: this CTA's warps * 32 columns, padded to an odd multiple of 64 bytes, so the
+        # 8 lanes of a 16-byte shared-memory load phase (rows 2k, 2k + 1) hit distinct banks.
+        self.row_bytes = self.warps * CHUNK * 2
+        self.pitch_words = (self.row_bytes + (64 if self.warps % 2 == 0 else 0)) // 4
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -920,6 +951,9 @@ class CoefficientsKernel:
         """schedule "partials": CTA (rank, tile, group) of the tile schedule without the cluster exchange:
         its K slice of one row tile, summed over its warps in warp order (push_batch's sums), into slot
         group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
+        if const_expr(self.stages):
+            self.partials_ring(smem, mX, mFn, mRank, rank, cluster)
+            return
         tidx, _, _ = cute.arch.thread_idx()
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
@@ -944,6 +978,78 @@ class CoefficientsKernel:
                 if const_expr(not self.prefetch):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
                 cute.arch.sync_threads()
+
+    @cute.jit
+    def partials_ring(
+        self, smem: cutlass.memory.SmemAllocator, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor,
+        rank: Int32, cluster: Int32,
+    ):  # fmt: skip
+        """partials_role with config.stages: the tile's 32-row batches reach shared memory through a ring
+        of `stages` slots that thread 0 fills with one bulk copy per row (the CTA's 448-byte slice at
+        H 7168), each slot completing on its own mbarrier; a slot is refilled once every warp has
+        multiplied it. The same MMAs and warp-order sums into the same slots as partials_role."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
+        slot = group * CLUSTER + rank
+        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
+        sRows = smem.allocate_tensor(
+            Int32, cute.make_layout(self.stages * self.batch_rows * self.pitch_words), byte_alignment=128
+        )
+        full = smem.allocate_array(Int64, num_elems=self.stages)
+        if tidx == 0:
+            for st in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + st, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        fn = self.load_fn(mFn, col, lane)
+        cute.arch.griddepcontrol_wait()
+        src0 = mX.iterator + (row0 * self.row_stride + (group * CLUSTER + rank) * (self.warps * CHUNK))
+        batches = (tile_rows + (self.batch_rows - 1)) // self.batch_rows
+        if tidx == 0:
+            for st in cutlass.range_constexpr(self.stages):
+                if st < batches:
+                    self.fill_stage(sRows, full, src0, st, st, tile_rows)
+        hi, lo = self.split_fn(fn)
+        g = lane // 4
+        t = lane % 4
+        for b in cutlass.range(batches, unroll=1):
+            st = b % self.stages
+            cute.arch.mbarrier_wait(full + st, (b // self.stages) % 2)
+            base = sRows.iterator + (st * (self.batch_rows * self.pitch_words) + warp * (CHUNK // 2) + t * 4)
+            words = []
+            for i in cutlass.range_constexpr(self.mtiles_per_warp):
+                mt = split * self.mtiles_per_warp + i
+                pair = []
+                for half in cutlass.range_constexpr(2):
+                    pair.append(_ld_v4_i32(base + (mt * 16 + half * 8 + g) * self.pitch_words))
+                words.append(pair)
+            batch_row0 = b * self.batch_rows
+            self.project_batch(words, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+            if b == batches - 1:
+                cute.arch.griddepcontrol_launch_dependents()
+            # Every warp has its words of slot st in registers: refill it, then sum the warps.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                if b + self.stages < batches:
+                    self.fill_stage(sRows, full, src0, st, b + self.stages, tile_rows)
+            rows_here = cutlass.min(tile_rows - batch_row0, self.batch_rows)
+            for e in cutlass.range(tidx, rows_here * NV, self.threads):
+                mRank[slot, row0 + batch_row0 + e // NV, e % NV] = self.warp_sum(sWarp, e)
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def fill_stage(
+        self, sRows: cute.Tensor, full: cute.Pointer, src0: cute.Pointer, st: Int32, b: Int32, tile_rows: Int32
+    ):
+        """(One thread) copy the rows of batch b of this tile (those before the end) into ring slot st:
+        the slot's mbarrier expects their bytes, then one bulk copy per row."""
+        n = cutlass.min(tile_rows - b * self.batch_rows, self.batch_rows)
+        cute.arch.mbarrier_arrive_and_expect_tx(full + st, n * self.row_bytes)
+        dst0 = sRows.iterator + st * (self.batch_rows * self.pitch_words)
+        for r in cutlass.range(n, unroll=1):
+            _bulk_copy_row(
+                dst0 + r * self.pitch_words, src0 + (b * self.batch_rows + r) * self.row_stride, self.row_bytes, full + st
+            )
 
     @property
     def finish_threads(self) -> int:

@@ -263,6 +263,36 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
         CoefficientsConfig.for_shape(7168, False, schedule="partials", projection="fma").validate(7168, False)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("H,variant,knobs", [
+    (7168, "standard", dict(rows_per_tile=256, stages=4)),
+    (4096, "standard", dict(rows_per_tile=128, stages=3, row_split=2)),
+    (5120, "broadcast", dict(rows_per_tile=32, stages=2)),
+])  # fmt: skip
+def test_partials_ring_compiles(H: int, variant: str, knobs: dict, arch: str) -> None:
+    config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
+    assert callable(ck.compile_coefficients(H, variant, "none", 20, config, arch=arch))
+
+
+def test_partials_ring_is_validated() -> None:
+    base = CoefficientsConfig.for_shape(7168, False, 256, schedule="partials", stages=4)
+    base.validate(7168, False)
+    for knobs, message in (
+        (dict(stages=1), "stages must be one of"),
+        (dict(stages=4.0), "stages must be one of"),
+        (dict(schedule="tile"), "needs schedule 'partials'"),
+        (dict(prefetch=True), "no prefetch"),
+        (dict(row_split=4), "row_split"),  # a ring batch is 2 m-tiles
+    ):
+        with pytest.raises(ValueError, match=message):
+            CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)
+    with pytest.raises(ValueError, match="without a layer input"):
+        ck.CoefficientsKernel(7168, layer_input="carried", config=base)
+    # Tiles above 128 rows exist for the partials schedule only.
+    with pytest.raises(ValueError, match="needs schedule 'partials'"):
+        CoefficientsConfig.for_shape(7168, False, 256).validate(7168, False)
+
+
 def test_trace_build_compiles() -> None:
     config = CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", trace=True)
     assert callable(ck.compile_coefficients(7168, "standard", "none", 20, config, arch="sm_90a"))

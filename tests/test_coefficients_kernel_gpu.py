@@ -731,3 +731,60 @@ def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -
             for name in Out._fields:
                 assert bitwise_equal(getattr(got, name), getattr(want, name)), f"{name}, {rows} rows, {config}"
         assert_counters_clean(ws)
+
+
+# --- the partials schedule with the bulk-copy ring (config.stages): the default's bits -------------
+
+
+@pytest.mark.parametrize("H", (4096, 5120, 7168))
+@pytest.mark.parametrize("broadcast", (False, True))
+def test_partials_ring_gives_the_default_bits(H: int, broadcast: bool) -> None:
+    # The ring changes only how rows reach the MMAs: every config, every row count, the same bits.
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    configs = (
+        partials_config(H, broadcast, 256, stages=4),
+        partials_config(H, broadcast, 128, stages=3, row_split=2),
+        partials_config(H, broadcast, 32, stages=2),
+        partials_config(H, broadcast, 512, stages=4),
+    )
+    for rows in (1, 7, 33, 64, 65, 129, 300, 512):
+        x = streams(rows, H, seed=rows + 120)
+        if broadcast:
+            x = x[:, 1].contiguous()
+        want = call(x, broadcast=broadcast, ws=ws)
+        for config in configs:
+            got = call(x, broadcast=broadcast, ws=ws, config=config)
+            wait_or_fail()
+            for name in ("post", "comb", "pre"):
+                assert bitwise_equal(getattr(got, name), getattr(want, name)), f"{name}, {rows} rows, {config}"
+        assert_counters_clean(ws)
+
+
+def test_partials_ring_nan_rows_and_graph_replay() -> None:
+    H, rows = 7168, 300
+    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
+    config = partials_config(H, False, 256, stages=4)
+    x = streams(rows, H, seed=121)
+    want = call(x, ws=ws)
+    bad = x.clone()
+    bad[5, 2, 11] = float("nan")
+    bad[290, 0, 3] = float("inf")
+    got = call(bad, ws=ws, config=config)
+    wait_or_fail()
+    good = torch.ones(rows, dtype=torch.bool, device="cuda")
+    good[[5, 290]] = False
+    for name in ("post", "comb", "pre"):
+        assert bitwise_equal(getattr(got, name)[good], getattr(want, name)[good]), name
+        assert bool(getattr(got, name)[[5, 290]].isnan().all()), name
+    out = call(x, ws=ws, config=config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            call(x, ws=ws, out=out, config=config)
+    for step in range(2):
+        x.copy_(streams(rows, H, seed=930 + step))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference(x))
+    assert_counters_clean(ws)
