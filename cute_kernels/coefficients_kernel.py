@@ -1048,7 +1048,10 @@ class CoefficientsKernel:
         dst0 = sRows.iterator + st * (self.batch_rows * self.pitch_words)
         for r in cutlass.range(n, unroll=1):
             _bulk_copy_row(
-                dst0 + r * self.pitch_words, src0 + (b * self.batch_rows + r) * self.row_stride, self.row_bytes, full + st
+                dst0 + r * self.pitch_words,
+                src0 + (b * self.batch_rows + r) * self.row_stride,
+                self.row_bytes,
+                full + st,
             )
 
     @property
