@@ -158,6 +158,11 @@ class CoefficientsConfig:
       walks its tile in 32-row batches that one thread copies into a ring of this many stages in
       shared memory (a bulk copy per row, completing on the stage's mbarrier), so several batches are
       in flight without registers; the same MMAs and sums, so the same bits.
+    - `stage_rows`: schedule "partials" only: each lane copies its rows of every batch of the tile to
+      its own shared-memory slots with cp.async right after the wait, then splits fn and reads them
+      back batch by batch. Loaded into registers instead, ptxas issues an m-tile's row loads only
+      after the fn split and the MMAs before it, one round trip after another (the partials kernel's
+      SASS).
     """
 
     rows_per_tile: int
@@ -176,6 +181,7 @@ class CoefficientsConfig:
     projection: str = "mma"
     schedule: str = "tile"
     stages: int = 0
+    stage_rows: bool = False
 
     @property
     def threads(self) -> int:
@@ -253,6 +259,10 @@ class CoefficientsConfig:
             raise ValueError(f"stages must be one of {STAGES}, got {self.stages!r}")
         if self.stages and (self.schedule != "partials" or self.prefetch):
             raise ValueError("stages (the bulk-copy ring) needs schedule 'partials' and no prefetch")
+        if not isinstance(self.stage_rows, bool):
+            raise ValueError(f"stage_rows must be a bool, got {self.stage_rows!r}")
+        if self.stage_rows and (self.schedule != "partials" or self.prefetch or self.stages):
+            raise ValueError("stage_rows needs schedule 'partials', no prefetch and no ring (stages)")
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -582,6 +592,7 @@ class CoefficientsKernel:
         self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
         self.stages = config.stages
+        self.stage_rows = config.stage_rows
         self.mtiles_per_batch = min(BULK_BATCH_MTILES if self.stages else 4, self.tm // 16)
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
@@ -958,13 +969,30 @@ class CoefficientsKernel:
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
         slot = group * CLUSTER + rank
+        sStage = None
+        if const_expr(self.stage_rows):
+            # [batch][CTA warp][m-tile][half] 128 words: a lane's 16 bytes at 4 * lane.
+            sStage = smem.allocate_tensor(
+                Int32,
+                cute.make_layout(self.batches * self.cta_warps * self.mtiles_per_warp * 2 * WARP * 4),
+                byte_alignment=16,
+            )
         fn = self.load_fn(mFn, col, lane)
         cute.arch.griddepcontrol_wait()
-        words = self.load_rows(mX, row0, col, lane, split)
+        words = None
+        if const_expr(self.stage_rows):
+            for b in cutlass.range_constexpr(self.batches):
+                self.copy_rows(mX, sStage, row0 + b * self.batch_rows, b, col, warp, lane, split)
+                cute.arch.cp_async_commit_group()
+        else:
+            words = self.load_rows(mX, row0, col, lane, split)
         hi, lo = self.split_fn(fn)
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
             current = words
+            if const_expr(self.stage_rows):
+                cute.arch.cp_async_wait_group(self.batches - 1 - b)
+                current = self.staged_rows(sStage, b, warp, lane, split)
             if const_expr(self.prefetch and b < self.batches - 1):
                 words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
             self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
@@ -975,9 +1003,42 @@ class CoefficientsKernel:
             for e in cutlass.range(tidx, rows_here * NV, self.threads):
                 mRank[slot, row0 + batch_row0 + e // NV, e % NV] = self.warp_sum(sWarp, e)
             if const_expr(b < self.batches - 1):
-                if const_expr(not self.prefetch):
+                if const_expr(not self.prefetch and not self.stage_rows):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
                 cute.arch.sync_threads()
+
+    def stage_slot(
+        self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split, i: int, half: int
+    ) -> cute.Pointer:
+        """Where a lane's 16 bytes of (batch b, m-tile i of its split, half) sit in the staging buffer."""
+        cta_warp = split * self.warps + warp
+        return (
+            sStage.iterator
+            + ((((b * self.cta_warps + cta_warp) * self.mtiles_per_warp + i) * 2 + half) * WARP + lane) * 4
+        )
+
+    @cute.jit
+    def copy_rows(
+        self, mX: cute.Tensor, sStage: cute.Tensor, batch_row: Int32, b: int, col: Int32, warp: Int32, lane: Int32, split
+    ):  # fmt: skip
+        """load_rows into this lane's staging slots of batch b with cp.async (rows past the end read the last row)."""
+        rows = mX.shape[0]
+        g = lane // 4
+        for i in cutlass.range_constexpr(self.mtiles_per_warp):
+            mt = split * self.mtiles_per_warp + i
+            for half in cutlass.range_constexpr(2):
+                row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
+                _cp_async_16(
+                    self.stage_slot(sStage, b, warp, lane, split, i, half), mX.iterator + (row * self.row_stride + col)
+                )
+
+    @cute.jit
+    def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:
+        """This lane's words of batch b back from its staging slots, shaped as load_rows returns them."""
+        return [
+            [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
+            for i in range(self.mtiles_per_warp)
+        ]
 
     @cute.jit
     def partials_ring(
@@ -1244,39 +1305,40 @@ class CoefficientsKernel:
         split,
     ):
         """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of its
-        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp; sums of rows past the
-        end are dropped."""
+        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp. Every m-tile is
+        multiplied, also past the last row (those slots are never read): behind a guard, ptxas sinks an
+        m-tile's row loads into the guarded block, below the fn split, so the row round trip would
+        start only after the fn one (seen in the SASS of the partials kernel)."""
         g = lane // 4
         t = lane % 4
         for i in cutlass.range_constexpr(self.mtiles_per_warp):
             mt = split * self.mtiles_per_warp + i
-            if mt * 16 < batch_rows:
-                upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
-                acc = [[Float32(0.0)] * 4 for _ in range(3)]
-                gram0 = [Float32(0.0)] * 4
-                gram1 = [Float32(0.0)] * 4
-                for s in cutlass.range_constexpr(2):
-                    # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
-                    a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
-                    for j in cutlass.range_constexpr(3):
-                        acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
-                        acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
-                    # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
-                    gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
-                    gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
-                base = (warp * self.batch_rows + mt * 16 + g) * NV
+            upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
+            acc = [[Float32(0.0)] * 4 for _ in range(3)]
+            gram0 = [Float32(0.0)] * 4
+            gram1 = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(2):
+                # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
+                a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
                 for j in cutlass.range_constexpr(3):
-                    n = 8 * j + 2 * t
-                    sWarp[base + n] = acc[j][0]
-                    sWarp[base + n + 1] = acc[j][1]
-                    sWarp[base + 8 * NV + n] = acc[j][2]
-                    sWarp[base + 8 * NV + n + 1] = acc[j][3]
-                # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
-                # rows 0-7, c2/c3 for rows 8-15).
-                if t == g // 2:
-                    odd = (g % 2) == 1
-                    sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
-                    sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
+                    acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
+                    acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
+                # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
+                gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
+                gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
+            base = (warp * self.batch_rows + mt * 16 + g) * NV
+            for j in cutlass.range_constexpr(3):
+                n = 8 * j + 2 * t
+                sWarp[base + n] = acc[j][0]
+                sWarp[base + n + 1] = acc[j][1]
+                sWarp[base + 8 * NV + n] = acc[j][2]
+                sWarp[base + 8 * NV + n + 1] = acc[j][3]
+            # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
+            # rows 0-7, c2/c3 for rows 8-15).
+            if t == g // 2:
+                odd = (g % 2) == 1
+                sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
+                sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
 
     @cute.jit
     def project_batch_fma(

@@ -268,6 +268,8 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
     (7168, "standard", dict(rows_per_tile=256, stages=4)),
     (4096, "standard", dict(rows_per_tile=128, stages=3, row_split=2)),
     (5120, "broadcast", dict(rows_per_tile=32, stages=2)),
+    (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
+    (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
 ])  # fmt: skip
 def test_partials_ring_compiles(H: int, variant: str, knobs: dict, arch: str) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
@@ -283,6 +285,10 @@ def test_partials_ring_is_validated() -> None:
         (dict(schedule="tile"), "needs schedule 'partials'"),
         (dict(prefetch=True), "no prefetch"),
         (dict(row_split=4), "row_split"),  # a ring batch is 2 m-tiles
+        (dict(stage_rows=True), "no ring"),
+        (dict(stages=0, stage_rows=1), "stage_rows must be a bool"),
+        (dict(stages=0, stage_rows=True, prefetch=True), "no prefetch"),
+        (dict(stages=0, stage_rows=True, schedule="tile", rows_per_tile=64), "needs schedule 'partials'"),
     ):
         with pytest.raises(ValueError, match=message):
             CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)

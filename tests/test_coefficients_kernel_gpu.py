@@ -733,19 +733,24 @@ def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -
         assert_counters_clean(ws)
 
 
-# --- the partials schedule with the bulk-copy ring (config.stages): the default's bits -------------
+# --- the partials schedule with rows through shared memory (config.stages, config.stage_rows) -----
 
 
 @pytest.mark.parametrize("H", (4096, 5120, 7168))
 @pytest.mark.parametrize("broadcast", (False, True))
-def test_partials_ring_gives_the_default_bits(H: int, broadcast: bool) -> None:
-    # The ring changes only how rows reach the MMAs: every config, every row count, the same bits.
+def test_partials_staged_rows_give_the_default_bits(H: int, broadcast: bool) -> None:
+    # The bulk-copy ring and the per-lane cp.async staging change only how rows reach the MMAs:
+    # every config, every row count, the same bits.
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
     configs = (
         partials_config(H, broadcast, 256, stages=4),
         partials_config(H, broadcast, 128, stages=3, row_split=2),
         partials_config(H, broadcast, 32, stages=2),
         partials_config(H, broadcast, 512, stages=4),
+        partials_config(H, broadcast, 16, stage_rows=True),
+        partials_config(H, broadcast, 32, stage_rows=True, row_split=2),
+        partials_config(H, broadcast, 64, stage_rows=True),
+        partials_config(H, broadcast, 128, stage_rows=True, row_split=2),
     )
     for rows in (1, 7, 33, 64, 65, 129, 300, 512):
         x = streams(rows, H, seed=rows + 120)
@@ -760,10 +765,11 @@ def test_partials_ring_gives_the_default_bits(H: int, broadcast: bool) -> None:
         assert_counters_clean(ws)
 
 
-def test_partials_ring_nan_rows_and_graph_replay() -> None:
+@pytest.mark.parametrize("knobs", (dict(rows_per_tile=256, stages=4), dict(rows_per_tile=32, stage_rows=True)))
+def test_partials_staged_rows_nan_rows_and_graph_replay(knobs: dict) -> None:
     H, rows = 7168, 300
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = partials_config(H, False, 256, stages=4)
+    config = partials_config(H, False, **knobs)
     x = streams(rows, H, seed=121)
     want = call(x, ws=ws)
     bad = x.clone()
