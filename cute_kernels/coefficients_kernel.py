@@ -1305,40 +1305,40 @@ class CoefficientsKernel:
         split,
     ):
         """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of its
-        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp. Every m-tile is
-        multiplied, also past the last row (those slots are never read): behind a guard, ptxas sinks an
-        m-tile's row loads into the guarded block, below the fn split, so the row round trip would
-        start only after the fn one (seen in the SASS of the partials kernel)."""
+        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp; m-tiles past the end
+        are skipped. (ptxas sinks a register-loaded m-tile's row loads into this guard, below the fn
+        split: one round trip after the other outside PDL's overlap; config.stage_rows avoids it.)"""
         g = lane // 4
         t = lane % 4
         for i in cutlass.range_constexpr(self.mtiles_per_warp):
             mt = split * self.mtiles_per_warp + i
-            upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
-            acc = [[Float32(0.0)] * 4 for _ in range(3)]
-            gram0 = [Float32(0.0)] * 4
-            gram1 = [Float32(0.0)] * 4
-            for s in cutlass.range_constexpr(2):
-                # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
-                a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
+            if mt * 16 < batch_rows:
+                upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
+                acc = [[Float32(0.0)] * 4 for _ in range(3)]
+                gram0 = [Float32(0.0)] * 4
+                gram1 = [Float32(0.0)] * 4
+                for s in cutlass.range_constexpr(2):
+                    # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
+                    a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
+                    for j in cutlass.range_constexpr(3):
+                        acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
+                        acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
+                    # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
+                    gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
+                    gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
+                base = (warp * self.batch_rows + mt * 16 + g) * NV
                 for j in cutlass.range_constexpr(3):
-                    acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
-                    acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
-                # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
-                gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
-                gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
-            base = (warp * self.batch_rows + mt * 16 + g) * NV
-            for j in cutlass.range_constexpr(3):
-                n = 8 * j + 2 * t
-                sWarp[base + n] = acc[j][0]
-                sWarp[base + n + 1] = acc[j][1]
-                sWarp[base + 8 * NV + n] = acc[j][2]
-                sWarp[base + 8 * NV + n + 1] = acc[j][3]
-            # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
-            # rows 0-7, c2/c3 for rows 8-15).
-            if t == g // 2:
-                odd = (g % 2) == 1
-                sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
-                sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
+                    n = 8 * j + 2 * t
+                    sWarp[base + n] = acc[j][0]
+                    sWarp[base + n + 1] = acc[j][1]
+                    sWarp[base + 8 * NV + n] = acc[j][2]
+                    sWarp[base + 8 * NV + n + 1] = acc[j][3]
+                # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
+                # rows 0-7, c2/c3 for rows 8-15).
+                if t == g // 2:
+                    odd = (g % 2) == 1
+                    sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
+                    sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
 
     @cute.jit
     def project_batch_fma(
