@@ -88,8 +88,6 @@ ROW_SPLITS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
 COMB_LANES = (1, 2, 4)
 SINKHORN_UNROLLS = (1, 2, 4, 8)
-STAGES = (0, 2, 3, 4)
-BULK_BATCH_MTILES = 2  # 16-row m-tiles per batch of the bulk-copy ring (config.stages)
 MAX_THREADS_PER_SM = 2048
 CANONICAL_NAN = 0x7FFFFFFF  # what the GPU's arithmetic gives for every NaN result
 INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kernel (x2 for one-hot)
@@ -154,10 +152,6 @@ class CoefficientsConfig:
       "partials" (two launches, no clusters: CTA sums to the workspace, then one CTA per row sums
       them in the same order and finishes it; the same bits; mma projection, no trace, no
       push_vec; `handoff` does not apply to it).
-    - `stages`: schedule "partials" only: 0 (each thread loads its rows into registers) or 2-4: a CTA
-      walks its tile in 32-row batches that one thread copies into a ring of this many stages in
-      shared memory (a bulk copy per row, completing on the stage's mbarrier), so several batches are
-      in flight without registers; the same MMAs and sums, so the same bits.
     - `stage_rows`: schedule "partials" only: each lane copies its rows of every batch of the tile to
       its own shared-memory slots with cp.async right after the wait, then splits fn and reads them
       back batch by batch. Loaded into registers instead, ptxas issues an m-tile's row loads only
@@ -180,7 +174,6 @@ class CoefficientsConfig:
     trace: bool = False
     projection: str = "mma"
     schedule: str = "tile"
-    stages: int = 0
     stage_rows: bool = False
 
     @property
@@ -232,9 +225,8 @@ class CoefficientsConfig:
             raise ValueError(f"norm_order must be one of {NORM_ORDERS}, got {self.norm_order!r}")
         if not _is_int_in(self.row_split, ROW_SPLITS):
             raise ValueError(f"row_split must be one of {ROW_SPLITS}, got {self.row_split!r}")
-        mtiles = min(BULK_BATCH_MTILES if self.stages else 4, tm // 16)
-        if mtiles % self.row_split:
-            raise ValueError(f"row_split ({self.row_split}) must divide the {mtiles} m-tiles of a batch")
+        if min(4, tm // 16) % self.row_split:
+            raise ValueError(f"row_split ({self.row_split}) must divide the {min(4, tm // 16)} m-tiles of a batch")
         if not isinstance(self.push_vec, bool):
             raise ValueError(f"push_vec must be a bool, got {self.push_vec!r}")
         if self.push_vec and tm < 32:
@@ -255,14 +247,10 @@ class CoefficientsConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "partials" and (self.trace or self.projection != "mma"):
             raise ValueError("schedule 'partials' needs the mma projection and no trace")
-        if not _is_int_in(self.stages, STAGES):
-            raise ValueError(f"stages must be one of {STAGES}, got {self.stages!r}")
-        if self.stages and (self.schedule != "partials" or self.prefetch):
-            raise ValueError("stages (the bulk-copy ring) needs schedule 'partials' and no prefetch")
         if not isinstance(self.stage_rows, bool):
             raise ValueError(f"stage_rows must be a bool, got {self.stage_rows!r}")
-        if self.stage_rows and (self.schedule != "partials" or self.prefetch or self.stages):
-            raise ValueError("stage_rows needs schedule 'partials', no prefetch and no ring (stages)")
+        if self.stage_rows and (self.schedule != "partials" or self.prefetch):
+            raise ValueError("stage_rows needs schedule 'partials' and no prefetch")
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -324,17 +312,28 @@ DEFAULT_SINKHORN_UNROLL = 4
 # - v7, inline at H 7168 from 129 rows: 32-row partials (one A/B run, bits GPU-tested): 129 rows 12.29 ->
 #   11.72, 256 rows 18.44 -> 17.02, 512 rows 32.54 -> 28.77. At H 4096-5120 the tile schedule stays
 #   (partials 0.1-1 us slower there).
-Choice = tuple[int, bool, int, int, str]  # (rows_per_tile, push_vec, row_split, min_blocks, schedule)
-T32: Choice = (32, False, 1, 0, "tile")
-T32_VEC: Choice = (32, True, 1, 0, "tile")
-SPLIT: Choice = (32, True, 2, 0, "tile")
-T64_VEC: Choice = (64, True, 1, 0, "tile")
-T64_VEC_MB3: Choice = (64, True, 1, 3, "tile")
-SPLIT_P: Choice = (32, False, 2, 0, "partials")
-T16_P: Choice = (16, False, 1, 0, "partials")
-T32_P: Choice = (32, False, 1, 0, "partials")
-T64_P: Choice = (64, False, 1, 0, "partials")
-T64_MB3_P: Choice = (64, False, 1, 3, "partials")
+# - v8, the partials schedule above 192 rows (two A/B runs at 256-512 rows, docs/PERF.md, v8; us at 256 /
+#   384 / 512 rows against v7's defaults): H 7168, 128-row tiles of 14 warps (row_split 2): 12.68 -> 11.43,
+#   16.31 -> 16.12, 20.14 -> 19.05. H 5120: 128-row split tiles at 193-256 (256: 11.26 -> 10.08), 32-row
+#   tiles with staged rows at 257-384 (320: 12.54 -> 12.08, 384: 14.17 -> 13.53) and plain 128-row tiles
+#   above (448: 15.52 -> 14.34, 512: 17.09 -> 15.00). H 4096: 64-row tiles, min_blocks 3, staged rows at
+#   193-288 (256: 9.91 -> 9.33) and 417-512 (448: 13.43 -> 13.17, 512: 14.77 -> 14.18), 128-row split
+#   tiles at 289-416 (320: 11.76 -> 10.55, 384: 12.36 -> 10.88).
+Choice = tuple[int, bool, int, int, str, bool]  # (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows)
+T32: Choice = (32, False, 1, 0, "tile", False)
+T32_VEC: Choice = (32, True, 1, 0, "tile", False)
+SPLIT: Choice = (32, True, 2, 0, "tile", False)
+T64_VEC: Choice = (64, True, 1, 0, "tile", False)
+T64_VEC_MB3: Choice = (64, True, 1, 3, "tile", False)
+SPLIT_P: Choice = (32, False, 2, 0, "partials", False)
+T16_P: Choice = (16, False, 1, 0, "partials", False)
+T32_P: Choice = (32, False, 1, 0, "partials", False)
+T64_P: Choice = (64, False, 1, 0, "partials", False)
+T64_MB3_P: Choice = (64, False, 1, 3, "partials", False)
+T128_P: Choice = (128, False, 1, 0, "partials", False)
+T128_SPLIT_P: Choice = (128, False, 2, 0, "partials", False)
+T32_STAGED_P: Choice = (32, False, 1, 0, "partials", True)
+T64_MB3_STAGED_P: Choice = (64, False, 1, 3, "partials", True)
 BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
@@ -349,10 +348,20 @@ def default_form(broadcast: bool, inline: bool) -> str:
 def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
     """The defaults of one form at hidden size H: (first row, choice) bands in row order."""
     if form == "standard":
+        if H >= 7168:
+            return ((1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_P), (193, T128_SPLIT_P))
         if H >= 5120:
-            return ((1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_P if H >= 7168 else T32_VEC), (129, T32_P))
+            return (
+                (1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_VEC), (129, T32_P), (193, T128_SPLIT_P),
+                (257, T32_STAGED_P), (385, T128_P),
+            )  # fmt: skip
         wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
         big = T64_VEC_MB3 if wide else T64_VEC
+        if H >= 4096:
+            return (
+                (1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (193, T64_MB3_STAGED_P),
+                (289, T128_SPLIT_P), (417, T64_MB3_STAGED_P),
+            )  # fmt: skip
         return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (384, T32_P))
     if form == "broadcast":
         return ((1, SPLIT), (97, T32), (129, T64_MB3_P))
@@ -366,7 +375,7 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
 
 
 def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> Choice:
-    """The defaults' (rows_per_tile, push_vec, row_split, min_blocks, schedule) for a call of `rows` rows."""
+    """The defaults' (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows) for a call of `rows` rows."""
     choice = T32
     for first, band in default_bands(H, default_form(broadcast, inline)):
         if rows >= first:
@@ -389,11 +398,12 @@ def _default_config(
     row_split: int = 1,
     min_blocks: int = 0,
     schedule: str = "tile",
+    stage_rows: bool = False,
 ) -> CoefficientsConfig:
-    """The default config of one (row tile, push_vec, row_split, min_blocks, schedule) choice."""
+    """The default config of one (row tile, push_vec, row_split, min_blocks, schedule, stage_rows) choice."""
     return CoefficientsConfig.for_shape(
         H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL,
-        push_vec=push_vec, row_split=row_split, min_blocks=min_blocks, schedule=schedule,
+        push_vec=push_vec, row_split=row_split, min_blocks=min_blocks, schedule=schedule, stage_rows=stage_rows,
     )  # fmt: skip
 
 
@@ -520,18 +530,6 @@ def _cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> 
     )
 
 
-@dsl_user_op
-def _bulk_copy_row(dst: cute.Pointer, src: cute.Pointer, size: int, mbar: cute.Pointer, *, loc=None, ip=None) -> None:
-    """Copy `size` bytes (a multiple of 16, both ends 16-byte aligned) from global to this CTA's shared
-    memory with one bulk copy (cp.async.bulk), counted against mbar's expected transaction bytes."""
-    cute.arch.inline_ptx(
-        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{{$r0}}], [{{$r1}}], {size}, [{{$r2}}];",
-        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip), mbar.toint(loc=loc, ip=ip)],
-        loc=loc,
-        ip=ip,
-    )
-
-
 def _dot8(x: list, f: list) -> Float32:
     """sum_c x[c] * f[c] over 8 values in column order: one multiply, then 7 fused multiply-adds."""
     acc = x[0] * f[0]
@@ -591,9 +589,8 @@ class CoefficientsKernel:
         self.cta_warps = config.warps * config.row_split
         self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
-        self.stages = config.stages
         self.stage_rows = config.stage_rows
-        self.mtiles_per_batch = min(BULK_BATCH_MTILES if self.stages else 4, self.tm // 16)
+        self.mtiles_per_batch = min(4, self.tm // 16)
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch
@@ -606,12 +603,6 @@ class CoefficientsKernel:
         self.sinkhorn_unroll = config.sinkhorn_unroll
         self.projection = config.projection
         self.schedule = config.schedule
-        if self.stages and layer_input != "none":
-            raise ValueError("stages (the bulk-copy ring) applies to the projection without a layer input")
-        # The ring's rows: this CTA's warps * 32 columns, padded to an odd multiple of 64 bytes, so the
-        # 8 lanes of a 16-byte shared-memory load phase (rows 2k, 2k + 1) hit distinct banks.
-        self.row_bytes = self.warps * CHUNK * 2
-        self.pitch_words = (self.row_bytes + (64 if self.warps % 2 == 0 else 0)) // 4
         # Layer-input clusters: each CTA owns H/8 columns of NR rows in 8-column vectors.
         self.vecs_per_row = H // (CLUSTER * 8)
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, config.norm_rows)
@@ -962,9 +953,6 @@ class CoefficientsKernel:
         """schedule "partials": CTA (rank, tile, group) of the tile schedule without the cluster exchange:
         its K slice of one row tile, summed over its warps in warp order (push_batch's sums), into slot
         group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
-        if const_expr(self.stages):
-            self.partials_ring(smem, mX, mFn, mRank, rank, cluster)
-            return
         tidx, _, _ = cute.arch.thread_idx()
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
         warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
@@ -1039,81 +1027,6 @@ class CoefficientsKernel:
             [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
             for i in range(self.mtiles_per_warp)
         ]
-
-    @cute.jit
-    def partials_ring(
-        self, smem: cutlass.memory.SmemAllocator, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor,
-        rank: Int32, cluster: Int32,
-    ):  # fmt: skip
-        """partials_role with config.stages: the tile's 32-row batches reach shared memory through a ring
-        of `stages` slots that thread 0 fills with one bulk copy per row (the CTA's 448-byte slice at
-        H 7168), each slot completing on its own mbarrier; a slot is refilled once every warp has
-        multiplied it. The same MMAs and warp-order sums into the same slots as partials_role."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
-        slot = group * CLUSTER + rank
-        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
-        sRows = smem.allocate_tensor(
-            Int32, cute.make_layout(self.stages * self.batch_rows * self.pitch_words), byte_alignment=128
-        )
-        full = smem.allocate_array(Int64, num_elems=self.stages)
-        if tidx == 0:
-            for st in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + st, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        fn = self.load_fn(mFn, col, lane)
-        cute.arch.griddepcontrol_wait()
-        src0 = mX.iterator + (row0 * self.row_stride + (group * CLUSTER + rank) * (self.warps * CHUNK))
-        batches = (tile_rows + (self.batch_rows - 1)) // self.batch_rows
-        if tidx == 0:
-            for st in cutlass.range_constexpr(self.stages):
-                if st < batches:
-                    self.fill_stage(sRows, full, src0, st, st, tile_rows)
-        hi, lo = self.split_fn(fn)
-        g = lane // 4
-        t = lane % 4
-        for b in cutlass.range(batches, unroll=1):
-            st = b % self.stages
-            cute.arch.mbarrier_wait(full + st, (b // self.stages) % 2)
-            base = sRows.iterator + (st * (self.batch_rows * self.pitch_words) + warp * (CHUNK // 2) + t * 4)
-            words = []
-            for i in cutlass.range_constexpr(self.mtiles_per_warp):
-                mt = split * self.mtiles_per_warp + i
-                pair = []
-                for half in cutlass.range_constexpr(2):
-                    pair.append(_ld_v4_i32(base + (mt * 16 + half * 8 + g) * self.pitch_words))
-                words.append(pair)
-            batch_row0 = b * self.batch_rows
-            self.project_batch(words, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
-            if b == batches - 1:
-                cute.arch.griddepcontrol_launch_dependents()
-            # Every warp has its words of slot st in registers: refill it, then sum the warps.
-            cute.arch.sync_threads()
-            if tidx == 0:
-                if b + self.stages < batches:
-                    self.fill_stage(sRows, full, src0, st, b + self.stages, tile_rows)
-            rows_here = cutlass.min(tile_rows - batch_row0, self.batch_rows)
-            for e in cutlass.range(tidx, rows_here * NV, self.threads):
-                mRank[slot, row0 + batch_row0 + e // NV, e % NV] = self.warp_sum(sWarp, e)
-            cute.arch.sync_threads()
-
-    @cute.jit
-    def fill_stage(
-        self, sRows: cute.Tensor, full: cute.Pointer, src0: cute.Pointer, st: Int32, b: Int32, tile_rows: Int32
-    ):
-        """(One thread) copy the rows of batch b of this tile (those before the end) into ring slot st:
-        the slot's mbarrier expects their bytes, then one bulk copy per row."""
-        n = cutlass.min(tile_rows - b * self.batch_rows, self.batch_rows)
-        cute.arch.mbarrier_arrive_and_expect_tx(full + st, n * self.row_bytes)
-        dst0 = sRows.iterator + st * (self.batch_rows * self.pitch_words)
-        for r in cutlass.range(n, unroll=1):
-            _bulk_copy_row(
-                dst0 + r * self.pitch_words,
-                src0 + (b * self.batch_rows + r) * self.row_stride,
-                self.row_bytes,
-                full + st,
-            )
 
     @property
     def finish_threads(self) -> int:

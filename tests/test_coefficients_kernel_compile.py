@@ -72,7 +72,7 @@ def test_every_call_finds_its_default_among_the_warmup_keys(H: int) -> None:
                 assert (variant, mode, config) in compiled, (variant, mode, rows)
 
 
-# The defaults v6 and v7 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM,
+# The defaults v6, v7 and v8 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM,
 # the split tile in the inline form, the re-tuned broadcast and inline bands above 128 rows.
 ADDED_DEFAULTS = [
     (7168, "standard", "none", 100, False),
@@ -89,6 +89,11 @@ ADDED_DEFAULTS = [
     (7168, "standard", "none", 40, False),
     (7168, "standard", "none", 512, False),
     (4096, "standard", "none", 60, False),
+    # v8: 128-row partials tiles (split and plain), staged rows
+    (7168, "standard", "none", 300, False),
+    (5120, "standard", "none", 300, False),
+    (5120, "standard", "none", 500, False),
+    (4096, "standard", "none", 250, False),
 ]
 
 
@@ -107,6 +112,7 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("standard", "none", 16, False, 1, "partials"),
         ("standard", "none", 64, False, 1, "partials"),
         ("standard", "none", 32, False, 1, "partials"),
+        ("standard", "none", 128, False, 2, "partials"),
         ("standard", "carried", 32, False, 1, "tile"),
         ("standard", "carried", 32, True, 2, "tile"),
         ("standard", "carried", 32, False, 1, "partials"),
@@ -121,7 +127,7 @@ def test_warmup_keys_cover_every_call_path() -> None:
     ]
     # 3 CTAs per SM: the broadcast partials 64-row tile; the standard 64-row tile of 7-warp CTAs (H 7168)
     # only where it is a tile default (H 7168 takes the partials schedule above 48 rows).
-    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(12, 3)]
+    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(13, 3)]
     assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
     assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
     # With a layer input, the partials schedule only for the inline form at H 7168 from 129 rows.
@@ -265,35 +271,27 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("H,variant,knobs", [
-    (7168, "standard", dict(rows_per_tile=256, stages=4)),
-    (4096, "standard", dict(rows_per_tile=128, stages=3, row_split=2)),
-    (5120, "broadcast", dict(rows_per_tile=32, stages=2)),
+    (7168, "standard", dict(rows_per_tile=256)),
+    (4096, "standard", dict(rows_per_tile=64, min_blocks=3, stage_rows=True)),
     (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
     (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
 ])  # fmt: skip
-def test_partials_ring_compiles(H: int, variant: str, knobs: dict, arch: str) -> None:
+def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict, arch: str) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
     assert callable(ck.compile_coefficients(H, variant, "none", 20, config, arch=arch))
 
 
-def test_partials_ring_is_validated() -> None:
-    base = CoefficientsConfig.for_shape(7168, False, 256, schedule="partials", stages=4)
+def test_partials_staging_and_tall_tiles_are_validated() -> None:
+    base = CoefficientsConfig.for_shape(7168, False, 128, schedule="partials", stage_rows=True)
     base.validate(7168, False)
     for knobs, message in (
-        (dict(stages=1), "stages must be one of"),
-        (dict(stages=4.0), "stages must be one of"),
-        (dict(schedule="tile"), "needs schedule 'partials'"),
+        (dict(stage_rows=1), "stage_rows must be a bool"),
         (dict(prefetch=True), "no prefetch"),
-        (dict(row_split=4), "row_split"),  # a ring batch is 2 m-tiles
-        (dict(stage_rows=True), "no ring"),
-        (dict(stages=0, stage_rows=1), "stage_rows must be a bool"),
-        (dict(stages=0, stage_rows=True, prefetch=True), "no prefetch"),
-        (dict(stages=0, stage_rows=True, schedule="tile", rows_per_tile=64), "needs schedule 'partials'"),
+        (dict(schedule="tile"), "needs schedule 'partials'"),
+        (dict(rows_per_tile=1024), "rows_per_tile must be"),
     ):
         with pytest.raises(ValueError, match=message):
             CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)
-    with pytest.raises(ValueError, match="without a layer input"):
-        ck.CoefficientsKernel(7168, layer_input="carried", config=base)
     # Tiles above 128 rows exist for the partials schedule only.
     with pytest.raises(ValueError, match="needs schedule 'partials'"):
         CoefficientsConfig.for_shape(7168, False, 256).validate(7168, False)
