@@ -435,7 +435,7 @@ def test_v3_knobs_batch_invariance(H: int) -> None:
 def fma_config(H: int, broadcast: bool, rows: int) -> CoefficientsConfig:
     """The default config for a call of `rows` rows, with the projection as fp32 FMAs on the CUDA cores
     (in the tile schedule: the partials schedule runs the mma projection only)."""
-    return dataclasses.replace(default_config(H, broadcast, rows), projection="fma", schedule="tile")
+    return dataclasses.replace(default_config(H, broadcast, rows), projection="fma", schedule="tile", stage_rows=False)
 
 
 @pytest.mark.parametrize("H", (4096, 7168))
