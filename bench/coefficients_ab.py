@@ -101,6 +101,8 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm256 rs2 staged": f(256, row_split=2, stage_rows=True, schedule="partials"),
         "tm128 rs2 partials": f(128, row_split=2, schedule="partials"),
         "tm256 partials": f(256, schedule="partials"),
+        "tm256 rs2 partials": f(256, row_split=2, schedule="partials"),
+        "tm256 rs4 partials": f(256, row_split=4, schedule="partials"),
         "tm64 vec mb4": f(64, push_vec=True, min_blocks=4),
         "tm64 vec rs2 mb2": f(64, push_vec=True, row_split=2, min_blocks=2),
         "tm128 vec": f(128, push_vec=True),
