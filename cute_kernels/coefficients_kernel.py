@@ -318,7 +318,10 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   tiles with staged rows at 257-384 (320: 12.54 -> 12.08, 384: 14.17 -> 13.53) and plain 128-row tiles
 #   above (448: 15.52 -> 14.34, 512: 17.09 -> 15.00). H 4096: 64-row tiles, min_blocks 3, staged rows at
 #   193-288 (256: 9.91 -> 9.33) and 417-512 (448: 13.43 -> 13.17, 512: 14.77 -> 14.18), 128-row split
-#   tiles at 289-416 (320: 11.76 -> 10.55, 384: 12.36 -> 10.88).
+#   tiles at 289-416 (320: 11.76 -> 10.55, 384: 12.36 -> 10.88). Broadcast, two more runs: at H 7168 staged
+#   rows in the 64-row tile from 384 rows (384: 10.08-10.32 -> 9.76-9.79, 512: 11.06-11.11 -> 10.42-10.52;
+#   it loses 0.1-0.25 at 129-256), at H 5120 the 32-row tile with staged rows at 129-192 (129: 7.90-8.06
+#   -> 6.55-6.58, 192: 7.62-8.16 -> 7.37-7.51); H 4096 unchanged (within 0.1).
 Choice = tuple[int, bool, int, int, str, bool]  # (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows)
 T32: Choice = (32, False, 1, 0, "tile", False)
 T32_VEC: Choice = (32, True, 1, 0, "tile", False)
@@ -364,6 +367,10 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
             )  # fmt: skip
         return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (384, T32_P))
     if form == "broadcast":
+        if H >= 7168:
+            return ((1, SPLIT), (97, T32), (129, T64_MB3_P), (384, T64_MB3_STAGED_P))
+        if H >= 5120:
+            return ((1, SPLIT), (97, T32), (129, T32_STAGED_P), (193, T64_MB3_P))
         return ((1, SPLIT), (97, T32), (129, T64_MB3_P))
     if form == "inline":
         if H >= 7168:

@@ -94,6 +94,8 @@ ADDED_DEFAULTS = [
     (5120, "standard", "none", 300, False),
     (5120, "standard", "none", 500, False),
     (4096, "standard", "none", 250, False),
+    (7168, "broadcast", "none", 400, False),
+    (5120, "broadcast", "none", 150, False),
 ]
 
 
@@ -106,28 +108,31 @@ def test_added_defaults_compile(H: int, variant: str, mode: str, rows: int, inli
 
 def test_warmup_keys_cover_every_call_path() -> None:
     keys = ck.coefficients_warmup_keys(7168, max_rows=512)
-    # (variant, layer input, rows_per_tile, push_vec, row_split, schedule) of each compiled default
-    assert [(k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split, k[4].schedule) for k in keys] == [
-        ("standard", "none", 32, False, 2, "partials"),
-        ("standard", "none", 16, False, 1, "partials"),
-        ("standard", "none", 64, False, 1, "partials"),
-        ("standard", "none", 32, False, 1, "partials"),
-        ("standard", "none", 128, False, 2, "partials"),
-        ("standard", "carried", 32, False, 1, "tile"),
-        ("standard", "carried", 32, True, 2, "tile"),
-        ("standard", "carried", 32, False, 1, "partials"),
-        ("standard", "one_hot", 32, False, 1, "tile"),
-        ("standard", "one_hot", 32, True, 2, "tile"),
-        ("standard", "one_hot", 32, False, 1, "partials"),
-        ("broadcast", "none", 32, True, 2, "tile"),
-        ("broadcast", "none", 32, False, 1, "tile"),
-        ("broadcast", "none", 64, False, 1, "partials"),
-        ("broadcast", "one_hot", 32, False, 1, "tile"),
-        ("broadcast", "one_hot", 64, True, 1, "tile"),
+    # (variant, layer input, rows_per_tile, push_vec, row_split, schedule, stage_rows) of each compiled default
+    assert [
+        (k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split, k[4].schedule, k[4].stage_rows) for k in keys
+    ] == [
+        ("standard", "none", 32, False, 2, "partials", False),
+        ("standard", "none", 16, False, 1, "partials", False),
+        ("standard", "none", 64, False, 1, "partials", False),
+        ("standard", "none", 32, False, 1, "partials", False),
+        ("standard", "none", 128, False, 2, "partials", False),
+        ("standard", "carried", 32, False, 1, "tile", False),
+        ("standard", "carried", 32, True, 2, "tile", False),
+        ("standard", "carried", 32, False, 1, "partials", False),
+        ("standard", "one_hot", 32, False, 1, "tile", False),
+        ("standard", "one_hot", 32, True, 2, "tile", False),
+        ("standard", "one_hot", 32, False, 1, "partials", False),
+        ("broadcast", "none", 32, True, 2, "tile", False),
+        ("broadcast", "none", 32, False, 1, "tile", False),
+        ("broadcast", "none", 64, False, 1, "partials", False),
+        ("broadcast", "none", 64, False, 1, "partials", True),
+        ("broadcast", "one_hot", 32, False, 1, "tile", False),
+        ("broadcast", "one_hot", 64, True, 1, "tile", False),
     ]
-    # 3 CTAs per SM: the broadcast partials 64-row tile; the standard 64-row tile of 7-warp CTAs (H 7168)
+    # 3 CTAs per SM: the broadcast partials 64-row tiles (plain, staged); the standard 64-row tile of 7-warp CTAs (H 7168)
     # only where it is a tile default (H 7168 takes the partials schedule above 48 rows).
-    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(13, 3)]
+    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(13, 3), (14, 3)]
     assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
     assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
     # With a layer input, the partials schedule only for the inline form at H 7168 from 129 rows.
