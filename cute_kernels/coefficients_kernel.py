@@ -42,7 +42,10 @@ stores its warp-ordered sums into the workspace's rank_partials [G*8, rows, 25] 
 launch (PDL), one CTA per row, adds each group's 8 CTA sums in rank order, then the G groups in order
 (the very additions of the one-launch schedule, so the same bits), then runs the epilogue. Without a
 layer input the first launch has no clusters at all; with one it keeps them for the layer-input
-clusters. No exchange, no handoff: faster from 1 row at H >= 5120 (docs/PERF.md, v7).
+clusters. No exchange, no handoff: faster from 1 row at H >= 5120 (docs/PERF.md, v7). Without a
+layer input its CTAs may also take 256 or 512 rows (more 64-row batches with fn held) and stage their
+rows in shared memory by cp.async (config.stage_rows), which keeps ptxas from issuing a CTA's row
+loads only after its fn round trip (docs/PERF.md, v8).
 
 PDL: before griddepcontrol.wait a CTA reads only weights (fn, w); the streams, the carried
 pre-mix and the workspace come after it.
@@ -597,6 +600,8 @@ class CoefficientsKernel:
         self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
         self.stage_rows = config.stage_rows
+        if (config.stage_rows or self.tm > 128) and layer_input != "none":
+            raise ValueError("stage_rows and row tiles above 128 rows apply to the projection without a layer input")
         self.mtiles_per_batch = min(4, self.tm // 16)
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)

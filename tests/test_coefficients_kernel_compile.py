@@ -297,6 +297,9 @@ def test_partials_staging_and_tall_tiles_are_validated() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)
+    for config in (base, CoefficientsConfig.for_shape(7168, False, 256, schedule="partials")):
+        with pytest.raises(ValueError, match="without a layer input"):
+            ck.CoefficientsKernel(7168, layer_input="carried", config=config)
     # Tiles above 128 rows exist for the partials schedule only.
     with pytest.raises(ValueError, match="needs schedule 'partials'"):
         CoefficientsConfig.for_shape(7168, False, 256).validate(7168, False)
