@@ -733,14 +733,14 @@ def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -
         assert_counters_clean(ws)
 
 
-# --- the partials schedule with rows staged in shared memory (config.stage_rows) -------------------
+# --- the partials schedule with taller tiles and rows staged in shared memory (v8) ------------------
 
 
 @pytest.mark.parametrize("H", (4096, 5120, 7168))
 @pytest.mark.parametrize("broadcast", (False, True))
-def test_partials_staged_rows_give_the_default_bits(H: int, broadcast: bool) -> None:
-    # The per-lane cp.async staging changes only how rows reach the MMAs: every config, every row
-    # count, the same bits.
+def test_partials_tall_and_staged_tiles_give_the_default_bits(H: int, broadcast: bool) -> None:
+    # Taller tiles (128 and 256 rows, split or not) and the per-lane cp.async staging change only which
+    # CTA multiplies a row and how its words reach the MMAs: every config, every row count, the same bits.
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
     configs = (
         partials_config(H, broadcast, 128, row_split=2),
