@@ -64,9 +64,10 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
     memory carveout (mbN), prefetch of the next batch (pf), the projection on the CUDA cores (fma, other
     bits: for A/B only), Sinkhorn repeats per epilogue loop iteration (uN, default 4), lanes per row
     for comb (clN), and 8 warps per CTA with fewer groups (w8, where that is not the default split:
-    other bits, so only ever a new default split for every row count of that H). The defaults
-    (coefficients_kernel.default_choice) are among them: tm32, tm32 vec rs2, tm32 vec, tm64 vec and
-    tm64 vec mb3, by form and row count."""
+    other bits, so only ever a new default split for every row count of that H). "partials" labels run
+    the two-launch schedule (tiles up to 512 rows), "staged" ones that schedule with the rows staged in
+    shared memory (config.stage_rows). The defaults (coefficients_kernel.default_bands) are among them,
+    by form, H and row count."""
     f = functools.partial(_config, H, broadcast)
     cfgs = {
         "tm16": f(16),
