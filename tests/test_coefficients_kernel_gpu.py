@@ -661,17 +661,18 @@ def partials_config(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs) -
     return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff="ticket", schedule="partials", **knobs)
 
 
-@pytest.mark.parametrize("H", (4096, 5120, 7168))
-@pytest.mark.parametrize("broadcast", (False, True))
-def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> None:
+def assert_default_bits(
+    H: int, broadcast: bool, configs: tuple, row_counts: tuple, seed: int, reference_rows: int | None = None
+) -> None:
+    """Each config gives the default's bits at every row count (and the default matches the reference
+    at `reference_rows`); the counters are clean after each row count."""
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    configs = (partials_config(H, broadcast), partials_config(H, broadcast, 32, row_split=2))
-    for rows in (1, 7, 64, 65, 129, 300, 512):
-        x = streams(rows, H, seed=rows + 80)
+    for rows in row_counts:
+        x = streams(rows, H, seed=rows + seed)
         if broadcast:
             x = x[:, 1].contiguous()
         want = call(x, broadcast=broadcast, ws=ws)
-        if rows == 300:
+        if rows == reference_rows:
             assert_matches(want, reference(x, broadcast=broadcast))
         for config in configs:
             got = call(x, broadcast=broadcast, ws=ws, config=config)
@@ -679,6 +680,13 @@ def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> No
             for name in ("post", "comb", "pre"):
                 assert bitwise_equal(getattr(got, name), getattr(want, name)), f"{name}, {rows} rows, {config}"
         assert_counters_clean(ws)
+
+
+@pytest.mark.parametrize("H", (4096, 5120, 7168))
+@pytest.mark.parametrize("broadcast", (False, True))
+def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> None:
+    configs = (partials_config(H, broadcast), partials_config(H, broadcast, 32, row_split=2))
+    assert_default_bits(H, broadcast, configs, (1, 7, 64, 65, 129, 300, 512), seed=80, reference_rows=300)
 
 
 @pytest.mark.parametrize(
@@ -749,7 +757,6 @@ def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -
 def test_partials_tall_and_staged_tiles_give_the_default_bits(H: int, broadcast: bool) -> None:
     # Taller tiles (128 and 256 rows, split or not) and the per-lane cp.async staging change only which
     # CTA multiplies a row and how its words reach the MMAs: every config, every row count, the same bits.
-    ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
     configs = (
         partials_config(H, broadcast, 128, row_split=2),
         partials_config(H, broadcast, 256),
@@ -758,14 +765,4 @@ def test_partials_tall_and_staged_tiles_give_the_default_bits(H: int, broadcast:
         partials_config(H, broadcast, 64, stage_rows=True),
         partials_config(H, broadcast, 128, stage_rows=True, row_split=2),
     )
-    for rows in (1, 7, 33, 64, 65, 129, 300, 512):
-        x = streams(rows, H, seed=rows + 120)
-        if broadcast:
-            x = x[:, 1].contiguous()
-        want = call(x, broadcast=broadcast, ws=ws)
-        for config in configs:
-            got = call(x, broadcast=broadcast, ws=ws, config=config)
-            wait_or_fail()
-            for name in ("post", "comb", "pre"):
-                assert bitwise_equal(getattr(got, name), getattr(want, name)), f"{name}, {rows} rows, {config}"
-        assert_counters_clean(ws)
+    assert_default_bits(H, broadcast, configs, (1, 7, 33, 64, 65, 129, 300, 512), seed=120)
