@@ -89,6 +89,7 @@ NORM_ORDERS = ("interleave", "front")
 NORM_ROWS = (0, 1, 2, 4, 8, 16)
 ROW_SPLITS = (1, 2, 4)
 MIN_BLOCKS = (0, 1, 2, 3, 4)
+STAGE_DEPTHS = (0, 2, 3, 4)
 COMB_LANES = (1, 2, 4)
 SINKHORN_UNROLLS = (1, 2, 4, 8)
 MAX_THREADS_PER_SM = 2048
@@ -160,6 +161,9 @@ class CoefficientsConfig:
       back batch by batch. Loaded into registers instead, ptxas issues an m-tile's row loads only
       after the fn split and the MMAs before it, one round trip after another (the partials kernel's
       SASS).
+    - `stage_depth`: with stage_rows, how many of the tile's batches are in flight at once: 0 = all
+      of them (copied right after the wait), or a ring of that many batch slots, each refilled with
+      the batch `stage_depth` ahead once its words are multiplied (a tall tile in less shared memory).
     """
 
     rows_per_tile: int
@@ -178,6 +182,7 @@ class CoefficientsConfig:
     projection: str = "mma"
     schedule: str = "tile"
     stage_rows: bool = False
+    stage_depth: int = 0
 
     @property
     def threads(self) -> int:
@@ -254,6 +259,15 @@ class CoefficientsConfig:
             raise ValueError(f"stage_rows must be a bool, got {self.stage_rows!r}")
         if self.stage_rows and (self.schedule != "partials" or self.prefetch):
             raise ValueError("stage_rows needs schedule 'partials' and no prefetch")
+        if not _is_int_in(self.stage_depth, STAGE_DEPTHS):
+            raise ValueError(f"stage_depth must be one of {STAGE_DEPTHS} (0 = every batch), got {self.stage_depth!r}")
+        if self.stage_depth and not self.stage_rows:
+            raise ValueError("stage_depth needs stage_rows")
+        if self.stage_depth and self.stage_depth >= tm // 64:
+            raise ValueError(
+                f"stage_depth ({self.stage_depth}) must be less than the {max(1, tm // 64)} batches of a "
+                f"{tm}-row tile (0 stages them all)"
+            )
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -606,6 +620,7 @@ class CoefficientsKernel:
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch
+        self.stage_slots = config.stage_depth or self.batches  # batch slots of the staging buffer
         self.handoff = config.handoff
         self.prefetch = config.prefetch and self.batches > 1
         self.push_vec = config.push_vec
@@ -974,14 +989,14 @@ class CoefficientsKernel:
             # [batch][CTA warp][m-tile][half] 128 words: a lane's 16 bytes at 4 * lane.
             sStage = smem.allocate_tensor(
                 Int32,
-                cute.make_layout(self.batches * self.cta_warps * self.mtiles_per_warp * 2 * WARP * 4),
+                cute.make_layout(self.stage_slots * self.cta_warps * self.mtiles_per_warp * 2 * WARP * 4),
                 byte_alignment=16,
             )
         fn = self.load_fn(mFn, col, lane)
         cute.arch.griddepcontrol_wait()
         words = None
         if const_expr(self.stage_rows):
-            for b in cutlass.range_constexpr(self.batches):
+            for b in cutlass.range_constexpr(self.stage_slots):
                 self.copy_rows(mX, sStage, row0 + b * self.batch_rows, b, col, warp, lane, split)
                 cute.arch.cp_async_commit_group()
         else:
@@ -991,11 +1006,19 @@ class CoefficientsKernel:
             batch_row0 = b * self.batch_rows
             current = words
             if const_expr(self.stage_rows):
-                cute.arch.cp_async_wait_group(self.batches - 1 - b)
-                current = self.staged_rows(sStage, b, warp, lane, split)
+                # The copies of the batches after b issued so far may still be in flight.
+                cute.arch.cp_async_wait_group(min(self.batches, self.stage_slots + b) - 1 - b)
+                current = self.staged_rows(sStage, b % self.stage_slots, warp, lane, split)
             if const_expr(self.prefetch and b < self.batches - 1):
                 words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
             self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+            if const_expr(self.stage_rows and b + self.stage_slots < self.batches):
+                # The MMAs above consumed this slot's words, so the lane may refill it.
+                ahead = b + self.stage_slots
+                self.copy_rows(
+                    mX, sStage, row0 + ahead * self.batch_rows, ahead % self.stage_slots, col, warp, lane, split
+                )
+                cute.arch.cp_async_commit_group()
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.sync_threads()
@@ -1021,16 +1044,19 @@ class CoefficientsKernel:
     def copy_rows(
         self, mX: cute.Tensor, sStage: cute.Tensor, batch_row: Int32, b: int, col: Int32, warp: Int32, lane: Int32, split
     ):  # fmt: skip
-        """load_rows into this lane's staging slots of batch b with cp.async (rows past the end read the last row)."""
+        """load_rows into this lane's staging slots of batch slot b with cp.async (rows past the end read
+        the last row; a batch wholly past the end copies nothing, and its MMAs are skipped)."""
         rows = mX.shape[0]
         g = lane // 4
-        for i in cutlass.range_constexpr(self.mtiles_per_warp):
-            mt = split * self.mtiles_per_warp + i
-            for half in cutlass.range_constexpr(2):
-                row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
-                _cp_async_16(
-                    self.stage_slot(sStage, b, warp, lane, split, i, half), mX.iterator + (row * self.row_stride + col)
-                )
+        if batch_row < rows:
+            for i in cutlass.range_constexpr(self.mtiles_per_warp):
+                mt = split * self.mtiles_per_warp + i
+                for half in cutlass.range_constexpr(2):
+                    row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
+                    _cp_async_16(
+                        self.stage_slot(sStage, b, warp, lane, split, i, half),
+                        mX.iterator + (row * self.row_stride + col),
+                    )
 
     @cute.jit
     def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:

@@ -280,6 +280,8 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
     (4096, "standard", dict(rows_per_tile=64, min_blocks=3, stage_rows=True)),
     (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
     (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
+    (7168, "standard", dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2)),  # a staging ring
+    (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
 ])  # fmt: skip
 def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict, arch: str) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
@@ -294,6 +296,9 @@ def test_partials_staging_and_tall_tiles_are_validated() -> None:
         (dict(prefetch=True), "no prefetch"),
         (dict(schedule="tile"), "needs schedule 'partials'"),
         (dict(rows_per_tile=1024), "rows_per_tile must be"),
+        (dict(stage_depth=5), "stage_depth must be one of"),
+        (dict(stage_depth=2), "less than the 2 batches of a 128-row tile"),
+        (dict(rows_per_tile=512, stage_depth=2, stage_rows=False), "stage_depth needs stage_rows"),
     ):
         with pytest.raises(ValueError, match=message):
             CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)

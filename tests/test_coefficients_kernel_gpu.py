@@ -695,6 +695,7 @@ def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> No
         (dict(min_blocks=3), 200, 150),
         (dict(min_blocks=3, stage_rows=True), 300, 290),  # v8: rows staged in shared memory
         (dict(rows_per_tile=32, stage_rows=True), 300, 290),
+        (dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2), 300, 290),
     ),
 )
 def test_partials_schedule_nan_rows_and_graph_replay(knobs: dict, rows: int, inf_row: int) -> None:
@@ -764,5 +765,9 @@ def test_partials_tall_and_staged_tiles_give_the_default_bits(H: int, broadcast:
         partials_config(H, broadcast, 32, stage_rows=True, row_split=2),
         partials_config(H, broadcast, 64, stage_rows=True),
         partials_config(H, broadcast, 128, stage_rows=True, row_split=2),
+        # A staging ring: 2-3 of the tile's 64-row batches in flight, each slot refilled after its MMAs.
+        partials_config(H, broadcast, 512, stage_rows=True, stage_depth=2, row_split=2),
+        partials_config(H, broadcast, 256, stage_rows=True, stage_depth=3, row_split=4),
+        partials_config(H, broadcast, 512, stage_rows=True, stage_depth=4),
     )
     assert_default_bits(H, broadcast, configs, (1, 7, 33, 64, 65, 129, 300, 512), seed=120)
