@@ -164,6 +164,9 @@ class CoefficientsConfig:
     - `stage_depth`: with stage_rows, how many of the tile's batches are in flight at once: 0 = all
       of them (copied right after the wait), or a ring of that many batch slots, each refilled with
       the batch `stage_depth` ahead once its words are multiplied (a tall tile in less shared memory).
+    - `sum_buffers`: schedule "partials" only: shared-memory buffers of warp partials the batches
+      alternate between (1 or 2); with 2, a warp may multiply the next batch while others still sum
+      this one (one barrier per batch instead of two).
     """
 
     rows_per_tile: int
@@ -183,6 +186,7 @@ class CoefficientsConfig:
     schedule: str = "tile"
     stage_rows: bool = False
     stage_depth: int = 0
+    sum_buffers: int = 1
 
     @property
     def threads(self) -> int:
@@ -268,6 +272,10 @@ class CoefficientsConfig:
                 f"stage_depth ({self.stage_depth}) must be less than the {max(1, tm // 64)} batches of a "
                 f"{tm}-row tile (0 stages them all)"
             )
+        if not _is_int_in(self.sum_buffers, (1, 2)):
+            raise ValueError(f"sum_buffers must be 1 or 2, got {self.sum_buffers!r}")
+        if self.sum_buffers == 2 and (self.schedule != "partials" or tm <= 64):
+            raise ValueError("sum_buffers 2 needs schedule 'partials' and more than one 64-row batch per tile")
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -621,6 +629,7 @@ class CoefficientsKernel:
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch
         self.stage_slots = config.stage_depth or self.batches  # batch slots of the staging buffer
+        self.sum_buffers = config.sum_buffers
         self.handoff = config.handoff
         self.prefetch = config.prefetch and self.batches > 1
         self.push_vec = config.push_vec
@@ -981,7 +990,8 @@ class CoefficientsKernel:
         its K slice of one row tile, summed over its warps in warp order (push_batch's sums), into slot
         group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
         tidx, _, _ = cute.arch.thread_idx()
-        sWarp = smem.allocate_tensor(Float32, cute.make_layout(self.warps * self.batch_rows * NV), byte_alignment=16)
+        sum_words = const_expr(self.warps * self.batch_rows * NV)
+        sSums = smem.allocate_tensor(Float32, cute.make_layout(self.sum_buffers * sum_words), byte_alignment=16)
         warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
         slot = group * CLUSTER + rank
         sStage = None
@@ -1011,6 +1021,7 @@ class CoefficientsKernel:
                 current = self.staged_rows(sStage, b % self.stage_slots, warp, lane, split)
             if const_expr(self.prefetch and b < self.batches - 1):
                 words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
+            sWarp = cute.make_tensor(sSums.iterator + (b % self.sum_buffers) * sum_words, cute.make_layout(sum_words))
             self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(self.stage_rows and b + self.stage_slots < self.batches):
                 # The MMAs above consumed this slot's words, so the lane may refill it.
@@ -1028,7 +1039,10 @@ class CoefficientsKernel:
             if const_expr(b < self.batches - 1):
                 if const_expr(not self.prefetch and not self.stage_rows):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
-                cute.arch.sync_threads()
+                if const_expr(self.sum_buffers == 1):
+                    # With two buffers, the barrier after the next batch's MMAs orders these reads
+                    # before the batch after it writes this buffer again.
+                    cute.arch.sync_threads()
 
     def stage_slot(
         self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split, i: int, half: int

@@ -282,6 +282,8 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
     (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
     (7168, "standard", dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2)),  # a staging ring
     (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
+    (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2)),
+    (5120, "standard", dict(rows_per_tile=128, row_split=2, sum_buffers=2)),
 ])  # fmt: skip
 def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict, arch: str) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
@@ -299,6 +301,8 @@ def test_partials_staging_and_tall_tiles_are_validated() -> None:
         (dict(stage_depth=5), "stage_depth must be one of"),
         (dict(stage_depth=2), "less than the 2 batches of a 128-row tile"),
         (dict(rows_per_tile=512, stage_depth=2, stage_rows=False), "stage_depth needs stage_rows"),
+        (dict(sum_buffers=3), "sum_buffers must be 1 or 2"),
+        (dict(rows_per_tile=64, sum_buffers=2), "more than one 64-row batch"),
     ):
         with pytest.raises(ValueError, match=message):
             CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)

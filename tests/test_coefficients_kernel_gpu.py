@@ -696,6 +696,7 @@ def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> No
         (dict(min_blocks=3, stage_rows=True), 300, 290),  # v8: rows staged in shared memory
         (dict(rows_per_tile=32, stage_rows=True), 300, 290),
         (dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2), 300, 290),
+        (dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2), 300, 290),
     ),
 )
 def test_partials_schedule_nan_rows_and_graph_replay(knobs: dict, rows: int, inf_row: int) -> None:
@@ -769,5 +770,8 @@ def test_partials_tall_and_staged_tiles_give_the_default_bits(H: int, broadcast:
         partials_config(H, broadcast, 512, stage_rows=True, stage_depth=2, row_split=2),
         partials_config(H, broadcast, 256, stage_rows=True, stage_depth=3, row_split=4),
         partials_config(H, broadcast, 512, stage_rows=True, stage_depth=4),
+        # Two buffers of warp sums, one barrier per batch.
+        partials_config(H, broadcast, 512, stage_rows=True, stage_depth=2, row_split=4, sum_buffers=2),
+        partials_config(H, broadcast, 128, row_split=2, sum_buffers=2),
     )
     assert_default_bits(H, broadcast, configs, (1, 7, 33, 64, 65, 129, 300, 512), seed=120)
