@@ -347,21 +347,31 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   rows in the 64-row tile from 384 rows (384: 10.08-10.32 -> 9.76-9.79, 512: 11.06-11.11 -> 10.42-10.52;
 #   it loses 0.1-0.25 at 129-256), at H 5120 the 32-row tile with staged rows at 129-192 (129: 7.90-8.06
 #   -> 6.55-6.58, 192: 7.62-8.16 -> 7.37-7.51); H 4096 unchanged (within 0.1).
-Choice = tuple[int, bool, int, int, str, bool]  # (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows)
-T32: Choice = (32, False, 1, 0, "tile", False)
-T32_VEC: Choice = (32, True, 1, 0, "tile", False)
-SPLIT: Choice = (32, True, 2, 0, "tile", False)
-T64_VEC: Choice = (64, True, 1, 0, "tile", False)
-T64_VEC_MB3: Choice = (64, True, 1, 3, "tile", False)
-SPLIT_P: Choice = (32, False, 2, 0, "partials", False)
-T16_P: Choice = (16, False, 1, 0, "partials", False)
-T32_P: Choice = (32, False, 1, 0, "partials", False)
-T64_P: Choice = (64, False, 1, 0, "partials", False)
-T64_MB3_P: Choice = (64, False, 1, 3, "partials", False)
-T128_P: Choice = (128, False, 1, 0, "partials", False)
-T128_SPLIT_P: Choice = (128, False, 2, 0, "partials", False)
-T32_STAGED_P: Choice = (32, False, 1, 0, "partials", True)
-T64_MB3_STAGED_P: Choice = (64, False, 1, 3, "partials", True)
+# - v9, the staging ring (one A/B run of 3-14 configs at 129-512 rows, two more at 129/256/384/512 and one
+#   at 193-480 rows, docs/PERF.md, v9; us against v8's defaults): one 512-row tile of 4 warps per chunk,
+#   2 batches in flight, 2 buffers of warp sums: H 7168 from 257 rows (288: 13.76 -> 12.62, 384: 16.13
+#   -> 14.32, 512: 19.10 -> 16.86-16.91), H 5120 from 305 (between the measured 288, where the staged
+#   32-row tile stays 0.18 ahead, and 320: 11.93 -> 11.63; 512: 15.01 -> 14.44), H 4096 from 401 (384:
+#   the 128-row split tile 0.5 ahead; 416: 12.75 -> 11.95, 512: 14.29-14.32 -> 12.92-12.93). Its 256-row
+#   form at 193-256 rows for H 4096 and 5120 (4096 x 224: 9.46 -> 8.79, 5120 x 224: 9.90 -> 9.51).
+# (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows, stage_depth, sum_buffers)
+Choice = tuple[int, bool, int, int, str, bool, int, int]
+T32: Choice = (32, False, 1, 0, "tile", False, 0, 1)
+T32_VEC: Choice = (32, True, 1, 0, "tile", False, 0, 1)
+SPLIT: Choice = (32, True, 2, 0, "tile", False, 0, 1)
+T64_VEC: Choice = (64, True, 1, 0, "tile", False, 0, 1)
+T64_VEC_MB3: Choice = (64, True, 1, 3, "tile", False, 0, 1)
+SPLIT_P: Choice = (32, False, 2, 0, "partials", False, 0, 1)
+T16_P: Choice = (16, False, 1, 0, "partials", False, 0, 1)
+T32_P: Choice = (32, False, 1, 0, "partials", False, 0, 1)
+T64_P: Choice = (64, False, 1, 0, "partials", False, 0, 1)
+T64_MB3_P: Choice = (64, False, 1, 3, "partials", False, 0, 1)
+T128_SPLIT_P: Choice = (128, False, 2, 0, "partials", False, 0, 1)
+T32_STAGED_P: Choice = (32, False, 1, 0, "partials", True, 0, 1)
+T64_MB3_STAGED_P: Choice = (64, False, 1, 3, "partials", True, 0, 1)
+# One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
+RING_P: Choice = (512, False, 4, 0, "partials", True, 2, 2)
+T256_RING_P: Choice = (256, False, 4, 0, "partials", True, 2, 2)
 BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
@@ -377,18 +387,18 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
     """The defaults of one form at hidden size H: (first row, choice) bands in row order."""
     if form == "standard":
         if H >= 7168:
-            return ((1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_P), (193, T128_SPLIT_P))
+            return ((1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_P), (193, T128_SPLIT_P), (257, RING_P))
         if H >= 5120:
             return (
-                (1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_VEC), (129, T32_P), (193, T128_SPLIT_P),
-                (257, T32_STAGED_P), (385, T128_P),
+                (1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_VEC), (129, T32_P), (193, T256_RING_P),
+                (257, T32_STAGED_P), (305, RING_P),
             )  # fmt: skip
         wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
         big = T64_VEC_MB3 if wide else T64_VEC
         if H >= 4096:
             return (
-                (1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (193, T64_MB3_STAGED_P),
-                (289, T128_SPLIT_P), (417, T64_MB3_STAGED_P),
+                (1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (193, T256_RING_P),
+                (257, T64_MB3_STAGED_P), (289, T128_SPLIT_P), (401, RING_P),
             )  # fmt: skip
         return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (384, T32_P))
     if form == "broadcast":
@@ -407,7 +417,8 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
 
 
 def default_choice(H: int, broadcast: bool, inline: bool, rows: int) -> Choice:
-    """The defaults' (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows) for a call of `rows` rows."""
+    """The defaults' Choice (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows, stage_depth,
+    sum_buffers) for a call of `rows` rows."""
     choice = T32
     for first, band in default_bands(H, default_form(broadcast, inline)):
         if rows >= first:
@@ -431,11 +442,14 @@ def _default_config(
     min_blocks: int = 0,
     schedule: str = "tile",
     stage_rows: bool = False,
+    stage_depth: int = 0,
+    sum_buffers: int = 1,
 ) -> CoefficientsConfig:
-    """The default config of one (row tile, push_vec, row_split, min_blocks, schedule, stage_rows) choice."""
+    """The default config of one Choice."""
     return CoefficientsConfig.for_shape(
         H, broadcast, rows_per_tile, handoff=DEFAULT_HANDOFF, sinkhorn_unroll=DEFAULT_SINKHORN_UNROLL,
         push_vec=push_vec, row_split=row_split, min_blocks=min_blocks, schedule=schedule, stage_rows=stage_rows,
+        stage_depth=stage_depth, sum_buffers=sum_buffers,
     )  # fmt: skip
 
 

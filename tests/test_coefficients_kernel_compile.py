@@ -117,6 +117,7 @@ def test_warmup_keys_cover_every_call_path() -> None:
         ("standard", "none", 64, False, 1, "partials", False),
         ("standard", "none", 32, False, 1, "partials", False),
         ("standard", "none", 128, False, 2, "partials", False),
+        ("standard", "none", 512, False, 4, "partials", True),
         ("standard", "carried", 32, False, 1, "tile", False),
         ("standard", "carried", 32, True, 2, "tile", False),
         ("standard", "carried", 32, False, 1, "partials", False),
@@ -132,7 +133,9 @@ def test_warmup_keys_cover_every_call_path() -> None:
     ]
     # 3 CTAs per SM: the broadcast partials 64-row tiles (plain, staged); the standard 64-row tile of 7-warp CTAs (H 7168)
     # only where it is a tile default (H 7168 takes the partials schedule above 48 rows).
-    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(13, 3), (14, 3)]
+    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(14, 3), (15, 3)]
+    # The staging ring with two buffers of warp sums: the standard projection's one 512-row tile.
+    assert [(i, k[4].stage_depth, k[4].sum_buffers) for i, k in enumerate(keys) if k[4].stage_depth] == [(5, 2, 2)]
     assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
     assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
     # With a layer input, the partials schedule only for the inline form at H 7168 from 129 rows.

@@ -434,8 +434,13 @@ def test_v3_knobs_batch_invariance(H: int) -> None:
 
 def fma_config(H: int, broadcast: bool, rows: int) -> CoefficientsConfig:
     """The default config for a call of `rows` rows, with the projection as fp32 FMAs on the CUDA cores
-    (in the tile schedule: the partials schedule runs the mma projection only)."""
-    return dataclasses.replace(default_config(H, broadcast, rows), projection="fma", schedule="tile", stage_rows=False)
+    (in the tile schedule, whose clusters finish at most 128 rows, without the partials schedule's
+    staging and sum buffers: that schedule runs the mma projection only)."""
+    default = default_config(H, broadcast, rows)
+    return dataclasses.replace(
+        default, projection="fma", schedule="tile", stage_rows=False, stage_depth=0, sum_buffers=1,
+        rows_per_tile=min(default.rows_per_tile, 128), row_split=min(default.row_split, 2),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("H", (4096, 7168))
