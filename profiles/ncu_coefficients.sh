@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on the coefficients kernel (clocks left alone), with the warp-stall samples per
 # SASS instruction: reports under profiles/reports/, a summary per run under profiles/
-# (<gpu>-coefficients-<variant>-H<h>-rows<r>.txt) and the per-instruction table (*-sass.csv).
+# (<gpu>-coefficients-<variant>-H<h>-rows<r>.txt), the per-instruction table (*-sass.csv) and its
+# sums by stall reason and opcode (profiles/<gpu>-coefficients-...-stalls.txt, profiles/sass_stalls.py).
 #   H=7168 ROWS="1 16 512" PYTHON=python3 bash profiles/ncu_coefficients.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,7 @@ for variant in $VARIANTS; do
         "$PY" profiles/run_kernel.py --kernel coefficients --variant "$variant" --hidden "$H" --rows "$rows" >&2
     ncu --import "$rep.ncu-rep" --print-units base "${sections[@]}" > "profiles/$gpu-$name.txt"
     ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$REPORTS/$gpu-$name-sass.csv" || true
+    "$PY" profiles/sass_stalls.py "$REPORTS/$gpu-$name-sass.csv" > "profiles/$gpu-$name-stalls.txt" || true
     grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
         "profiles/$gpu-$name.txt" | sed "s/^/  /" >&2
   done
