@@ -1074,17 +1074,11 @@ class CoefficientsKernel:
     ):  # fmt: skip
         """load_rows into this lane's staging slots of batch slot b with cp.async (rows past the end read
         the last row; a batch wholly past the end copies nothing, and its MMAs are skipped)."""
-        rows = mX.shape[0]
-        g = lane // 4
-        if batch_row < rows:
+        if batch_row < mX.shape[0]:
             for i in cutlass.range_constexpr(self.mtiles_per_warp):
-                mt = split * self.mtiles_per_warp + i
                 for half in cutlass.range_constexpr(2):
-                    row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
-                    _cp_async_16(
-                        self.stage_slot(sStage, b, warp, lane, split, i, half),
-                        mX.iterator + (row * self.row_stride + col),
-                    )
+                    src = self.row_piece(mX, batch_row, col, lane, split, i, half)
+                    _cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
 
     @cute.jit
     def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:
@@ -1256,20 +1250,21 @@ class CoefficientsKernel:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def row_piece(self, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32, split, i: int, half: int):
+        """Where this lane's 16 bytes of m-tile i of its split, row g + 8 * half of a batch, start in the
+        streams (rows past the end read the last row)."""
+        mt = split * self.mtiles_per_warp + i
+        row = cutlass.min(batch_row + mt * 16 + half * 8 + lane // 4, mX.shape[0] - 1)
+        return mX.iterator + (row * self.row_stride + col)
+
+    @cute.jit
     def load_rows(self, mX: cute.Tensor, batch_row: Int32, col: Int32, lane: Int32, split) -> list:
         """[m-tile of this warp's split][rows g, g + 8] 16-byte words of this lane's columns; rows past
         the end read the last row."""
-        rows = mX.shape[0]
-        g = lane // 4
-        words = []
-        for i in cutlass.range_constexpr(self.mtiles_per_warp):
-            mt = split * self.mtiles_per_warp + i
-            pair = []
-            for half in cutlass.range_constexpr(2):
-                row = cutlass.min(batch_row + mt * 16 + half * 8 + g, rows - 1)
-                pair.append(_ld_v4_i32(mX.iterator + (row * self.row_stride + col)))
-            words.append(pair)
-        return words
+        return [
+            [_ld_v4_i32(self.row_piece(mX, batch_row, col, lane, split, i, half)) for half in range(2)]
+            for i in range(self.mtiles_per_warp)
+        ]
 
     @cute.jit
     def project_batch(
