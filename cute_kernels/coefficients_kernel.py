@@ -167,6 +167,11 @@ class CoefficientsConfig:
     - `sum_buffers`: schedule "partials" only: shared-memory buffers of warp partials the batches
       alternate between (1 or 2); with 2, a warp may multiply the next batch while others still sum
       this one (one barrier per batch instead of two).
+    - `ldmatrix`: with stage_rows, lay the staged rows out for ldmatrix: each lane copies its 16 bytes
+      as two 8-byte halves (one per k step) and each k step's A fragment comes from one ldmatrix.x4,
+      so no register moves build it. The k order inside an MMA changes, each MMA's set of columns does
+      not, and an MMA's result does not depend on the k order within it (bench/mma_order_probe: no
+      bit differed over 10^7 outputs), so the bits do not change.
     """
 
     rows_per_tile: int
@@ -187,6 +192,7 @@ class CoefficientsConfig:
     stage_rows: bool = False
     stage_depth: int = 0
     sum_buffers: int = 1
+    ldmatrix: bool = False
 
     @property
     def threads(self) -> int:
@@ -276,6 +282,10 @@ class CoefficientsConfig:
             raise ValueError(f"sum_buffers must be 1 or 2, got {self.sum_buffers!r}")
         if self.sum_buffers == 2 and (self.schedule != "partials" or tm <= 64):
             raise ValueError("sum_buffers 2 needs schedule 'partials' and more than one 64-row batch per tile")
+        if not isinstance(self.ldmatrix, bool):
+            raise ValueError(f"ldmatrix must be a bool, got {self.ldmatrix!r}")
+        if self.ldmatrix and not self.stage_rows:
+            raise ValueError("ldmatrix needs stage_rows")
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -565,6 +575,42 @@ def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
+def _ld_v2_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """8 bytes from global memory as 2 fp32 (the address must be 8-byte aligned)."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([2], Float32.mlir_type), loc=loc, ip=ip)
+    return tuple(Float32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def _ldmatrix_x4(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """ldmatrix.x4 from shared memory: word i of the result is lane's word of 8x8 b16 matrix i, whose
+    8 rows of 16 bytes start at the addresses of lanes 8i .. 8i + 7."""
+    res = prim.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return _unpack(res, 4, T.i32(), Int32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _cp_async_8(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
+    """Copy 8 bytes (8-byte aligned) from global to shared memory without registers (cp.async.ca: the
+    8-byte form caches in L1 too); this thread sees them after cp.async.wait_group, other lanes after
+    that and a __syncwarp."""
+    cute.arch.inline_ptx(
+        "cp.async.ca.shared.global [{$r0}], [{$r1}], 8;",
+        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def _cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
     """Copy 16 bytes (16-byte aligned) from global to shared memory without registers, through L2
     only (cp.async.cg); this thread sees them after cp.async.wait_group."""
@@ -644,6 +690,7 @@ class CoefficientsKernel:
         self.batch_rows = 16 * self.mtiles_per_batch
         self.stage_slots = config.stage_depth or self.batches  # batch slots of the staging buffer
         self.sum_buffers = config.sum_buffers
+        self.ldmatrix = config.ldmatrix
         self.handoff = config.handoff
         self.prefetch = config.prefetch and self.batches > 1
         self.push_vec = config.push_vec
@@ -903,7 +950,9 @@ class CoefficientsKernel:
             if const_expr(self.projection == "fma"):
                 self.project_batch_fma(current, sFn, sWarp, tile_rows - batch_row0, warp, lane, split)
             else:
-                self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+                self.project_batch(
+                    self.row_fragments(current), hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split
+                )
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             if const_expr(b == 0 and self.handoff == "ticket"):
@@ -1028,17 +1077,22 @@ class CoefficientsKernel:
         hi, lo = self.split_fn(fn)
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
-            current = words
+            frags = None
             if const_expr(self.stage_rows):
                 # The copies of the batches after b issued so far may still be in flight.
                 cute.arch.cp_async_wait_group(min(self.batches, self.stage_slots + b) - 1 - b)
-                current = self.staged_rows(sStage, b % self.stage_slots, warp, lane, split)
+                frags = self.staged_rows(sStage, b % self.stage_slots, warp, lane, split)
+            else:
+                frags = self.row_fragments(words)
             if const_expr(self.prefetch and b < self.batches - 1):
                 words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
             sWarp = cute.make_tensor(sSums.iterator + (b % self.sum_buffers) * sum_words, cute.make_layout(sum_words))
-            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+            self.project_batch(frags, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(self.stage_rows and b + self.stage_slots < self.batches):
-                # The MMAs above consumed this slot's words, so the lane may refill it.
+                # The MMAs above consumed this slot's words, so the lane may refill it (with ldmatrix
+                # once the whole warp has: its lanes read each other's words).
+                if const_expr(self.ldmatrix):
+                    cute.arch.sync_warp()
                 ahead = b + self.stage_slots
                 self.copy_rows(
                     mX, sStage, row0 + ahead * self.batch_rows, ahead % self.stage_slots, col, warp, lane, split
@@ -1048,8 +1102,7 @@ class CoefficientsKernel:
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.sync_threads()
             rows_here = cutlass.max(cutlass.min(tile_rows - batch_row0, self.batch_rows), 0)
-            for e in cutlass.range(tidx, rows_here * NV, self.threads):
-                mRank[slot, row0 + batch_row0 + e // NV, e % NV] = self.warp_sum(sWarp, e)
+            self.store_sums(sWarp, mRank, slot, row0 + batch_row0, rows_here)
             if const_expr(b < self.batches - 1):
                 if const_expr(not self.prefetch and not self.stage_rows):
                     words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
@@ -1057,6 +1110,27 @@ class CoefficientsKernel:
                     # With two buffers, the barrier after the next batch's MMAs orders these reads
                     # before the batch after it writes this buffer again.
                     cute.arch.sync_threads()
+
+    @cute.jit
+    def store_sums(self, sWarp: cute.Tensor, mRank: cute.Tensor, slot: Int32, grow0: Int32, rows_here: Int32):
+        """A batch's partials summed over the CTA's warps in warp order (warp_sum's additions) into
+        mRank[slot, grow0 + r, n], 4 consecutive elements per thread: [rows][25] is contiguous both in a
+        warp's block of sWarp and in mRank, so no thread divides by 25."""
+        tidx, _, _ = cute.arch.thread_idx()
+        block = const_expr(self.batch_rows * NV)  # one warp's partials; a multiple of 4
+        vecs = const_expr(block // 4)
+        count = rows_here * NV
+        dst = mRank.iterator + cute.crd2idx((slot, grow0, 0), mRank.layout)
+        for k in cutlass.range_constexpr(-(-vecs // self.threads)):
+            e = (tidx + k * self.threads) * 4
+            if e < cutlass.min(count, block):
+                total = _ld_v4_f32(sWarp.iterator + e)
+                for w in cutlass.range_constexpr(1, self.warps):
+                    part = _ld_v4_f32(sWarp.iterator + (w * block + e))
+                    total = tuple(total[i] + part[i] for i in range(4))
+                for i in cutlass.range_constexpr(4):
+                    if e + i < count:
+                        cute.arch.store(dst + (e + i), total[i])
 
     def stage_slot(
         self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split, i: int, half: int
@@ -1078,15 +1152,54 @@ class CoefficientsKernel:
             for i in cutlass.range_constexpr(self.mtiles_per_warp):
                 for half in cutlass.range_constexpr(2):
                     src = self.row_piece(mX, batch_row, col, lane, split, i, half)
-                    _cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
+                    if const_expr(self.ldmatrix):
+                        # Half s (columns 8t + 4s .. + 3) goes to k step s's chunk t // 2, row g + 8 * half.
+                        t = lane % 4
+                        row = lane // 4 + 8 * half
+                        block = self.stage_slot(sStage, b, warp, 0, split, i, 0)
+                        for s in cutlass.range_constexpr(2):
+                            _cp_async_8(block + (((2 * s + t // 2) * 16 + row) * 4 + 2 * (t % 2)), src + 4 * s)
+                    else:
+                        _cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
 
     @cute.jit
     def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:
-        """This lane's words of batch b back from its staging slots, shaped as load_rows returns them."""
-        return [
-            [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
-            for i in range(self.mtiles_per_warp)
-        ]
+        """This lane's fragments of batch b (row_fragments' shape) from the staging slots: its own words,
+        or with ldmatrix one ldmatrix.x4 per k step (after a __syncwarp: other lanes copied them).
+        An ldmatrix block is [k step s][chunk h][row 0..15] 16 bytes: chunk h of step s holds the
+        columns 16h + 4s + {0..3, 8..11}; matrix i = rows 8 (i % 2) .., chunk i // 2."""
+        if const_expr(not self.ldmatrix):
+            return self.row_fragments(
+                [
+                    [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
+                    for i in range(self.mtiles_per_warp)
+                ]
+            )
+        cute.arch.sync_warp()
+        frags = []
+        for i in cutlass.range_constexpr(self.mtiles_per_warp):
+            block = self.stage_slot(sStage, b, warp, 0, split, i, 0)
+            m = lane // 8
+            steps = []
+            for s in cutlass.range_constexpr(2):
+                a = _ldmatrix_x4(block + ((2 * s + m // 2) * 16 + 8 * (m % 2) + lane % 8) * 4)
+                steps.append((a, (a[0], a[2]), (a[1], a[3])))
+            frags.append(steps)
+        return frags
+
+    @staticmethod
+    def row_fragments(words: list) -> list:
+        """[m-tile][k step s] (A fragment, Gram B of rows 0-7, Gram B of rows 8-15) from load_rows' words:
+        logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}, k {2t+8, 2t+9} <-> 8t+4s+{2,3}; the Gram block's
+        B = A^T, whose fragments are A's own registers."""
+        frags = []
+        for upper, lower in words:  # rows g and g + 8 of the m-tile
+            steps = []
+            for s in range(2):
+                a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
+                steps.append((a, (upper[2 * s], upper[2 * s + 1]), (lower[2 * s], lower[2 * s + 1])))
+            frags.append(steps)
+        return frags
 
     @property
     def finish_threads(self) -> int:
@@ -1213,12 +1326,19 @@ class CoefficientsKernel:
 
     @cute.jit
     def load_fn(self, mFn: cute.Tensor, col: Int32, lane: Int32) -> list:
-        """This lane's fp32 fn values: [n-tile j][8 columns] of fn row 8j + lane/4."""
+        """This lane's fp32 fn values: [n-tile j][8 columns] of fn row 8j + lane/4, in the order of the
+        lane's A words (split_fn pairs them): its own 8 columns, or with ldmatrix the columns c, c + 1,
+        c + 16, c + 17, c + 4, c + 5, c + 20, c + 21 from c = 8 * (t // 2) + 2 * (t % 2) of its chunk."""
         g = lane // 4
+        t = lane % 4
         fn = []
         for j in cutlass.range_constexpr(3):
-            base = mFn.iterator + ((8 * j + g) * self.K + col)
-            fn.append(list(_ld_v4_f32(base) + _ld_v4_f32(base + 4)))
+            if const_expr(self.ldmatrix):
+                base = mFn.iterator + ((8 * j + g) * self.K + col - 8 * t + 8 * (t // 2) + 2 * (t % 2))
+                fn.append(list(_ld_v2_f32(base) + _ld_v2_f32(base + 16) + _ld_v2_f32(base + 4) + _ld_v2_f32(base + 20)))
+            else:
+                base = mFn.iterator + ((8 * j + g) * self.K + col)
+                fn.append(list(_ld_v4_f32(base) + _ld_v4_f32(base + 4)))
         return fn
 
     @cute.jit
@@ -1269,7 +1389,7 @@ class CoefficientsKernel:
     @cute.jit
     def project_batch(
         self,
-        words: list,
+        frags: list,
         hi: list,
         lo: list,
         sWarp: cute.Tensor,
@@ -1287,32 +1407,32 @@ class CoefficientsKernel:
         for i in cutlass.range_constexpr(self.mtiles_per_warp):
             mt = split * self.mtiles_per_warp + i
             if mt * 16 < batch_rows:
-                upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
-                acc = [[Float32(0.0)] * 4 for _ in range(3)]
+                a = [frags[i][s][0] for s in range(2)]
+                base = (warp * self.batch_rows + mt * 16 + g) * NV
+                # The Gram block of the 16 rows, whose diagonal holds their sums of squares.
                 gram0 = [Float32(0.0)] * 4
                 gram1 = [Float32(0.0)] * 4
                 for s in cutlass.range_constexpr(2):
-                    # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
-                    a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
-                    for j in cutlass.range_constexpr(3):
-                        acc[j] = list(_mma_bf16(a, (hi[j][2 * s], hi[j][2 * s + 1]), acc[j]))
-                        acc[j] = list(_mma_bf16(a, (lo[j][2 * s], lo[j][2 * s + 1]), acc[j]))
-                    # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
-                    gram0 = list(_mma_bf16(a, (upper[2 * s], upper[2 * s + 1]), gram0))
-                    gram1 = list(_mma_bf16(a, (lower[2 * s], lower[2 * s + 1]), gram1))
-                base = (warp * self.batch_rows + mt * 16 + g) * NV
-                for j in cutlass.range_constexpr(3):
-                    n = 8 * j + 2 * t
-                    sWarp[base + n] = acc[j][0]
-                    sWarp[base + n + 1] = acc[j][1]
-                    sWarp[base + 8 * NV + n] = acc[j][2]
-                    sWarp[base + 8 * NV + n + 1] = acc[j][3]
+                    gram0 = list(_mma_bf16(a[s], frags[i][s][1], gram0))
+                    gram1 = list(_mma_bf16(a[s], frags[i][s][2], gram1))
                 # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
                 # rows 0-7, c2/c3 for rows 8-15).
                 if t == g // 2:
                     odd = (g % 2) == 1
                     sWarp[base + MIX] = Float32(cutlass.select_(odd, gram0[1], gram0[0]))
                     sWarp[base + 8 * NV + MIX] = Float32(cutlass.select_(odd, gram1[3], gram1[2]))
+                # One n-tile's chain at a time (k step 0 hi, lo, then step 1 hi, lo: each chain's own
+                # order, so the order of the n-tiles does not change a bit): 4 live accumulators.
+                for j in cutlass.range_constexpr(3):
+                    acc = [Float32(0.0)] * 4
+                    for s in cutlass.range_constexpr(2):
+                        acc = list(_mma_bf16(a[s], (hi[j][2 * s], hi[j][2 * s + 1]), acc))
+                        acc = list(_mma_bf16(a[s], (lo[j][2 * s], lo[j][2 * s + 1]), acc))
+                    n = 8 * j + 2 * t
+                    sWarp[base + n] = acc[0]
+                    sWarp[base + n + 1] = acc[1]
+                    sWarp[base + 8 * NV + n] = acc[2]
+                    sWarp[base + 8 * NV + n + 1] = acc[3]
 
     @cute.jit
     def project_batch_fma(
