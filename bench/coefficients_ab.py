@@ -67,8 +67,7 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
     other bits, so only ever a new default split for every row count of that H). "partials" labels run
     the two-launch schedule (tiles up to 512 rows), "staged" ones that schedule with the rows staged in
     shared memory (config.stage_rows), "ringN" ones staged through a ring of N batch slots
-    (config.stage_depth), "sb2" ones with two buffers of warp sums (config.sum_buffers), "ldsm" ones with
-    the staged rows laid out for ldmatrix (config.ldmatrix). The defaults (coefficients_kernel.default_bands) are among them,
+    (config.stage_depth), "sb2" ones with two buffers of warp sums (config.sum_buffers). The defaults (coefficients_kernel.default_bands) are among them,
     by form, H and row count."""
     f = functools.partial(_config, H, broadcast)
     cfgs = {
@@ -116,14 +115,6 @@ def projection_configs(H: int, broadcast: bool) -> dict[str, ck.CoefficientsConf
         "tm512 rs4 ring2 sb2": f(512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, schedule="partials"),
         "tm512 rs4 ring3 sb2": f(512, row_split=4, stage_rows=True, stage_depth=3, sum_buffers=2, schedule="partials"),
         "tm256 rs4 ring2 sb2": f(256, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, schedule="partials"),
-        "tm512 rs4 ring2 sb2 ldsm": f(
-            512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, ldmatrix=True, schedule="partials"
-        ),
-        "tm256 rs4 ring2 sb2 ldsm": f(
-            256, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, ldmatrix=True, schedule="partials"
-        ),
-        "tm32 staged ldsm": f(32, stage_rows=True, ldmatrix=True, schedule="partials"),
-        "tm64 mb3 staged ldsm": f(64, min_blocks=3, stage_rows=True, ldmatrix=True, schedule="partials"),
         "tm128 rs2 sb2 partials": f(128, row_split=2, sum_buffers=2, schedule="partials"),
         "tm128 sb2 partials": f(128, sum_buffers=2, schedule="partials"),
         "tm256 partials": f(256, schedule="partials"),

@@ -167,11 +167,6 @@ class CoefficientsConfig:
     - `sum_buffers`: schedule "partials" only: shared-memory buffers of warp partials the batches
       alternate between (1 or 2); with 2, a warp may multiply the next batch while others still sum
       this one (one barrier per batch instead of two).
-    - `ldmatrix`: with stage_rows, lay the staged rows out for ldmatrix: each lane copies its 16 bytes
-      as two 8-byte halves (one per k step) and each k step's A fragment comes from one ldmatrix.x4,
-      so no register moves build it. The k order inside an MMA changes, each MMA's set of columns does
-      not, and an MMA's result does not depend on the k order within it (bench/mma_order_probe: no
-      bit differed over 10^7 outputs), so the bits do not change.
     """
 
     rows_per_tile: int
@@ -192,7 +187,6 @@ class CoefficientsConfig:
     stage_rows: bool = False
     stage_depth: int = 0
     sum_buffers: int = 1
-    ldmatrix: bool = False
 
     @property
     def threads(self) -> int:
@@ -282,10 +276,6 @@ class CoefficientsConfig:
             raise ValueError(f"sum_buffers must be 1 or 2, got {self.sum_buffers!r}")
         if self.sum_buffers == 2 and (self.schedule != "partials" or tm <= 64):
             raise ValueError("sum_buffers 2 needs schedule 'partials' and more than one 64-row batch per tile")
-        if not isinstance(self.ldmatrix, bool):
-            raise ValueError(f"ldmatrix must be a bool, got {self.ldmatrix!r}")
-        if self.ldmatrix and not self.stage_rows:
-            raise ValueError("ldmatrix needs stage_rows")
         if self.schedule == "partials" and self.push_vec:
             raise ValueError("schedule 'partials' sums its warps itself: push_vec does not apply")
         if self.projection not in PROJECTIONS:
@@ -575,42 +565,6 @@ def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
-def _ld_v2_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """8 bytes from global memory as 2 fp32 (the address must be 8-byte aligned)."""
-    vec = cute.arch.load(ptr, ir.VectorType.get([2], Float32.mlir_type), loc=loc, ip=ip)
-    return tuple(Float32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def _ldmatrix_x4(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """ldmatrix.x4 from shared memory: word i of the result is lane's word of 8x8 b16 matrix i, whose
-    8 rows of 16 bytes start at the addresses of lanes 8i .. 8i + 7."""
-    res = prim.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [Int32(ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r",
-        side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
-    return _unpack(res, 4, T.i32(), Int32, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _cp_async_8(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
-    """Copy 8 bytes (8-byte aligned) from global to shared memory without registers (cp.async.ca: the
-    8-byte form caches in L1 too); this thread sees them after cp.async.wait_group, other lanes after
-    that and a __syncwarp."""
-    cute.arch.inline_ptx(
-        "cp.async.ca.shared.global [{$r0}], [{$r1}], 8;",
-        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)],
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def _cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
     """Copy 16 bytes (16-byte aligned) from global to shared memory without registers, through L2
     only (cp.async.cg); this thread sees them after cp.async.wait_group."""
@@ -690,7 +644,6 @@ class CoefficientsKernel:
         self.batch_rows = 16 * self.mtiles_per_batch
         self.stage_slots = config.stage_depth or self.batches  # batch slots of the staging buffer
         self.sum_buffers = config.sum_buffers
-        self.ldmatrix = config.ldmatrix
         self.handoff = config.handoff
         self.prefetch = config.prefetch and self.batches > 1
         self.push_vec = config.push_vec
@@ -1089,10 +1042,7 @@ class CoefficientsKernel:
             sWarp = cute.make_tensor(sSums.iterator + (b % self.sum_buffers) * sum_words, cute.make_layout(sum_words))
             self.project_batch(frags, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(self.stage_rows and b + self.stage_slots < self.batches):
-                # The MMAs above consumed this slot's words, so the lane may refill it (with ldmatrix
-                # once the whole warp has: its lanes read each other's words).
-                if const_expr(self.ldmatrix):
-                    cute.arch.sync_warp()
+                # The MMAs above consumed this slot's words, so the lane may refill it.
                 ahead = b + self.stage_slots
                 self.copy_rows(
                     mX, sStage, row0 + ahead * self.batch_rows, ahead % self.stage_slots, col, warp, lane, split
@@ -1152,40 +1102,17 @@ class CoefficientsKernel:
             for i in cutlass.range_constexpr(self.mtiles_per_warp):
                 for half in cutlass.range_constexpr(2):
                     src = self.row_piece(mX, batch_row, col, lane, split, i, half)
-                    if const_expr(self.ldmatrix):
-                        # Half s (columns 8t + 4s .. + 3) goes to k step s's chunk t // 2, row g + 8 * half.
-                        t = lane % 4
-                        row = lane // 4 + 8 * half
-                        block = self.stage_slot(sStage, b, warp, 0, split, i, 0)
-                        for s in cutlass.range_constexpr(2):
-                            _cp_async_8(block + (((2 * s + t // 2) * 16 + row) * 4 + 2 * (t % 2)), src + 4 * s)
-                    else:
-                        _cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
+                    _cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
 
     @cute.jit
     def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:
-        """This lane's fragments of batch b (row_fragments' shape) from the staging slots: its own words,
-        or with ldmatrix one ldmatrix.x4 per k step (after a __syncwarp: other lanes copied them).
-        An ldmatrix block is [k step s][chunk h][row 0..15] 16 bytes: chunk h of step s holds the
-        columns 16h + 4s + {0..3, 8..11}; matrix i = rows 8 (i % 2) .., chunk i // 2."""
-        if const_expr(not self.ldmatrix):
-            return self.row_fragments(
-                [
-                    [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
-                    for i in range(self.mtiles_per_warp)
-                ]
-            )
-        cute.arch.sync_warp()
-        frags = []
-        for i in cutlass.range_constexpr(self.mtiles_per_warp):
-            block = self.stage_slot(sStage, b, warp, 0, split, i, 0)
-            m = lane // 8
-            steps = []
-            for s in cutlass.range_constexpr(2):
-                a = _ldmatrix_x4(block + ((2 * s + m // 2) * 16 + 8 * (m % 2) + lane % 8) * 4)
-                steps.append((a, (a[0], a[2]), (a[1], a[3])))
-            frags.append(steps)
-        return frags
+        """This lane's fragments of batch b (row_fragments' shape) from its own staging slots."""
+        return self.row_fragments(
+            [
+                [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
+                for i in range(self.mtiles_per_warp)
+            ]
+        )
 
     @staticmethod
     def row_fragments(words: list) -> list:
@@ -1326,19 +1253,12 @@ class CoefficientsKernel:
 
     @cute.jit
     def load_fn(self, mFn: cute.Tensor, col: Int32, lane: Int32) -> list:
-        """This lane's fp32 fn values: [n-tile j][8 columns] of fn row 8j + lane/4, in the order of the
-        lane's A words (split_fn pairs them): its own 8 columns, or with ldmatrix the columns c, c + 1,
-        c + 16, c + 17, c + 4, c + 5, c + 20, c + 21 from c = 8 * (t // 2) + 2 * (t % 2) of its chunk."""
+        """This lane's fp32 fn values: [n-tile j][8 columns] of fn row 8j + lane/4."""
         g = lane // 4
-        t = lane % 4
         fn = []
         for j in cutlass.range_constexpr(3):
-            if const_expr(self.ldmatrix):
-                base = mFn.iterator + ((8 * j + g) * self.K + col - 8 * t + 8 * (t // 2) + 2 * (t % 2))
-                fn.append(list(_ld_v2_f32(base) + _ld_v2_f32(base + 16) + _ld_v2_f32(base + 4) + _ld_v2_f32(base + 20)))
-            else:
-                base = mFn.iterator + ((8 * j + g) * self.K + col)
-                fn.append(list(_ld_v4_f32(base) + _ld_v4_f32(base + 4)))
+            base = mFn.iterator + ((8 * j + g) * self.K + col)
+            fn.append(list(_ld_v4_f32(base) + _ld_v4_f32(base + 4)))
         return fn
 
     @cute.jit

@@ -287,10 +287,6 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
     (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
     (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2)),
     (5120, "standard", dict(rows_per_tile=128, row_split=2, sum_buffers=2)),
-    # Staged rows laid out for ldmatrix: a ring, a 16-row tile (one m-tile) and a 512-row tile of 4 m-tiles per warp.
-    (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, ldmatrix=True)),
-    (5120, "broadcast", dict(rows_per_tile=16, stage_rows=True, ldmatrix=True)),
-    (4096, "standard", dict(rows_per_tile=512, stage_rows=True, stage_depth=4, ldmatrix=True)),
 ])  # fmt: skip
 def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict, arch: str) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
@@ -310,8 +306,6 @@ def test_partials_staging_and_tall_tiles_are_validated() -> None:
         (dict(rows_per_tile=512, stage_depth=2, stage_rows=False), "stage_depth needs stage_rows"),
         (dict(sum_buffers=3), "sum_buffers must be 1 or 2"),
         (dict(rows_per_tile=64, sum_buffers=2), "more than one 64-row batch"),
-        (dict(ldmatrix=1), "ldmatrix must be a bool"),
-        (dict(stage_rows=False, ldmatrix=True), "ldmatrix needs stage_rows"),
     ):
         with pytest.raises(ValueError, match=message):
             CoefficientsConfig(**{**base.__dict__, **knobs}).validate(7168, False)

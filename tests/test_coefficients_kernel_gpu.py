@@ -702,7 +702,6 @@ def test_partials_schedule_gives_the_default_bits(H: int, broadcast: bool) -> No
         (dict(rows_per_tile=32, stage_rows=True), 300, 290),
         (dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2), 300, 290),
         (dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2), 300, 290),
-        (dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, ldmatrix=True), 300, 290),
     ),
 )
 def test_partials_schedule_nan_rows_and_graph_replay(knobs: dict, rows: int, inf_row: int) -> None:
@@ -781,35 +780,3 @@ def test_partials_tall_and_staged_tiles_give_the_default_bits(H: int, broadcast:
         partials_config(H, broadcast, 128, row_split=2, sum_buffers=2),
     )
     assert_default_bits(H, broadcast, configs, (1, 7, 33, 64, 65, 129, 300, 512), seed=120)
-
-
-# --- staged rows laid out for ldmatrix (v10): another k order inside each MMA, the same bits --------------
-
-
-def test_an_mma_result_does_not_depend_on_the_k_order_inside_it() -> None:
-    # What config.ldmatrix relies on: permuting k inside one m16n8k16 bf16 MMA (A's columns and B's rows
-    # together) leaves every fp32 output bit alone, here over 4 * 12 permutations of 2000 random tiles
-    # whose values span up to 2^+-30 (bench/mma_order_probe runs 10x more).
-    from bench.mma_order_probe import differing_outputs
-
-    counts = differing_outputs(tiles=2000, random_perms=8, spreads=(0, 4, 12, 30))
-    assert len(counts) == 4 * 12
-    assert all(n == 0 for n in counts.values()), {k: n for k, n in counts.items() if n}
-
-
-@pytest.mark.parametrize("H", (4096, 5120, 7168))
-@pytest.mark.parametrize("broadcast", (False, True))
-def test_ldmatrix_staged_tiles_give_the_default_bits(H: int, broadcast: bool) -> None:
-    # Each lane copies its 16 bytes as two 8-byte halves into per-k-step chunks and each k step's A
-    # fragment comes from one ldmatrix.x4: every tile shape (1, 2 and 4 m-tiles per warp, a ring,
-    # one or two sum buffers) gives the default's bits at every row count.
-    configs = (
-        partials_config(H, broadcast, 16, stage_rows=True, ldmatrix=True),
-        partials_config(H, broadcast, 32, stage_rows=True, row_split=2, ldmatrix=True),
-        partials_config(H, broadcast, 64, stage_rows=True, min_blocks=3, ldmatrix=True),
-        partials_config(H, broadcast, 128, stage_rows=True, ldmatrix=True),
-        partials_config(H, broadcast, 512, stage_rows=True, stage_depth=2, row_split=4, sum_buffers=2, ldmatrix=True),
-        partials_config(H, broadcast, 256, stage_rows=True, stage_depth=2, row_split=4, sum_buffers=2, ldmatrix=True),
-        partials_config(H, broadcast, 512, stage_rows=True, stage_depth=4, ldmatrix=True),
-    )
-    assert_default_bits(H, broadcast, configs, (1, 7, 33, 64, 65, 129, 300, 512), seed=130)
