@@ -354,6 +354,16 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   32-row tile stays 0.18 ahead, and 320: 11.93 -> 11.63; 512: 15.01 -> 14.44), H 4096 from 401 (384:
 #   the 128-row split tile 0.5 ahead; 416: 12.75 -> 11.95, 512: 14.29-14.32 -> 12.92-12.93). Its 256-row
 #   form at 193-256 rows for H 4096 and 5120 (4096 x 224: 9.46 -> 8.79, 5120 x 224: 9.90 -> 9.51).
+# - v10, after the warp sums went 4 at a time (one A/B run of 15 configs at 1-512 rows, 3 H, standard,
+#   broadcast and inline, docs/PERF.md, v10; us against v9's defaults measured with the v10 kernels): the
+#   partials schedule wins more rows. Standard: split tiles at 41-80 rows at H 7168 (64: 7.11 -> 6.11),
+#   16-row tiles at 17-112 for H 5120 (64: 6.52 -> 5.88, 96: 7.18 -> 6.44) and 25-112 for H 4096 (96:
+#   7.07 -> 6.09), the 256-row ring from 145 / 177 / 113 rows (H 7168 x 256: 15.78 -> 10.93: with v10's
+#   warp sums the 128-row split tile takes 76 registers, one CTA per SM), the 512-row ring from 257 rows at
+#   every H (4096 x 384: 11.11 -> 10.41). Broadcast: split tiles of the partials schedule up to 304 / 416 /
+#   512 rows (7168 x 256: 8.96 -> 6.69), then staged 32-row tiles (7168 x 512: 10.88 -> 8.80). Inline:
+#   32-row tiles of the partials schedule at 8-40 rows at H 7168 (16: 5.72 -> 5.22), 64-row ones from
+#   177 (512: 28.68 -> 27.68), from 209 at H 5120 (512: 22.73 -> 22.17), from 353 at H 4096.
 # (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows, stage_depth, sum_buffers)
 Choice = tuple[int, bool, int, int, str, bool, int, int]
 T32: Choice = (32, False, 1, 0, "tile", False, 0, 1)
@@ -366,9 +376,7 @@ T16_P: Choice = (16, False, 1, 0, "partials", False, 0, 1)
 T32_P: Choice = (32, False, 1, 0, "partials", False, 0, 1)
 T64_P: Choice = (64, False, 1, 0, "partials", False, 0, 1)
 T64_MB3_P: Choice = (64, False, 1, 3, "partials", False, 0, 1)
-T128_SPLIT_P: Choice = (128, False, 2, 0, "partials", False, 0, 1)
 T32_STAGED_P: Choice = (32, False, 1, 0, "partials", True, 0, 1)
-T64_MB3_STAGED_P: Choice = (64, False, 1, 3, "partials", True, 0, 1)
 # One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
 RING_P: Choice = (512, False, 4, 0, "partials", True, 2, 2)
 T256_RING_P: Choice = (256, False, 4, 0, "partials", True, 2, 2)
@@ -387,30 +395,30 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
     """The defaults of one form at hidden size H: (first row, choice) bands in row order."""
     if form == "standard":
         if H >= 7168:
-            return ((1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_P), (193, T128_SPLIT_P), (257, RING_P))
+            return ((1, SPLIT_P), (17, T16_P), (41, SPLIT_P), (81, T32_P), (145, T256_RING_P), (257, RING_P))
         if H >= 5120:
-            return (
-                (1, SPLIT_P), (17, T16_P), (49, T64_P), (65, T32_VEC), (129, T32_P), (193, T256_RING_P),
-                (257, T32_STAGED_P), (305, RING_P),
-            )  # fmt: skip
+            return ((1, SPLIT_P), (17, T16_P), (113, T32_STAGED_P), (177, T256_RING_P), (257, RING_P))
+        if H >= 4096:
+            return ((1, T32), (8, SPLIT_P), (25, T16_P), (113, T256_RING_P), (257, RING_P))
         wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
         big = T64_VEC_MB3 if wide else T64_VEC
-        if H >= 4096:
-            return (
-                (1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (193, T256_RING_P),
-                (257, T64_MB3_STAGED_P), (289, T128_SPLIT_P), (401, RING_P),
-            )  # fmt: skip
         return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (384, T32_P))
     if form == "broadcast":
         if H >= 7168:
-            return ((1, SPLIT), (97, T32), (129, T64_MB3_P), (384, T64_MB3_STAGED_P))
+            return ((1, SPLIT_P), (305, T32_STAGED_P))
         if H >= 5120:
-            return ((1, SPLIT), (97, T32), (129, T32_STAGED_P), (193, T64_MB3_P))
+            return ((1, SPLIT_P), (417, T32_STAGED_P))
+        if H >= 4096:
+            return ((1, SPLIT_P),)
         return ((1, SPLIT), (97, T32), (129, T64_MB3_P))
     if form == "inline":
         if H >= 7168:
-            return ((1, T32), (8, SPLIT), (33, T32), (129, T32_P))
-        return ((1, T32), (129 if H >= 5120 else 192, T64_VEC))
+            return ((1, T32), (8, T32_P), (41, T32_VEC), (129, T32_P), (177, T64_P))
+        if H >= 5120:
+            return ((1, T32), (12, T32_P), (209, T64_P))
+        if H >= 4096:
+            return ((1, T32), (192, T64_VEC), (353, T64_P))
+        return ((1, T32), (192, T64_VEC))
     if form == "first inline":
         return ((1, T32), (257, T64_VEC))
     raise ValueError(f"unknown defaults form {form!r}")

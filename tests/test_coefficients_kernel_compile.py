@@ -114,40 +114,45 @@ def test_warmup_keys_cover_every_call_path() -> None:
     ] == [
         ("standard", "none", 32, False, 2, "partials", False),
         ("standard", "none", 16, False, 1, "partials", False),
-        ("standard", "none", 64, False, 1, "partials", False),
         ("standard", "none", 32, False, 1, "partials", False),
-        ("standard", "none", 128, False, 2, "partials", False),
+        ("standard", "none", 256, False, 4, "partials", True),
         ("standard", "none", 512, False, 4, "partials", True),
         ("standard", "carried", 32, False, 1, "tile", False),
-        ("standard", "carried", 32, True, 2, "tile", False),
         ("standard", "carried", 32, False, 1, "partials", False),
+        ("standard", "carried", 32, True, 1, "tile", False),
+        ("standard", "carried", 64, False, 1, "partials", False),
         ("standard", "one_hot", 32, False, 1, "tile", False),
-        ("standard", "one_hot", 32, True, 2, "tile", False),
         ("standard", "one_hot", 32, False, 1, "partials", False),
-        ("broadcast", "none", 32, True, 2, "tile", False),
-        ("broadcast", "none", 32, False, 1, "tile", False),
-        ("broadcast", "none", 64, False, 1, "partials", False),
-        ("broadcast", "none", 64, False, 1, "partials", True),
+        ("standard", "one_hot", 32, True, 1, "tile", False),
+        ("standard", "one_hot", 64, False, 1, "partials", False),
+        ("broadcast", "none", 32, False, 2, "partials", False),
+        ("broadcast", "none", 32, False, 1, "partials", True),
         ("broadcast", "one_hot", 32, False, 1, "tile", False),
         ("broadcast", "one_hot", 64, True, 1, "tile", False),
     ]
-    # 3 CTAs per SM: the broadcast partials 64-row tiles (plain, staged); the standard 64-row tile of 7-warp CTAs (H 7168)
-    # only where it is a tile default (H 7168 takes the partials schedule above 48 rows).
-    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == [(14, 3), (15, 3)]
-    # The staging ring with two buffers of warp sums: the standard projection's one 512-row tile.
-    assert [(i, k[4].stage_depth, k[4].sum_buffers) for i, k in enumerate(keys) if k[4].stage_depth] == [(5, 2, 2)]
+    # Since v10 no default at H 7168 takes a launch bound (the broadcast 64-row tiles of 3 CTAs per SM lost
+    # to split and staged 32-row tiles).
+    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == []
+    # The staging ring with two buffers of warp sums: the standard projection's 256- and 512-row tiles.
+    assert [(i, k[4].stage_depth, k[4].sum_buffers) for i, k in enumerate(keys) if k[4].stage_depth] == [
+        (3, 2, 2),
+        (4, 2, 2),
+    ]
     assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
     assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
-    # With a layer input, the partials schedule only for the inline form at H 7168 from 129 rows.
+    # With a layer input the partials schedule takes 8-40 and 129-512 rows at H 7168, 12-512 at 5120 and
+    # 353-512 at 4096; the first layer's inline form stays on the tile schedule.
     assert ck.default_config(7168, False, 129, inline=True).schedule == "partials"
+    assert ck.default_config(7168, False, 16, inline=True).schedule == "partials"
     assert ck.default_config(7168, False, 128, inline=True).schedule == "tile"
     assert ck.default_config(7168, True, 512, inline=True).schedule == "tile"
-    assert ck.default_config(5120, False, 512, inline=True).schedule == "tile"
+    assert ck.default_config(5120, False, 512, inline=True).schedule == "partials"
+    assert ck.default_config(4096, False, 300, inline=True).schedule == "tile"
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
-    # Up to 16 rows: the split partials (standard, H >= 5120), the plain and split tiles (the split one
-    # for the inline forms only from H 7168).
+    # Up to 16 rows: the split partials tile (standard and broadcast), the plain tile and the 32-row
+    # partials tile (the inline forms, carried and one-hot; the first layer's only the plain tile).
     assert len(ck.coefficients_warmup_keys(7168, max_rows=16)) == 7
-    assert len(ck.coefficients_warmup_keys(5120, max_rows=16)) == 5
+    assert len(ck.coefficients_warmup_keys(5120, max_rows=16)) == 7
     jobs = ck.coefficients_warmup_jobs(7168, arch="sm_90a")
     layer_keys = ck.layer_input_warmup_keys(7168)
     assert [(k[1], k[2]) for k in layer_keys] == [
