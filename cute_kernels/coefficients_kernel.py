@@ -1327,7 +1327,7 @@ class CoefficientsKernel:
         split,
     ):
         """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of its
-        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp; m-tiles past the end
+        m-tiles of a batch (tensor-core MMAs on row_fragments' fragments), into sWarp; m-tiles past the end
         are skipped. (ptxas sinks a register-loaded m-tile's row loads into this guard, below the fn
         split: one round trip after the other outside PDL's overlap; config.stage_rows avoids it.)"""
         g = lane // 4
