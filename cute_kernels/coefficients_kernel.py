@@ -42,7 +42,7 @@ stores its warp-ordered sums into the workspace's rank_partials [G*8, rows, 25] 
 launch (PDL), one CTA per row, adds each group's 8 CTA sums in rank order, then the G groups in order
 (the very additions of the one-launch schedule, so the same bits), then runs the epilogue. Without a
 layer input the first launch has no clusters at all; with one it keeps them for the layer-input
-clusters. No exchange, no handoff: faster from 1 row at H >= 5120 (docs/PERF.md, v7). Without a
+clusters. No exchange, no handoff: the default at almost every row count (docs/PERF.md, v7-v10). Without a
 layer input its CTAs may also take 256 or 512 rows (more 64-row batches with fn held) and stage their
 rows in shared memory by cp.async (config.stage_rows), which keeps ptxas from issuing a CTA's row
 loads only after its fn round trip (docs/PERF.md, v8).
@@ -355,22 +355,23 @@ DEFAULT_SINKHORN_UNROLL = 4
 #   the 128-row split tile 0.5 ahead; 416: 12.75 -> 11.95, 512: 14.29-14.32 -> 12.92-12.93). Its 256-row
 #   form at 193-256 rows for H 4096 and 5120 (4096 x 224: 9.46 -> 8.79, 5120 x 224: 9.90 -> 9.51).
 # - v10, after the warp sums went 4 at a time (one A/B run of 15 configs at 1-512 rows, 3 H, standard,
-#   broadcast and inline, docs/PERF.md, v10; us against v9's defaults measured with the v10 kernels): the
-#   partials schedule wins more rows. Standard: split tiles at 41-80 rows at H 7168 (64: 7.11 -> 6.11),
-#   16-row tiles at 17-112 for H 5120 (64: 6.52 -> 5.88, 96: 7.18 -> 6.44) and 25-112 for H 4096 (96:
-#   7.07 -> 6.09), the 256-row ring from 145 / 177 / 113 rows (H 7168 x 256: 15.78 -> 10.93: with v10's
-#   warp sums the 128-row split tile takes 76 registers, one CTA per SM), the 512-row ring from 257 rows at
-#   every H (4096 x 384: 11.11 -> 10.41). Broadcast: split tiles of the partials schedule up to 304 / 416 /
-#   512 rows (7168 x 256: 8.96 -> 6.69), then staged 32-row tiles (7168 x 512: 10.88 -> 8.80). Inline:
-#   32-row tiles of the partials schedule at 8-40 rows at H 7168 (16: 5.72 -> 5.22), 64-row ones from
-#   177 (512: 28.68 -> 27.68), from 209 at H 5120 (512: 22.73 -> 22.17), from 353 at H 4096.
+#   broadcast and inline, docs/PERF.md, v10, which has the whole table; us against v9's defaults measured
+#   with the v10 kernels): the partials schedule wins more rows. Standard: split tiles at 41-80 rows at
+#   H 7168 (64: 7.11 -> 6.11) and 8-24 at H 4096 (16: 4.95 -> 4.58), 16-row tiles at 17-112 for H 5120
+#   (64: 6.52 -> 5.88, 96: 7.18 -> 6.44) and 25-112 for H 4096 (96: 7.07 -> 6.09), staged 32-row tiles at
+#   113-176 for H 5120, the 256-row ring from 145 / 177 / 113 rows (H 7168 x 256: 15.78 -> 10.93: with
+#   v10's warp sums the 128-row split tile takes 76 registers, one CTA per SM), the 512-row ring from 257
+#   rows at every H (4096 x 384: 11.11 -> 10.41). Broadcast: split tiles of the partials schedule up to
+#   304 / 416 / 512 rows (7168 x 256: 8.96 -> 6.69), then staged 32-row tiles (7168 x 512: 10.88 ->
+#   8.80). Inline: at H 7168 32-row partials tiles at 8-40 rows (16: 5.72 -> 5.22), the 32-row tile with
+#   pushes at 41-128, 64-row partials tiles from 177 (512: 28.68 -> 27.68); at H 5120 32-row partials tiles
+#   at 12-208 and 64-row ones from 209 (512: 22.73 -> 22.17); at H 4096 64-row partials tiles from 353.
 # (rows_per_tile, push_vec, row_split, min_blocks, schedule, stage_rows, stage_depth, sum_buffers)
 Choice = tuple[int, bool, int, int, str, bool, int, int]
 T32: Choice = (32, False, 1, 0, "tile", False, 0, 1)
 T32_VEC: Choice = (32, True, 1, 0, "tile", False, 0, 1)
 SPLIT: Choice = (32, True, 2, 0, "tile", False, 0, 1)
 T64_VEC: Choice = (64, True, 1, 0, "tile", False, 0, 1)
-T64_VEC_MB3: Choice = (64, True, 1, 3, "tile", False, 0, 1)
 SPLIT_P: Choice = (32, False, 2, 0, "partials", False, 0, 1)
 T16_P: Choice = (16, False, 1, 0, "partials", False, 0, 1)
 T32_P: Choice = (32, False, 1, 0, "partials", False, 0, 1)
@@ -380,7 +381,6 @@ T32_STAGED_P: Choice = (32, False, 1, 0, "partials", True, 0, 1)
 # One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
 RING_P: Choice = (512, False, 4, 0, "partials", True, 2, 2)
 T256_RING_P: Choice = (256, False, 4, 0, "partials", True, 2, 2)
-BIG_TILE_MIN_BLOCKS_WARPS = 7  # standard 64-row tiles of CTAs of exactly this many warps take min_blocks 3
 
 
 def default_form(broadcast: bool, inline: bool) -> str:
@@ -400,9 +400,7 @@ def default_bands(H: int, form: str) -> tuple[tuple[int, Choice], ...]:
             return ((1, SPLIT_P), (17, T16_P), (113, T32_STAGED_P), (177, T256_RING_P), (257, RING_P))
         if H >= 4096:
             return ((1, T32), (8, SPLIT_P), (25, T16_P), (113, T256_RING_P), (257, RING_P))
-        wide = CoefficientsConfig.for_shape(H, False).warps == BIG_TILE_MIN_BLOCKS_WARPS
-        big = T64_VEC_MB3 if wide else T64_VEC
-        return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, big), (384, T32_P))
+        return ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, T64_VEC), (384, T32_P))
     if form == "broadcast":
         if H >= 7168:
             return ((1, SPLIT_P), (305, T32_STAGED_P))
@@ -560,7 +558,7 @@ def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """16 bytes from global memory as 4 words (the address must be 16-byte aligned)."""
+    """16 bytes from global (or shared) memory as 4 words (the address must be 16-byte aligned)."""
     vec = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type), loc=loc, ip=ip)
     return tuple(Int32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -1011,7 +1009,7 @@ class CoefficientsKernel:
         rank: Int32, cluster: Int32,
     ):  # fmt: skip
         """schedule "partials": CTA (rank, tile, group) of the tile schedule without the cluster exchange:
-        its K slice of one row tile, summed over its warps in warp order (push_batch's sums), into slot
+        its K slice of one row tile, summed over its warps in warp order (store_sums' sums), into slot
         group * 8 + rank of mRank [G * 8, T, 25]; no exchange, no handoff."""
         tidx, _, _ = cute.arch.thread_idx()
         sum_words = const_expr(self.warps * self.batch_rows * NV)

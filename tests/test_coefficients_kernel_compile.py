@@ -72,30 +72,37 @@ def test_every_call_finds_its_default_among_the_warmup_keys(H: int) -> None:
                 assert (variant, mode, config) in compiled, (variant, mode, rows)
 
 
-# The defaults v6, v7 and v8 added: 16-byte pushes on the 32-row tile, the 64-row tile with 3 CTAs per SM,
-# the split tile in the inline form, the re-tuned broadcast and inline bands above 128 rows.
+# The defaults of v10 (default_bands) at the three model sizes, one row count per band that
+# test_variant_compiles (1 row) does not reach: (H, variant, layer-input mode, rows, inline).
 ADDED_DEFAULTS = [
+    # standard: split and 16- / 32-row partials tiles, staged 32-row tiles, the 256- and 512-row rings
+    (7168, "standard", "none", 30, False),
+    (7168, "standard", "none", 60, False),
     (7168, "standard", "none", 100, False),
+    (7168, "standard", "none", 200, False),
     (7168, "standard", "none", 512, False),
-    (7168, "broadcast", "none", 512, False),
-    (7168, "standard", "carried", 16, True),
-    # v7: broadcast 64-row tiles with min_blocks 3, inline 32-row tiles with pushes, broadcast 4096 x 512
-    (7168, "broadcast", "none", 200, False),
-    (7168, "standard", "carried", 300, True),
-    (4096, "broadcast", "none", 512, False),
-    (4096, "standard", "carried", 200, True),
-    # v7 partials defaults
-    (7168, "standard", "none", 16, False),
-    (7168, "standard", "none", 40, False),
-    (7168, "standard", "none", 512, False),
-    (4096, "standard", "none", 60, False),
-    # v8: 128-row partials tiles (split and plain), staged rows
-    (7168, "standard", "none", 300, False),
+    (5120, "standard", "none", 60, False),
+    (5120, "standard", "none", 150, False),
+    (5120, "standard", "none", 200, False),
     (5120, "standard", "none", 300, False),
-    (5120, "standard", "none", 500, False),
-    (4096, "standard", "none", 250, False),
+    (4096, "standard", "none", 16, False),
+    (4096, "standard", "none", 60, False),
+    (4096, "standard", "none", 150, False),
+    (4096, "standard", "none", 300, False),
+    # broadcast: split partials tiles, then staged 32-row tiles
+    (7168, "broadcast", "none", 200, False),
     (7168, "broadcast", "none", 400, False),
-    (5120, "broadcast", "none", 150, False),
+    (5120, "broadcast", "none", 500, False),
+    (4096, "broadcast", "none", 512, False),
+    # inline: 32-row partials tiles, the 32-row tile with pushes, 64-row partials tiles, the 64-row tile
+    (7168, "standard", "carried", 16, True),
+    (7168, "standard", "carried", 100, True),
+    (7168, "standard", "carried", 150, True),
+    (7168, "standard", "carried", 300, True),
+    (5120, "standard", "carried", 16, True),
+    (5120, "standard", "carried", 300, True),
+    (4096, "standard", "carried", 200, True),
+    (4096, "standard", "carried", 400, True),
 ]
 
 
@@ -138,7 +145,7 @@ def test_warmup_keys_cover_every_call_path() -> None:
         (3, 2, 2),
         (4, 2, 2),
     ]
-    assert ck.default_config(4096, False, 300).min_blocks == 0  # 4 warps
+    assert ck.default_config(4096, False, 300).min_blocks == 0  # the 512-row ring
     assert ck.default_config(8192, False, 512).min_blocks == 0  # partials
     # With a layer input the partials schedule takes 8-40 and 129-512 rows at H 7168, 12-512 at 5120 and
     # 353-512 at 4096; the first layer's inline form stays on the tile schedule.
