@@ -909,9 +909,7 @@ class CoefficientsKernel:
             if const_expr(self.projection == "fma"):
                 self.project_batch_fma(current, sFn, sWarp, tile_rows - batch_row0, warp, lane, split)
             else:
-                self.project_batch(
-                    self.row_fragments(current), hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split
-                )
+                self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(b == self.batches - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             if const_expr(b == 0 and self.handoff == "ticket"):
@@ -1036,17 +1034,15 @@ class CoefficientsKernel:
         hi, lo = self.split_fn(fn)
         for b in cutlass.range_constexpr(self.batches):
             batch_row0 = b * self.batch_rows
-            frags = None
+            current = words
             if const_expr(self.stage_rows):
                 # The copies of the batches after b issued so far may still be in flight.
                 cute.arch.cp_async_wait_group(min(self.batches, self.stage_slots + b) - 1 - b)
-                frags = self.staged_rows(sStage, b % self.stage_slots, warp, lane, split)
-            else:
-                frags = self.row_fragments(words)
+                current = self.staged_rows(sStage, b % self.stage_slots, warp, lane, split)
             if const_expr(self.prefetch and b < self.batches - 1):
                 words = self.load_rows(mX, row0 + batch_row0 + self.batch_rows, col, lane, split)
             sWarp = cute.make_tensor(sSums.iterator + (b % self.sum_buffers) * sum_words, cute.make_layout(sum_words))
-            self.project_batch(frags, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
+            self.project_batch(current, hi, lo, sWarp, tile_rows - batch_row0, warp, lane, split)
             if const_expr(self.stage_rows and b + self.stage_slots < self.batches):
                 # The MMAs above consumed this slot's words, so the lane may refill it.
                 ahead = b + self.stage_slots
@@ -1112,27 +1108,11 @@ class CoefficientsKernel:
 
     @cute.jit
     def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:
-        """This lane's fragments of batch b (row_fragments' shape) from its own staging slots."""
-        return self.row_fragments(
-            [
-                [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
-                for i in range(self.mtiles_per_warp)
-            ]
-        )
-
-    @staticmethod
-    def row_fragments(words: list) -> list:
-        """[m-tile][k step s] (A fragment, Gram B of rows 0-7, Gram B of rows 8-15) from load_rows' words:
-        logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}, k {2t+8, 2t+9} <-> 8t+4s+{2,3}; the Gram block's
-        B = A^T, whose fragments are A's own registers."""
-        frags = []
-        for upper, lower in words:  # rows g and g + 8 of the m-tile
-            steps = []
-            for s in range(2):
-                a = (upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1])
-                steps.append((a, (upper[2 * s], upper[2 * s + 1]), (lower[2 * s], lower[2 * s + 1])))
-            frags.append(steps)
-        return frags
+        """This lane's words of batch b back from its staging slots, shaped as load_rows returns them."""
+        return [
+            [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
+            for i in range(self.mtiles_per_warp)
+        ]
 
     @property
     def finish_threads(self) -> int:
@@ -1315,7 +1295,7 @@ class CoefficientsKernel:
     @cute.jit
     def project_batch(
         self,
-        frags: list,
+        words: list,
         hi: list,
         lo: list,
         sWarp: cute.Tensor,
@@ -1325,7 +1305,7 @@ class CoefficientsKernel:
         split,
     ):
         """The projection mainloop: this warp's 25 partial sums over its 32 columns for each row of its
-        m-tiles of a batch (tensor-core MMAs on row_fragments' fragments), into sWarp; m-tiles past the end
+        m-tiles of a batch (tensor-core MMAs on the loaded words), into sWarp; m-tiles past the end
         are skipped. (ptxas sinks a register-loaded m-tile's row loads into this guard, below the fn
         split: one round trip after the other outside PDL's overlap; config.stage_rows avoids it.)"""
         g = lane // 4
@@ -1333,14 +1313,16 @@ class CoefficientsKernel:
         for i in cutlass.range_constexpr(self.mtiles_per_warp):
             mt = split * self.mtiles_per_warp + i
             if mt * 16 < batch_rows:
-                a = [frags[i][s][0] for s in range(2)]
+                upper, lower = words[i][0], words[i][1]  # rows g and g + 8 of the m-tile
+                # Logical k {2t, 2t+1} <-> columns 8t+4s+{0,1}; k {2t+8, 2t+9} <-> 8t+4s+{2,3}.
+                a = [(upper[2 * s], lower[2 * s], upper[2 * s + 1], lower[2 * s + 1]) for s in range(2)]
                 base = (warp * self.batch_rows + mt * 16 + g) * NV
-                # The Gram block of the 16 rows, whose diagonal holds their sums of squares.
+                # The Gram block of the 16 rows: B = A^T, whose fragments are A's own registers.
                 gram0 = [Float32(0.0)] * 4
                 gram1 = [Float32(0.0)] * 4
                 for s in cutlass.range_constexpr(2):
-                    gram0 = list(_mma_bf16(a[s], frags[i][s][1], gram0))
-                    gram1 = list(_mma_bf16(a[s], frags[i][s][2], gram1))
+                    gram0 = list(_mma_bf16(a[s], (upper[2 * s], upper[2 * s + 1]), gram0))
+                    gram1 = list(_mma_bf16(a[s], (lower[2 * s], lower[2 * s + 1]), gram1))
                 # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
                 # rows 0-7, c2/c3 for rows 8-15).
                 if t == g // 2:
