@@ -734,15 +734,22 @@ def test_partials_schedule_nan_rows_and_graph_replay(knobs: dict, rows: int, inf
     assert_counters_clean(ws)
 
 
-@pytest.mark.parametrize("H", (4096, 7168))
+@pytest.mark.parametrize("H", (4096, 5120, 7168))
 @pytest.mark.parametrize("variant", ("inline", "first"))
 def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -> None:
     # With a layer input the first launch keeps its layer-input clusters; the coefficients and the
-    # layer input both keep the default's bits.
+    # layer input both keep the default's bits. The row counts straddle the defaults' bands (H 5120
+    # inline: the 32-row tile to 11 rows, 32-row partials tiles from 12, 64-row ones from 209), and
+    # the first band's tile config runs at every row count, so each band switch keeps the bits.
     broadcast = variant == "first"
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    configs = (partials_config(H, broadcast, 32), partials_config(H, broadcast, 64, row_split=2))
-    for rows in (1, 16, 129, 300, 512):
+    configs = (
+        default_config(H, broadcast, 1, inline=True),
+        partials_config(H, broadcast, 32),
+        partials_config(H, broadcast, 64),
+        partials_config(H, broadcast, 64, row_split=2),
+    )
+    for rows in (1, 11, 12, 16, 129, 209, 300, 512):
         x = streams(rows, H, seed=rows + 90)
         if broadcast:
             x = x[:, 0].contiguous()
