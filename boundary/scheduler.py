@@ -12,9 +12,8 @@ from boundary import checks, mhc
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.types import MHCLayer, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized_layer_input
 
-# Measured on the H200 with the toy decode step (docs/PERF.md, v3 and v8): the side stream pays 3-5 %
-# of the whole step up to 64 rows and 0.7-1.1 % at 128; at 256 rows inline was 1.2-1.6 % faster in
-# three runs of the last four (v7, v8), at 512 ~1 %.
+# Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
+# the whole step up to 128 rows; from 256 rows inline is 0.8-1.6 % faster.
 MEASURED_OVERLAP_MAX_ROWS = 128
 
 

@@ -1075,7 +1075,7 @@ class CoefficientsKernel:
         dst = mRank.iterator + cute.crd2idx((slot, grow0, 0), mRank.layout)
         for k in cutlass.range_constexpr(-(-vecs // self.threads)):
             e = (tidx + k * self.threads) * 4
-            if e < cutlass.min(count, block):
+            if e < count:  # count <= block: rows_here is at most a batch
                 total = _ld_v4_f32(sWarp.iterator + e)
                 for w in cutlass.range_constexpr(1, self.warps):
                     part = _ld_v4_f32(sWarp.iterator + (w * block + e))
