@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from cutlass import Float32, Int32
 
-from cute_kernels.coefficients_kernel import _mma_bf16
 from cute_kernels.compile import arch_for_device, compile_kernel, fake_stream, fake_tensor
+from cute_kernels.ptx import mma_bf16 as _mma_bf16
 
 
 class MmaProbe:

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from cute_kernels import primitives as prim
+from cute_kernels import ptx as prim
 from cute_kernels.coefficients_kernel import HC, CoefficientsConfig, CoefficientsKernel
 from cute_kernels.compile import arch_for_device, compile_kernel, fake_stream, fake_tensor
 

@@ -31,7 +31,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
-from cute_kernels import primitives as prim
+from cute_kernels import ptx as prim
 from cute_kernels.compile import WarmupJob, check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 HC = 4

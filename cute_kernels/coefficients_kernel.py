@@ -65,12 +65,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass._mlir.dialects import vector as mlir_vector
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels import primitives as prim
+from cute_kernels import ptx as prim
 from cute_kernels.compile import WarmupJob, check_arch, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 HC = 4
@@ -98,7 +94,6 @@ INPUT_ONLY_BUDGET = 2  # 16-byte vectors per thread of the layer-input-only kern
 # The value of an empty workspace partial slot: a NaN that arithmetic never produces (the GPU's
 # NaN results are the canonical 0x7FFFFFFF), so a slot holding it has not been written yet.
 SENTINEL = -4137299  # 0xFFC0DEAD as int32: a negative quiet NaN with a payload
-LOG2E = 1.4426950408889634
 # The phases a trace build stamps, per projection CTA: [0, 8) globaltimer ns, [8, 16) clock64 of
 # the same points, then the SM id and whether this CTA ran the epilogue.
 TRACE_PHASES = ("entry", "wait", "first_mma", "cluster_wait", "pushed", "received", "partials", "epilogue")
@@ -500,86 +495,11 @@ def _check_hidden(H: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _unpack(struct, n: int, ty, wrap, *, loc=None, ip=None) -> tuple:
-    return tuple(wrap(llvm.extractvalue(ty, struct, [i], loc=loc, ip=ip)) for i in range(n))
-
-
-@dsl_user_op
-def _mma_bf16(a: tuple, b: tuple, c: tuple, *, loc=None, ip=None) -> tuple:
-    """D = A @ B + C for one m16n8k16 bf16 tile with fp32 accumulators (4 + 2 + 4 registers)."""
-    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    res = prim.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        ops,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        side_effects=False,
-        loc=loc,
-        ip=ip,
-    )
-    return _unpack(res, 4, T.f32(), Float32, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _split_bf16x2(f0: Float32, f1: Float32, *, loc=None, ip=None) -> tuple:
-    """(hi, lo) words: hi = bf16x2(f0, f1), lo = bf16x2 of the remainders; f0 in the low halves."""
-    res = prim.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 2),
-        [Float32(f0).ir_value(loc=loc, ip=ip), Float32(f1).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 h, a, b;\n\t.reg .f32 x, y;\n\t"
-        "cvt.rn.bf16x2.f32 h, $3, $2;\n\t"
-        "shl.b32 a, h, 16;\n\t"
-        "and.b32 b, h, 0xFFFF0000;\n\t"
-        "mov.b32 x, a;\n\tmov.b32 y, b;\n\t"
-        "sub.rn.f32 x, $2, x;\n\tsub.rn.f32 y, $3, y;\n\t"
-        "cvt.rn.bf16x2.f32 $1, y, x;\n\t"
-        "mov.b32 $0, h;\n\t}",
-        "=r,=r,f,f",
-        side_effects=False,
-        loc=loc,
-        ip=ip,
-    )
-    return _unpack(res, 2, T.i32(), Int32, loc=loc, ip=ip)
-
-
 def _not_sentinel(x: Float32) -> Float32:
     """x, or the canonical NaN where x has the sentinel's bits (arithmetic never gives them, this
     makes sure): a written workspace slot never reads as empty, so a NaN row cannot stall the poll."""
     bits = Float32(x).bitcast(Int32)
     return Int32(cutlass.select_(bits == Int32(SENTINEL), Int32(CANONICAL_NAN), bits)).bitcast(Float32)
-
-
-@dsl_user_op
-def _exp(x: Float32, *, loc=None, ip=None) -> Float32:
-    """e^x as 2^(x*log2 e) by the MUFU unit."""
-    return prim.exp2_approx(Float32(x) * Float32(LOG2E), loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """16 bytes from global (or shared) memory as 4 words (the address must be 16-byte aligned)."""
-    vec = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type), loc=loc, ip=ip)
-    return tuple(Int32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def _ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
-    """16 bytes from global (or shared) memory as 4 fp32 (the address must be 16-byte aligned)."""
-    vec = cute.arch.load(ptr, ir.VectorType.get([4], Float32.mlir_type), loc=loc, ip=ip)
-    return tuple(Float32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def _cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
-    """Copy 16 bytes (16-byte aligned) from global to shared memory without registers, through L2
-    only (cp.async.cg); this thread sees them after cp.async.wait_group."""
-    cute.arch.inline_ptx(
-        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
-        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)],
-        loc=loc,
-        ip=ip,
-    )
 
 
 def _dot8(x: list, f: list) -> Float32:
@@ -588,15 +508,6 @@ def _dot8(x: list, f: list) -> Float32:
     for c in range(1, 8):
         acc = cute.math.fma(x[c], f[c], acc)
     return acc
-
-
-@dsl_user_op
-def _st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
-    """Store 4 words (16 bytes, 16-byte aligned) to global memory."""
-    vec = mlir_vector.from_elements(
-        ir.VectorType.get([4], Int32.mlir_type), [Int32(w).ir_value(loc=loc, ip=ip) for w in words], loc=loc, ip=ip
-    )
-    cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1076,9 +987,9 @@ class CoefficientsKernel:
         for k in cutlass.range_constexpr(-(-vecs // self.threads)):
             e = (tidx + k * self.threads) * 4
             if e < count:  # count <= block: rows_here is at most a batch
-                total = _ld_v4_f32(sWarp.iterator + e)
+                total = prim.ld_v4_f32(sWarp.iterator + e)
                 for w in cutlass.range_constexpr(1, self.warps):
-                    part = _ld_v4_f32(sWarp.iterator + (w * block + e))
+                    part = prim.ld_v4_f32(sWarp.iterator + (w * block + e))
                     total = tuple(total[i] + part[i] for i in range(4))
                 for i in cutlass.range_constexpr(4):
                     if e + i < count:
@@ -1104,13 +1015,13 @@ class CoefficientsKernel:
             for i in cutlass.range_constexpr(self.mtiles_per_warp):
                 for half in cutlass.range_constexpr(2):
                     src = self.row_piece(mX, batch_row, col, lane, split, i, half)
-                    _cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
+                    prim.cp_async_16(self.stage_slot(sStage, b, warp, lane, split, i, half), src)
 
     @cute.jit
     def staged_rows(self, sStage: cute.Tensor, b: int, warp: Int32, lane: Int32, split) -> list:
         """This lane's words of batch b back from its staging slots, shaped as load_rows returns them."""
         return [
-            [_ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
+            [prim.ld_v4_i32(self.stage_slot(sStage, b, warp, lane, split, i, half)) for half in range(2)]
             for i in range(self.mtiles_per_warp)
         ]
 
@@ -1244,7 +1155,7 @@ class CoefficientsKernel:
         fn = []
         for j in cutlass.range_constexpr(3):
             base = mFn.iterator + ((8 * j + g) * self.K + col)
-            fn.append(list(_ld_v4_f32(base) + _ld_v4_f32(base + 4)))
+            fn.append(list(prim.ld_v4_f32(base) + prim.ld_v4_f32(base + 4)))
         return fn
 
     @cute.jit
@@ -1254,7 +1165,7 @@ class CoefficientsKernel:
         for j in cutlass.range_constexpr(3):
             hj, lj = [], []
             for p in cutlass.range_constexpr(4):
-                h, low = _split_bf16x2(fn[j][2 * p], fn[j][2 * p + 1])
+                h, low = prim.split_bf16x2(fn[j][2 * p], fn[j][2 * p + 1])
                 hj.append(h)
                 lj.append(low)
             hi.append(hj)
@@ -1272,7 +1183,7 @@ class CoefficientsKernel:
             v = tidx + k * self.threads
             if v < total:
                 n = v // width
-                _cp_async_16(sFn.iterator + v * 4, mFn.iterator + (n * self.K + cta_col + (v - n * width) * 4))
+                prim.cp_async_16(sFn.iterator + v * 4, mFn.iterator + (n * self.K + cta_col + (v - n * width) * 4))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -1288,7 +1199,7 @@ class CoefficientsKernel:
         """[m-tile of this warp's split][rows g, g + 8] 16-byte words of this lane's columns; rows past
         the end read the last row."""
         return [
-            [_ld_v4_i32(self.row_piece(mX, batch_row, col, lane, split, i, half)) for half in range(2)]
+            [prim.ld_v4_i32(self.row_piece(mX, batch_row, col, lane, split, i, half)) for half in range(2)]
             for i in range(self.mtiles_per_warp)
         ]
 
@@ -1321,8 +1232,8 @@ class CoefficientsKernel:
                 gram0 = [Float32(0.0)] * 4
                 gram1 = [Float32(0.0)] * 4
                 for s in cutlass.range_constexpr(2):
-                    gram0 = list(_mma_bf16(a[s], (upper[2 * s], upper[2 * s + 1]), gram0))
-                    gram1 = list(_mma_bf16(a[s], (lower[2 * s], lower[2 * s + 1]), gram1))
+                    gram0 = list(prim.mma_bf16(a[s], (upper[2 * s], upper[2 * s + 1]), gram0))
+                    gram1 = list(prim.mma_bf16(a[s], (lower[2 * s], lower[2 * s + 1]), gram1))
                 # Row g's square sum is Gram[g][g], held by lane t = g/2 in register g % 2 (c0/c1 for
                 # rows 0-7, c2/c3 for rows 8-15).
                 if t == g // 2:
@@ -1334,8 +1245,8 @@ class CoefficientsKernel:
                 for j in cutlass.range_constexpr(3):
                     acc = [Float32(0.0)] * 4
                     for s in cutlass.range_constexpr(2):
-                        acc = list(_mma_bf16(a[s], (hi[j][2 * s], hi[j][2 * s + 1]), acc))
-                        acc = list(_mma_bf16(a[s], (lo[j][2 * s], lo[j][2 * s + 1]), acc))
+                        acc = list(prim.mma_bf16(a[s], (hi[j][2 * s], hi[j][2 * s + 1]), acc))
+                        acc = list(prim.mma_bf16(a[s], (lo[j][2 * s], lo[j][2 * s + 1]), acc))
                     n = 8 * j + 2 * t
                     sWarp[base + n] = acc[0]
                     sWarp[base + n + 1] = acc[1]
@@ -1373,7 +1284,7 @@ class CoefficientsKernel:
                 for n in cutlass.range_constexpr(NV):
                     if const_expr(n < MIX):
                         ptr = fn_cols + n * (self.warps * CHUNK)
-                        f = _ld_v4_f32(ptr) + _ld_v4_f32(ptr + 4)
+                        f = prim.ld_v4_f32(ptr) + prim.ld_v4_f32(ptr + 4)
                         sums = [_dot8(x[half], f) for half in range(2)]
                     else:
                         sums = [_dot8(x[half], x[half]) for half in range(2)]
@@ -1488,10 +1399,10 @@ class CoefficientsKernel:
         """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * sParam[0] + sParam[3 + j]
-            mPre[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) + pre_eps
+            mPre[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) + pre_eps
         for j in cutlass.range_constexpr(HC):
             z = mixes[HC + j] * sParam[1] + sParam[3 + HC + j]
-            mPost[row, j] = prim.rcp_approx(Float32(1.0) + _exp(-z)) * post_mult
+            mPost[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) * post_mult
 
     @cute.jit
     def row_comb(
@@ -1523,7 +1434,7 @@ class CoefficientsKernel:
                 n = 2 * HC + HC * a + b
                 logits.append((sMix[i * NV + n] * r) * sParam[2] + sParam[3 + n])
             top = cute.arch.fmax(cute.arch.fmax(logits[0], logits[1]), cute.arch.fmax(logits[2], logits[3]))
-            ex = [_exp(logits[b] - top) for b in range(HC)]
+            ex = [prim.exp_approx(logits[b] - top) for b in range(HC)]
             inv = prim.rcp_approx((ex[0] + ex[1]) + (ex[2] + ex[3]))
             for b in cutlass.range_constexpr(HC):
                 rC[k * HC + b] = ex[b] * inv + sinkhorn_eps
@@ -1605,7 +1516,7 @@ class CoefficientsKernel:
             local_row = v // vpr
             vec_row.append(local_row)
             vec_col.append(rank * (self.H // CLUSTER) + (v - local_row * vpr) * 8)
-        w_words = [_ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)]
+        w_words = [prim.ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)]
         cute.arch.griddepcontrol_wait()
 
         # Every read in flight before any math.
@@ -1614,9 +1525,9 @@ class CoefficientsKernel:
             row = cutlass.min(row0 + vec_row[k], rows - 1)
             nstreams = HC if self.layer_input == "carried" else 1
             streams = [
-                _ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(nstreams)
+                prim.ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(nstreams)
             ]
-            pre = _ld_v4_f32(mPreMix.iterator + row * HC) if self.layer_input == "carried" else None
+            pre = prim.ld_v4_f32(mPreMix.iterator + row * HC) if self.layer_input == "carried" else None
             loaded.append((streams, pre))
         # ptxas would otherwise sink the later vectors' loads below the first vector's math (one
         # memory round trip per vector); loads cannot move across a barrier.
@@ -1682,7 +1593,7 @@ class CoefficientsKernel:
             row = row0 + vec_row[k]
             if vec_in[k]:
                 if row < rows:
-                    _st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
+                    prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
 
 
 class LayerInputKernel(CoefficientsKernel):

@@ -1,10 +1,14 @@
-"""Inline-PTX helpers for the CuTe DSL kernels: exact fp32 ops, fp8 conversion, DSMEM stores, raw loads."""
+"""Inline-PTX helpers for every CuTe DSL kernel: exact fp32 ops, bf16 / e4m3 packing, MMA, raw and async copies."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import vector as mlir_vector
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+LOG2E = 1.4426950408889634
 
 
 def inline_asm(result_type, operands, asm: str, constraints: str, *, side_effects: bool, loc=None, ip=None):
@@ -282,3 +286,88 @@ def clock64(*, loc=None, ip=None) -> Int64:
 def smid(*, loc=None, ip=None) -> Int32:
     """The SM this thread runs on."""
     return Int32(inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))
+
+
+def unpack_struct(struct, n: int, ty, wrap, *, loc=None, ip=None) -> tuple:
+    """The n fields of an llvm struct (a multi-output inline asm), each wrapped as a DSL value."""
+    return tuple(wrap(llvm.extractvalue(ty, struct, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+@dsl_user_op
+def mma_bf16(a: tuple, b: tuple, c: tuple, *, loc=None, ip=None) -> tuple:
+    """D = A @ B + C for one m16n8k16 bf16 tile with fp32 accumulators (4 + 2 + 4 registers)."""
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        ops,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    return unpack_struct(res, 4, T.f32(), Float32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def split_bf16x2(f0: Float32, f1: Float32, *, loc=None, ip=None) -> tuple:
+    """(hi, lo) words: hi = bf16x2(f0, f1), lo = bf16x2 of the remainders; f0 in the low halves."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Float32(f0).ir_value(loc=loc, ip=ip), Float32(f1).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 h, a, b;\n\t.reg .f32 x, y;\n\t"
+        "cvt.rn.bf16x2.f32 h, $3, $2;\n\t"
+        "shl.b32 a, h, 16;\n\t"
+        "and.b32 b, h, 0xFFFF0000;\n\t"
+        "mov.b32 x, a;\n\tmov.b32 y, b;\n\t"
+        "sub.rn.f32 x, $2, x;\n\tsub.rn.f32 y, $3, y;\n\t"
+        "cvt.rn.bf16x2.f32 $1, y, x;\n\t"
+        "mov.b32 $0, h;\n\t}",
+        "=r,=r,f,f",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    return unpack_struct(res, 2, T.i32(), Int32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def exp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """e^x as 2^(x*log2 e) by the MUFU unit."""
+    return exp2_approx(Float32(x) * Float32(LOG2E), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_v4_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """16 bytes from global (or shared) memory as 4 words (the address must be 16-byte aligned)."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type), loc=loc, ip=ip)
+    return tuple(Int32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """16 bytes from global (or shared) memory as 4 fp32 (the address must be 16-byte aligned)."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Float32.mlir_type), loc=loc, ip=ip)
+    return tuple(Float32(mlir_vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None) -> None:
+    """Copy 16 bytes (16-byte aligned) from global to shared memory without registers, through L2
+    only (cp.async.cg); this thread sees them after cp.async.wait_group."""
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+        read_only_args=[dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
+    """Store 4 words (16 bytes, 16-byte aligned) to global memory."""
+    vec = mlir_vector.from_elements(
+        ir.VectorType.get([4], Int32.mlir_type), [Int32(w).ir_value(loc=loc, ip=ip) for w in words], loc=loc, ip=ip
+    )
+    cute.arch.store(ptr, vec, loc=loc, ip=ip)
