@@ -1,0 +1,62 @@
+"""What the kernels' launch shapes need to know about the GPU, read from the device, never hard-coded.
+
+On a machine without the GPU (CPU compiles, CI) the numbers come from $MHC_BOUNDARY_SM_COUNT when set,
+else from the arch's flagship part (sm_90a: H100 SXM / H200, 132 SMs; sm_100a: B200, 148 SMs), so that
+a compile on the CPU builds the very kernel the GPU would.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+# Per-SM limits that are the same on sm_90a and sm_100a (CUDA programming guide, compute capability 9.0 / 10.0).
+MAX_THREADS_PER_SM = 2048
+MAX_CTAS_PER_SM = 32
+REGISTERS_PER_SM = 65536
+MAX_CLUSTER = 8  # the portable thread-block cluster size
+FLAGSHIP_SMS = {"sm_90a": 132, "sm_100a": 148}
+SM_COUNT_ENV = "MHC_BOUNDARY_SM_COUNT"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The numbers of one GPU that size a launch: its SM count and its compile target."""
+
+    arch: str
+    sm_count: int
+
+
+@functools.cache
+def _device_sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def for_arch(arch: str) -> Hardware:
+    """The hardware a kernel for `arch` is sized for: the current GPU if it is of that arch, else the override or the flagship."""
+    override = os.environ.get(SM_COUNT_ENV)
+    if override:
+        try:
+            count = int(override)
+        except ValueError:
+            raise ValueError(f"{SM_COUNT_ENV} must be a positive int, got {override!r}") from None
+        if count < 1:
+            raise ValueError(f"{SM_COUNT_ENV} must be a positive int, got {override!r}")
+        return Hardware(arch, count)
+    import torch
+
+    if torch.cuda.is_available():
+        from cute_kernels.compile import arch_for_device
+
+        index = torch.cuda.current_device()
+        try:
+            if arch_for_device(index) == arch:
+                return Hardware(arch, _device_sm_count(index))
+        except Exception:  # a GPU the kernels do not run on: size for the named arch's flagship
+            pass
+    if arch not in FLAGSHIP_SMS:
+        raise ValueError(f"no SM count known for arch {arch!r}; set {SM_COUNT_ENV}")
+    return Hardware(arch, FLAGSHIP_SMS[arch])
