@@ -12,7 +12,7 @@ from torch import Tensor
 from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
 from boundary.workspace import Workspace
-from cute_kernels import boundary_kernel
+from cute_kernels.boundary import api as boundary_api
 from cute_kernels.compile import arch_for_device, warmup
 
 log = logging.getLogger("boundary")
@@ -163,7 +163,7 @@ class BoundaryAllReduce:
         if self.arch is None:
             log.info("BoundaryAllReduce.warmup: the %s path has nothing to compile", self.path)
             return
-        jobs = boundary_kernel.warmup_keys(self.hidden_size, arch=self.arch) + mhc.warmup_jobs(
+        jobs = boundary_api.warmup_jobs(self.hidden_size, arch=self.arch) + mhc.warmup_jobs(
             self.hidden_size, self.arch, rows
         )
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}")
@@ -233,11 +233,11 @@ class BoundaryAllReduce:
         """The one-rank fused kernel; the arguments were checked by the caller."""
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(residual.shape[0], self.hidden_size, dtype=BF16, device=self.device)
-        boundary_kernel.fused_boundary(
+        boundary_api.fused_boundary(
             residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,
             shared=shared, moe=moe, new_residual=new_residual, out=out,
             mxfp8_data=None if mxfp8_out is None else mxfp8_out.data,
-            mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale, aux=aux_out, arch=self.arch, check=False,
+            mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale, aux=aux_out, arch=self.arch,
         )  # fmt: skip
         return new_residual, out
 

@@ -93,8 +93,8 @@ def source_fingerprint() -> str:
     h = hashlib.sha256()
     h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
     h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_ffi.__version__}".encode())
-    for src in sorted(_KERNEL_DIR.glob("*.py")):
-        h.update(src.name.encode())
+    for src in sorted(_KERNEL_DIR.rglob("*.py")):
+        h.update(src.relative_to(_KERNEL_DIR).as_posix().encode())
         h.update(src.read_bytes())
     return h.hexdigest()[:24]
 

@@ -1,0 +1,87 @@
+"""The fused boundary's compile-time launch shape and row schedule, and the factory of the shipped defaults."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from cute_kernels import hardware
+
+HC = 4  # residual streams (mHC hc_mult)
+VEC = 8  # bf16 elements per thread vector: one 16-byte access
+MXFP8_BLOCK = 32
+SCALE_WORD_COLS = 4 * MXFP8_BLOCK  # columns of one 4-byte word of MXFP8 scales
+COEFS = HC + HC * HC + HC  # post, comb ([src, dst], row-major) and pre of one row
+MAX_GRID_Y = 65535  # clusters of one launch (the grid's y extent)
+# Launch bounds cap the registers at this many per thread, so that a known number of CTAs fit on an SM.
+REGISTER_BUDGET = 96
+# The cluster cap takes this share of the clusters that fit, so that every cluster is resident from
+# the start (one that waited for a free slot would run its rows after the others had finished theirs).
+RESIDENT_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class BoundaryConfig:
+    """One cluster of `cluster_n` CTAs of `threads` threads per row, at most `max_clusters` clusters looping
+    over the rows, launch bounds of `min_ctas_per_sm` CTAs per SM."""
+
+    cluster_n: int
+    threads: int
+    max_clusters: int
+    min_ctas_per_sm: int
+
+    def vecs_per_thread(self, H: int) -> int:
+        """16-byte vectors each thread owns in its CTA's chunk (the last may be idle on some threads)."""
+        return -(-(H // self.cluster_n // VEC) // self.threads)
+
+    def clusters(self, rows: int) -> int:
+        """Clusters launched for `rows` rows: the fewest rows per cluster under the cap, then the fewest
+        clusters that give each that many (the kernel's host side computes the same)."""
+        if rows == 0:
+            return 0
+        per_cluster = -(-rows // self.max_clusters)
+        return -(-rows // per_cluster)
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def row_split(H: int) -> tuple[int, int]:
+    """(CTAs per row, threads per CTA): 1024 columns (128 threads of one 16-byte vector) per CTA when H
+    allows 2..8 of them, else the widest cluster (<= 8) whose CTAs own >= 512 columns in multiples of 128.
+
+    Every CTA's chunk is a multiple of 128 columns, so MXFP8 blocks and 4-block scale words never
+    straddle two CTAs. Measured on the H200 (docs/perf-log.md v1, v3): 128-thread CTAs with no idle
+    lane beat the widest split by 5-12 % at 512 rows and tie it at few rows.
+    """
+    if H % 1024 == 0 and 2 <= H // 1024 <= hardware.MAX_CLUSTER:
+        cluster_n = H // 1024
+    else:
+        widths = [n for n in range(1, hardware.MAX_CLUSTER + 1) if H % (n * SCALE_WORD_COLS) == 0 and H // n >= 512]
+        cluster_n = max(widths, default=1)
+    # One vector per thread while that takes at most 512 threads, else fewer threads with more vectors.
+    vecs = H // cluster_n // VEC
+    per_thread = 1
+    while _round_up(-(-vecs // per_thread), 32) > 512:
+        per_thread += 1
+    return cluster_n, _round_up(-(-vecs // per_thread), 32)
+
+
+@functools.cache
+def default_config(H: int, arch: str, ranks_per_device: int = 1) -> BoundaryConfig:
+    """The shipped launch shape and row schedule for hidden size H on `arch`'s hardware: a function of H
+    (and the device), never of the row count, so a row's bits never depend on the batch.
+
+    `ranks_per_device` > 1 (simulated ranks sharing one GPU) divides the resident clusters among them:
+    every rank's grid must be resident at once.
+    """
+    cluster_n, threads = row_split(H)
+    ctas_per_sm = min(
+        hardware.MAX_CTAS_PER_SM,
+        hardware.MAX_THREADS_PER_SM // threads,
+        hardware.REGISTERS_PER_SM // (REGISTER_BUDGET * threads),
+    )
+    sms = hardware.for_arch(arch).sm_count
+    cap = int(RESIDENT_SHARE * (sms * ctas_per_sm // cluster_n)) // ranks_per_device
+    return BoundaryConfig(cluster_n, threads, max(1, min(cap, MAX_GRID_Y)), ctas_per_sm)

@@ -1,0 +1,156 @@
+"""The boundary's epilogue role (CONTRACT §2 steps 2-6) on a row's y in registers: the new streams
+R'[j] = bf16(post[j]*y + sum_k comb[k, j]*R[k]) (and aux, their mean), the collapse c = bf16(sum_j pre[j]*R'[j])
+of the rounded R', the RMS of the rounded c over the row's cluster, then out = bf16(c * inv * w) and its MXFP8."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+
+from cute_kernels import ptx, reduce
+from cute_kernels.boundary.config import HC, VEC
+from cute_kernels.boundary.loads import Ctx, row_major
+from cute_kernels.quant import Mxfp8Writer
+
+
+class Epilogue:
+    """Post, collapse, aux and RMSNorm of rows whose columns are split over a cluster of `cluster_n` CTAs."""
+
+    def __init__(self, H: int, cluster_n: int, threads: int, vpt: int, *, pre: bool, mxfp8: bool, aux: bool) -> None:
+        self.H = H
+        self.cluster_n = cluster_n
+        self.threads = threads
+        self.vpt = vpt
+        self.pre = pre
+        self.mxfp8 = mxfp8
+        self.aux = aux
+        self.warps = threads // 32
+        self.slots = self.warps * cluster_n  # RMS partials per row
+        # Only the RMS needs cross-CTA traffic: the residual-only kernel launches no cluster.
+        self.use_cluster = pre and cluster_n > 1
+        self.stages = 2  # exchange buffers, by row parity
+        self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
+
+    @cute.jit
+    def compute_row(
+        self, ctx: Ctx, rR: cute.Tensor, y: cute.Tensor, post: list, comb: list, pre: list | None, row: Int32
+    ) -> tuple[cute.Tensor | None, Float32]:
+        """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares."""
+        vpt = const_expr(self.vpt)
+        valid = ctx.valid
+        rC = cute.make_rmem_tensor(row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
+        sumsq = Float32(0.0)
+        for v in cutlass.range_constexpr(vpt):
+            rf = [rR[v, k, None].load().to(Float32) for k in range(HC)]
+            new_streams = []
+            for j in cutlass.range_constexpr(HC):
+                # Same operation order and roundings as the reference: post*y, then + comb[k,j]*R[k].
+                words = []
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    pair = []
+                    for h in cutlass.range_constexpr(2):
+                        acc = ptx.mul_rn(post[j], y[v, e + h])
+                        for k in cutlass.range_constexpr(HC):
+                            acc = ptx.mul_add_rn(comb[k][j], rf[k][e + h], acc)
+                        pair.append(acc)
+                    words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
+                new_streams.append(words)
+                self.store_words(words, cute.local_tile(ctx.mNewR[row, j, None], (VEC,), (ctx.vcols[v],)), valid[v])
+            # The rounded new streams, back in fp32.
+            rp = [[unpack(words, e) for e in range(VEC)] for words in new_streams]
+            if const_expr(self.aux):
+                words = []
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    pair = []
+                    for h in cutlass.range_constexpr(2):
+                        s = ptx.add_rn(ptx.add_rn(ptx.add_rn(rp[0][e + h], rp[1][e + h]), rp[2][e + h]), rp[3][e + h])
+                        pair.append(ptx.mul_rn(s, Float32(1.0 / HC)))
+                    words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
+                self.store_words(words, cute.local_tile(ctx.mAux[row, None], (VEC,), (ctx.vcols[v],)), valid[v])
+            if const_expr(self.pre):
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    pair = []
+                    for h in cutlass.range_constexpr(2):
+                        acc = ptx.mul_rn(pre[0], rp[0][e + h])
+                        for j in cutlass.range_constexpr(1, HC):
+                            acc = ptx.mul_add_rn(pre[j], rp[j][e + h], acc)
+                        pair.append(acc)
+                    word = ptx.cvt_bf16x2(pair[0], pair[1])
+                    c0, c1 = ptx.bf16_lo(word), ptx.bf16_hi(word)
+                    rC[v, e], rC[v, e + 1] = c0, c1
+                    if const_expr(valid[v] is None):
+                        sumsq = sumsq + c0 * c0 + c1 * c1
+                    else:
+                        sumsq = sumsq + Float32(cutlass.select_(valid[v], c0 * c0 + c1 * c1, Float32(0.0)))
+        return rC, sumsq
+
+    @cute.jit
+    def finish_row(self, ctx: Ctx, row: Int32, rC: cute.Tensor, sumsq: Float32, stage: int, phase: Int32):
+        """The row's RMS over the cluster, then out (and MXFP8)."""
+        vpt = const_expr(self.vpt)
+        total = self.row_sum(sumsq, ctx.sRed, ctx.mbar, ctx.cta, stage, phase)
+        inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + ctx.eps)
+        for v in cutlass.range_constexpr(vpt):
+            # Unpacked per row: fp32 copies hoisted out of the row loop would hold twice the registers.
+            rw = cute.recast_tensor(ctx.rW[v, None], Uint32)
+            packed = [ptx.opaque_u32(rw[i]) for i in range(VEC // 2)]
+            wf = [unpack(packed, e) for e in range(VEC)]
+            words = [ptx.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1]) for e in range(0, VEC, 2)]
+            self.store_words(words, cute.local_tile(ctx.mOut[row, None], (VEC,), (ctx.vcols[v],)), ctx.valid[v])
+            if const_expr(self.mxfp8):
+                self.quant.quantize_vector(words, ctx.mQ, ctx.mScale, row, ctx.vcols[v], ctx.valid[v])
+
+    @cute.jit
+    def row_sum(
+        self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32, stage: int, phase: Int32
+    ) -> Float32:
+        """The sum of `val` over every thread of the row's CTAs, in a fixed order, on every thread.
+
+        Rows alternate two exchange stages by parity. A peer can only write a stage again two rows
+        later, after this CTA's every warp has sent the row in between, which each warp does after
+        reading the stage.
+        """
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        val = reduce.warp_sum(val)
+        base = const_expr(stage * self.slots)
+        slot = cta * self.warps + warp
+        if const_expr(self.use_cluster):
+            if warp == 0:
+                reduce.expect_bytes(mbar + stage, self.slots * 4)
+            if lane < self.cluster_n:
+                reduce.push(sRed.iterator + base + slot, val, mbar + stage, lane)
+            cute.arch.mbarrier_wait(mbar + stage, phase)
+        else:
+            if lane == 0:
+                sRed[base + slot] = val
+            cute.arch.barrier()
+        slots = const_expr(self.slots)
+        part = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.ceil_div(slots, 32)):
+            if lane + i * 32 < slots:
+                part = part + sRed[base + lane + i * 32]
+        if const_expr(self.use_cluster):
+            # The peers' next writes to this stage come through the async proxy: order our reads first.
+            cute.arch.fence_view_async_shared()
+        return reduce.warp_sum(part)
+
+    @cute.jit
+    def store_words(self, words: list, gDst: cute.Tensor, valid: cutlass.Boolean | None):
+        """Store 4 packed bf16 words as one 16-byte vector, unless `valid` is False."""
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        rStore = cute.make_rmem_tensor((VEC,), BFloat16)
+        rw = cute.recast_tensor(rStore, Uint32)
+        for i in cutlass.range_constexpr(4):
+            rw[i] = words[i]
+        if const_expr(valid is None):
+            cute.copy(copy16, rStore, gDst)
+        else:
+            if valid:
+                cute.copy(copy16, rStore, gDst)
+
+
+def unpack(words: list, e: int) -> Float32:
+    """The fp32 value of bf16 element e of a vector held as 4 packed words."""
+    return ptx.bf16_lo(words[e // 2]) if e % 2 == 0 else ptx.bf16_hi(words[e // 2])

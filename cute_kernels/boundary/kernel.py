@@ -1,0 +1,192 @@
+"""The fused decode boundary of one rank (CONTRACT §2 steps 2-6): mHC post, collapse, RMSNorm, MXFP8.
+
+Layout: one thread-block cluster of `cluster_n` CTAs per row; CTA `r` of the cluster owns the
+contiguous columns [r*C, (r+1)*C) with C = H / cluster_n a multiple of 128, and thread `t` owns
+the 8-element (16-byte) vectors t, t + threads, t + 2*threads, ... of that chunk (threads past
+the chunk on their last vector read a clamped duplicate and store nothing). Everything a thread
+needs stays in its registers; the only exchange is the RMS sum of squares: per-warp partials
+pushed to every CTA of the cluster with st.async into shared memory, one mbarrier wait, then
+every CTA reduces the same slots in the same order, so a row's bits never depend on T or on the
+grid.
+
+Row schedule: G = ceil(T / ceil(T / max_clusters)) clusters loop over the rows r, r + G, r + 2G, ...
+(every cluster takes the same number of rows, give or take one), and the loads of a cluster's next
+row stay in flight while the current row is reduced and stored. The exchange slots and mbarriers
+are double-buffered by row parity. The per-row arithmetic and reduction order do not depend on the
+schedule, so the schedule never changes a bit.
+
+Roles: `loads.RowLoads` (a row's loads and this rank's partial), `epilogue.Epilogue` (post, collapse,
+aux, RMSNorm, MXFP8 through `cute_kernels.quant`).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from cute_kernels import ptx
+from cute_kernels.boundary.config import VEC, BoundaryConfig
+from cute_kernels.boundary.epilogue import Epilogue
+from cute_kernels.boundary.loads import Ctx, RowLoads, RowRegs, row_major
+
+
+class FusedBoundaryKernel:
+    """One fused-boundary kernel: the y source, the outputs and the launch shape are compile-time."""
+
+    def __init__(
+        self,
+        H: int,
+        config: BoundaryConfig,
+        *,
+        y_source: str = "x",
+        shared: bool = False,
+        pre: bool = True,
+        mxfp8: bool = False,
+        aux: bool = False,
+    ) -> None:
+        self.H = H
+        self.pre = pre
+        self.mxfp8 = mxfp8
+        self.cluster_n = config.cluster_n
+        self.threads = config.threads
+        self.max_clusters = config.max_clusters
+        self.min_ctas_per_sm = config.min_ctas_per_sm
+        self.vecs = H // config.cluster_n // VEC  # 16-byte vectors per CTA
+        self.vpt = config.vecs_per_thread(H)
+        # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
+        self.tail = self.vpt * self.threads != self.vecs
+        self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
+        self.epilogue = Epilogue(H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux)
+
+    @cute.jit
+    def __call__(
+        self,
+        mR: cute.Tensor,  # [T, 4, H] bf16 streams
+        mPost: cute.Tensor,  # [T, 4] fp32
+        mComb: cute.Tensor,  # [T, 4, 4] fp32, [src, dst]
+        mPre: cute.Tensor | None,  # [T, 4] fp32
+        mW: cute.Tensor | None,  # [H] bf16 norm weight
+        mX: cute.Tensor | None,  # [T, H] bf16 partial
+        mShared: cute.Tensor | None,  # [T, H] bf16 addend
+        mG: cute.Tensor | None,  # [P, H] bf16 gemm2_permuted
+        mEW: cute.Tensor | None,  # [T, k] fp32 expert weights
+        mIdx: cute.Tensor | None,  # [T, k] int32 permuted row, -1 = none
+        mNewR: cute.Tensor,  # [T, 4, H] bf16
+        mOut: cute.Tensor | None,  # [T, H] bf16
+        mQ: cute.Tensor | None,  # [T, H] e4m3
+        mScale: cute.Tensor | None,  # [roundup(T, 128) * H/32] uint8, swizzled 128x4
+        mAux: cute.Tensor | None,  # [T, H] bf16
+        eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        rows = mR.shape[0]
+        # The fewest rows per cluster under the cap, then the fewest clusters that give each that many.
+        per_cluster = (rows + (self.max_clusters - 1)) // self.max_clusters
+        clusters = (rows + per_cluster - 1) // per_cluster
+        self.kernel(mR, mPost, mComb, mPre, mW, mX, mShared, mG, mEW, mIdx, mNewR, mOut, mQ, mScale, mAux, eps).launch(
+            grid=[self.cluster_n, clusters, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.cluster_n, 1, 1] if const_expr(self.epilogue.use_cluster) else None,
+            stream=stream,
+            use_pdl=True,
+            min_blocks_per_mp=self.min_ctas_per_sm,
+            # Given, so that the compile never asks a GPU for its shared memory size (-1: the driver's default).
+            preferred_smem_carveout=-1 if const_expr(self.min_ctas_per_sm > 1) else None,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mR: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mX: cute.Tensor | None,
+        mShared: cute.Tensor | None,
+        mG: cute.Tensor | None,
+        mEW: cute.Tensor | None,
+        mIdx: cute.Tensor | None,
+        mNewR: cute.Tensor,
+        mOut: cute.Tensor | None,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
+        mAux: cute.Tensor | None,
+        eps: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, first_row, _ = cute.arch.block_idx()
+        vpt = const_expr(self.vpt)
+        epi = self.epilogue
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+
+        smem = cutlass.memory.SmemAllocator()
+        sRed, mbar = None, None
+        if const_expr(self.pre):
+            sRed = smem.allocate_tensor(Float32, cute.make_layout(epi.stages * epi.slots), byte_alignment=16)
+        if const_expr(epi.use_cluster):
+            mbar = smem.allocate_array(cutlass.Int64, num_elems=epi.stages)
+            if tidx == 0:
+                for s in cutlass.range_constexpr(epi.stages):
+                    cute.arch.mbarrier_init(mbar + s, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.cluster_arrive_relaxed()
+
+        # Row position (in vectors) of each of this thread's vectors, and whether it is real.
+        vcols, valid = [], []
+        for v in cutlass.range_constexpr(vpt):
+            index = v * self.threads + tidx
+            if const_expr(self.tail and v == vpt - 1):
+                valid.append(index < self.vecs)
+                index = cutlass.min(index, self.vecs - 1)
+            else:
+                valid.append(None)
+            vcols.append(cta * self.vecs + index)
+
+        # The norm weight is a parameter, not an output of the previous kernel: read it before the wait.
+        rW = None
+        if const_expr(self.pre):
+            rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
+            for v in cutlass.range_constexpr(vpt):
+                cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
+        cute.arch.griddepcontrol_wait()
+
+        ctx = Ctx(
+            mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
+            mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=mR.shape[0], cta=cta,
+            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar,
+        )  # fmt: skip
+        rows, clusters = ctx.rows, cute.arch.grid_dim()[1]
+        # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
+        # while it is reduced and stored.
+        regs = RowRegs(self.loads)
+        self.loads.load_row(ctx, regs, first_row)
+        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.mxfp8):
+            epi.quant.zero_padding(mScale, rows, cta, tidx, first_row, clusters)
+        if const_expr(epi.use_cluster):
+            cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        # Two rows per trip, so that each uses its own exchange stage with a static index. The row
+        # goes through an opaque move so that the compiler keeps no per-tensor row pointers alive
+        # across the loop.
+        row, phase = first_row, Int32(0)
+        while row < rows:
+            self.process_row(ctx, regs, ptx.opaque_i32(row), 0, phase, clusters)
+            if row + clusters < rows:
+                self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase, clusters)
+            row, phase = row + 2 * clusters, phase ^ 1
+
+    @cute.jit
+    def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
+        """A loaded row: y, the new streams (and aux), then its norm; the next row's loads go out in between."""
+        ahead = row + clusters
+        post, comb, pre = self.loads.coefs(regs.coef)
+        y = self.loads.partial(ctx, regs, row)
+        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
+        # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
+        if ahead < ctx.rows:
+            self.loads.load_row(ctx, regs, ahead)
+        if const_expr(self.pre):
+            self.epilogue.finish_row(ctx, row, rC, sumsq, stage, phase)
