@@ -1,0 +1,1 @@
+"""One-off tools for experiments and refactors (not part of `make bench`)."""
