@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,9 @@ from torch import Tensor
 
 from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
-from boundary.workspace import Workspace
+from boundary.workspace import Workspace, peers_can_map
+from cute_kernels.allreduce.protocol import ERROR_MISSING, ERROR_MOE_INDEX, ERROR_MOE_ROW
+from cute_kernels.allreduce.tuning import protocol_for
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.compile import arch_for_device, warmup
 
@@ -20,18 +23,25 @@ log = logging.getLogger("boundary")
 BF16 = torch.bfloat16
 F32 = torch.float32
 BACKENDS = ("auto", "kernel", "reference")
+# A peer later than this is taken for gone (CONTRACT §7): long enough for any host-side skew between
+# ranks (a Python pause, a first-call load), short enough that a dead rank surfaces as an error.
+DEFAULT_TIMEOUT_US = 10_000_000
+MAX_TIMEOUT_US = 2**31 - 1
 
 
 class BoundaryAllReduce:
     """The fused boundary of one TP rank: all-reduce, mHC post, delayed collapse, RMSNorm, MXFP8.
 
-    Paths, chosen once here and logged:
+    Paths, chosen once here and logged (CONTRACT §7):
     - "kernel" (W = 1 on sm_90a / sm_100a): the fused CuTe DSL kernel, one launch per boundary.
-    - "gather+kernel" (W > 1 on such GPUs): the partials all-gathered through torch.distributed
-      and summed in rank order, then the fused kernel on the sum.
-    - "reference": the same gather and sum, then the torch epilogue (the CPU path and the oracle).
-    `backend="auto"` takes the kernels on a supported GPU and the reference on the CPU; on any
-    other GPU it raises, naming the GPU, and `backend="reference"` is the way out.
+    - "peer" (W > 1, every rank can map every other's memory): the same kernel with the all-reduce
+      inside, through symmetric receive slots (one-shot or two-shot by payload), one launch.
+    - "nccl+kernel" (W > 1 otherwise: other hosts, no peer access): an fp32 NCCL all-reduce of the
+      partial, then the one-rank kernel (y within 1 bf16 ulp of the rank-order sum).
+    - "reference": the partials all-gathered through torch.distributed and summed in rank order, then
+      the torch epilogue (the CPU path and the oracle).
+    `backend="auto"` takes the kernels on a supported GPU and the reference on the CPU; on any other GPU
+    it raises, naming the GPU, and `backend="reference"` is the way out.
     """
 
     def __init__(
@@ -43,7 +53,35 @@ class BoundaryAllReduce:
         hc_mult: int = 4,
         device: Any = None,
         backend: str = "auto",
+        timeout_us: int = DEFAULT_TIMEOUT_US,
     ) -> None:
+        if group is not None and not dist.is_initialized():
+            raise ValueError("group was given but torch.distributed is not initialised")
+        rank = dist.get_rank(group) if group is not None else 0
+        world = dist.get_world_size(group) if group is not None else 1
+        self._setup(hidden_size, max_rows, hc_mult, device, backend, timeout_us, rank, world, group)
+        why = ""
+        if self.arch is None:
+            self.path = "reference"
+            self.workspace = Workspace(hidden_size, max_rows, self.device)
+        elif self.world_size == 1:
+            self.path = "kernel"
+            self.workspace = Workspace(hidden_size, max_rows, self.device)
+        else:
+            mappable, why = peers_can_map(group, self.device)
+            if mappable:
+                self.path = "peer"
+                self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us)
+            else:
+                self.path = "nccl+kernel"
+                self.workspace = Workspace(hidden_size, max_rows, self.device)
+        self._log_path(why)
+
+    def _setup(
+        self, hidden_size: Any, max_rows: Any, hc_mult: Any, device: Any, backend: Any, timeout_us: Any, rank: int,
+        world: int, group: Any,
+    ) -> None:  # fmt: skip
+        """Check the construction arguments once and set what every path shares (the arch: None on the reference)."""
         checks.positive_int("hidden_size", hidden_size)
         if hidden_size % 256:
             raise ValueError(f"hidden_size must be a multiple of 256, got {hidden_size}")
@@ -52,35 +90,82 @@ class BoundaryAllReduce:
             raise ValueError(f"hc_mult must be 4 (the mHC models this boundary serves), got {hc_mult!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if group is not None and not dist.is_initialized():
-            raise ValueError("group was given but torch.distributed is not initialised")
+        checks.positive_int("timeout_us", timeout_us)
+        if timeout_us > MAX_TIMEOUT_US:
+            raise ValueError(f"timeout_us must be at most {MAX_TIMEOUT_US}, got {timeout_us}")
         self.hidden_size = hidden_size
         self.max_rows = max_rows
         self.hc_mult = hc_mult
         self.group = group
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = rank
+        self.world_size = world
+        self.timeout_us = timeout_us
+        self.simulated_ranks = False
+        self.stream: torch.cuda.Stream | None = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch: str | None = None
-        if backend == "reference" or (backend == "auto" and self.device.type != "cuda"):
-            self.path = "reference"
-        else:
-            if self.device.type != "cuda":
-                raise ValueError(f"backend='kernel' needs a CUDA device, got {self.device}")
+        if backend == "kernel" and self.device.type != "cuda":
+            raise ValueError(f"backend='kernel' needs a CUDA device, got {self.device}")
+        if backend != "reference" and self.device.type == "cuda":
             self.arch = arch_for_device(self.device)  # raises on GPUs without the kernels
-            self.path = "kernel" if self.world_size == 1 else "gather+kernel"
-        self.workspace = Workspace(hidden_size, max_rows, self.device)
+
+    def _log_path(self, why: str) -> None:
         how = {
             "kernel": f"the fused CuTe DSL kernel ({self.arch}), one launch per boundary",
-            "gather+kernel": f"all-gather through torch.distributed, rank-order sum, then the fused kernel ({self.arch})",
+            "peer": f"the fused kernel with the peer all-reduce inside ({self.arch}), one launch per boundary"
+            + (", simulated ranks sharing one GPU" if self.simulated_ranks else ""),
+            "nccl+kernel": f"an NCCL all-reduce, then the fused kernel ({self.arch}); peers cannot map each other: {why}",
             "reference": "all-gather through torch.distributed, rank-order sum, torch epilogue",
         }[self.path]
         log.info("BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
-                 self.rank, self.world_size, self.device, hidden_size, self.path, how)  # fmt: skip
+                 self.rank, self.world_size, self.device, self.hidden_size, self.path, how)  # fmt: skip
+
+    @classmethod
+    def simulated(
+        cls, hidden_size: int, world_size: int, *, max_rows: int = 512, device: Any = None,
+        timeout_us: int = DEFAULT_TIMEOUT_US,
+    ) -> list[BoundaryAllReduce]:  # fmt: skip
+        """W ranks inside this process on one GPU (CONTRACT §5): separate receive slots, one object and one
+        stream per rank, the "peer" path. Their timings are "simulated": the ranks share one GPU's SMs and
+        HBM, never NVLink. Issue every rank's call before waiting for any: `run_simulated`."""
+        checks.positive_int("world_size", world_size)
+        if world_size < 2:
+            raise ValueError(f"simulated ranks need world_size >= 2, got {world_size}")
+        ranks = []
+        for rank in range(world_size):
+            ar = cls.__new__(cls)
+            ar._setup(hidden_size, max_rows, 4, device, "kernel", timeout_us, rank, world_size, None)
+            ar.simulated_ranks = True
+            ar.path = "peer"
+            ar.stream = torch.cuda.Stream(ar.device)
+            ranks.append(ar)
+        spaces = Workspace.simulated(hidden_size, world_size, max_rows, ranks[0].device, timeout_us)
+        for ar, ws in zip(ranks, spaces):
+            ar.workspace = ws
+            ar._log_path("")
+        return ranks
+
+    @staticmethod
+    def run_simulated(ranks: Sequence[BoundaryAllReduce], calls: Sequence[Callable[[BoundaryAllReduce], Any]]
+                      ) -> list[Any]:  # fmt: skip
+        """calls[r](ranks[r]) for every simulated rank, each on its own stream forked from the current one
+        and joined back into it, all issued before any is waited for; returns their results in rank order."""
+        if len(calls) != len(ranks) or not ranks or not all(r.simulated_ranks for r in ranks):
+            raise ValueError("run_simulated takes the ranks of BoundaryAllReduce.simulated and one call per rank")
+        main = torch.cuda.current_stream(ranks[0].device)
+        for ar in ranks:
+            ar.stream.wait_stream(main)
+        results = []
+        for ar, call in zip(ranks, calls):
+            with torch.cuda.stream(ar.stream):
+                results.append(call(ar))
+        for ar in ranks:
+            main.wait_stream(ar.stream)
+        return results
 
     def mailbox(self, rows: int) -> Tensor:
         """The [rows, H] bf16 view of this rank's buffer that a GEMM may write its partial into."""
@@ -112,7 +197,7 @@ class BoundaryAllReduce:
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size),
                                device=self.device, align16=a16)  # fmt: skip
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out)
-        if self.path == "kernel":
+        if self.path in ("kernel", "peer"):
             return self._kernel(residual, *args, x=x, shared=shared_output)
         y = self._reduce(reference.add_shared(x, shared_output))
         return self._epilogue(y, residual, *args)
@@ -145,10 +230,12 @@ class BoundaryAllReduce:
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev,
                                align16=a16)  # fmt: skip
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out)
-        if self.path == "kernel":
+        if self.path in ("kernel", "peer"):
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
             return self._kernel(residual, *args, moe=moe, shared=shared_output)
-        partial = reference.moe_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
+        partial = reference.moe_finalize(
+            gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, self.workspace.error
+        )
         y = self._reduce(partial)
         return self._epilogue(y, residual, *args)
 
@@ -163,17 +250,45 @@ class BoundaryAllReduce:
         if self.arch is None:
             log.info("BoundaryAllReduce.warmup: the %s path has nothing to compile", self.path)
             return
-        jobs = boundary_api.warmup_jobs(self.hidden_size, arch=self.arch) + mhc.warmup_jobs(
-            self.hidden_size, self.arch, rows
-        )
+        world = self.world_size if self.path == "peer" else 1
+        jobs = boundary_api.warmup_jobs(
+            self.hidden_size, arch=self.arch, world_size=world, ranks_per_device=self.workspace.ranks_per_device
+        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}")
         mhc.prepare_workspace(self.hidden_size, rows, self.device)
 
     def check(self) -> None:
-        """Raise if a kernel of this rank gave up waiting for a peer (reads a device word: syncs)."""
-        word = int(self.workspace.error.item())
-        if word:
-            raise RuntimeError(f"rank {self.rank}: the boundary gave up waiting for rank {word - 1}")
+        """Raise if a boundary of this rank gave up waiting for a peer or met a MoE index outside [-1, P).
+
+        Reads the device error word, so it synchronises: call it off the hot path (e.g. once per step).
+        A wait that gave up leaves the exchange out of step: every rank must `reset()` before the next
+        boundary. A bad MoE index is reported once (the word is cleared) and leaves the rest intact.
+        """
+        word = self.workspace.error.tolist()
+        missing = [r for r in range(self.world_size) if word[ERROR_MISSING] >> r & 1]
+        if missing:
+            raise RuntimeError(
+                f"rank {self.rank}: the boundary gave up waiting for rank(s) {missing} after timeout_us="
+                f"{self.timeout_us}; its outputs since are wrong. Call reset() on every rank before the next boundary"
+            )
+        if word[ERROR_MOE_ROW]:
+            self.workspace.error[ERROR_MOE_ROW : ERROR_MOE_INDEX + 1].zero_()
+            raise ValueError(
+                f"rank {self.rank}: expanded_idx_to_permuted_idx held {word[ERROR_MOE_INDEX]} in row "
+                f"{word[ERROR_MOE_ROW] - 1}, outside [-1, P): that expert was treated as none"
+            )
+
+    def reset(self) -> None:
+        """Re-arm this rank's exchange after a wait gave up (collective on a real TP group: every rank calls it;
+        simulated ranks: call it on each). Waits for this rank's device work first."""
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        self.workspace.arm()
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        if self.group is not None:
+            dist.barrier(self.group)
 
     def _check_rows(self, rows: int) -> None:
         checks.positive_int("rows", rows)
@@ -230,21 +345,35 @@ class BoundaryAllReduce:
         moe: tuple[Tensor, Tensor, Tensor] | None = None,
         shared: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """The one-rank fused kernel; the arguments were checked by the caller."""
+        """The fused kernel (with the peer all-reduce on the "peer" path); the arguments were checked by the caller."""
+        rows = residual.shape[0]
         new_residual = torch.empty_like(residual)
-        out = None if pre is None else torch.empty(residual.shape[0], self.hidden_size, dtype=BF16, device=self.device)
+        out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
+        peer = None
+        if self.path == "peer":
+            ws = self.workspace
+            peer = boundary_api.PeerArgs(
+                ws.slots, ws.peers, ws.state, self.world_size, protocol_for(self.world_size, self.hidden_size, rows),
+                ws.ranks_per_device,
+            )  # fmt: skip
         boundary_api.fused_boundary(
             residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,
             shared=shared, moe=moe, new_residual=new_residual, out=out,
             mxfp8_data=None if mxfp8_out is None else mxfp8_out.data,
-            mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale, aux=aux_out, arch=self.arch,
+            mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale, aux=aux_out, error=self.workspace.error,
+            peer=peer, arch=self.arch,
         )  # fmt: skip
         return new_residual, out
 
     def _reduce(self, x: Tensor) -> Tensor:
-        """y = the rank-order fp32 sum of every rank's partial, rounded once to bf16."""
+        """y of the "nccl+kernel" and "reference" paths from this rank's partial `x`."""
         if self.world_size == 1:
             return x
+        if self.path == "nccl+kernel":
+            # fp32 on the wire: NCCL's order is its own, but only the final bf16 rounding is ours.
+            y32 = x.to(F32)
+            dist.all_reduce(y32, group=self.group)
+            return y32.to(BF16)
         # Gathered as int32 words (bf16 pairs) so that the bits travel untouched whatever the backend does with bf16.
         parts = [
             torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.int32, device=x.device) for _ in range(self.world_size)
@@ -264,7 +393,7 @@ class BoundaryAllReduce:
         mxfp8_out: QuantizedActivation | None,
         aux_out: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        if self.path == "gather+kernel":
+        if self.path == "nccl+kernel":
             return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, x=y)
         result = reference.boundary(
             y, residual, post, comb, pre, norm_weight, norm_eps, mxfp8=mxfp8_out is not None, aux=aux_out is not None

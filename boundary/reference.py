@@ -30,14 +30,30 @@ def rank_sum(partials: Sequence[Tensor]) -> Tensor:
     return acc.to(BF16)
 
 
-def moe_finalize(gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, shared_output: Tensor | None) -> Tensor:
-    """A rank's MoE partial: bf16(sum_i w[t,i] * gemm2_permuted[idx[t,i]] + shared[t]); idx -1 adds nothing."""
+def moe_finalize(
+    gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, shared_output: Tensor | None,
+    error: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """A rank's MoE partial: bf16(sum_i w[t,i] * gemm2_permuted[idx[t,i]] + shared[t]); idx -1 adds nothing.
+
+    Any other index outside [0, P) adds nothing either (it is a caller bug, CONTRACT §2): with `error`
+    (the int32 error word) the last such row + 1 goes to word 1 and its index to word 2, with no host sync.
+    """
     rows, top_k = expert_weights.shape
+    experts = gemm2_permuted.shape[0]
     acc = torch.zeros(rows, gemm2_permuted.shape[1], dtype=F32, device=gemm2_permuted.device)
-    for i in range(top_k):
+    bad = (idx < -1) | (idx >= experts)
+    if error is not None and rows:
+        row_ids = torch.arange(1, rows + 1, dtype=torch.int32, device=idx.device)
+        flagged = torch.where(bad.any(1), row_ids, 0).max()
+        error[1] = torch.maximum(error[1], flagged)
+        last = (flagged - 1).clamp(min=0).long()
+        first_bad = bad[last].int().argmax()
+        error[2] = torch.where(flagged > 0, idx[last, first_bad], error[2])
+    for i in range(top_k if experts else 0):  # no rows to gather from: every index adds nothing
         col = idx[:, i].long()
-        valid = (col >= 0).unsqueeze(1)
-        gathered = gemm2_permuted[col.clamp(min=0)].to(F32)
+        valid = ((col >= 0) & (col < experts)).unsqueeze(1)
+        gathered = gemm2_permuted[col.clamp(min=0, max=max(experts - 1, 0))].to(F32)
         acc = torch.where(valid, acc + expert_weights[:, i : i + 1].to(F32) * gathered, acc)
     if shared_output is not None:
         acc = acc + shared_output.to(F32)

@@ -1,24 +1,141 @@
-"""The per-rank buffers a boundary owns: the mailbox a GEMM may write into and the device error word."""
+"""A rank's buffers, made once per BoundaryAllReduce: the mailbox, the device error word and, with peers,
+the receive slots, the peers' slot addresses and the per-call state (CONTRACT §7).
+
+Everything a call changes (the call counter, the slots' sentinels) lives in device memory, so a
+CUDA graph replays the boundary with no host work.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from cute_kernels.allreduce.protocol import (
+    ERROR_WORDS,
+    GENERATIONS,
+    SENTINEL_INT32,
+    STATE_EPOCH,
+    STATE_RANK,
+    STATE_TIMEOUT_US,
+    STATE_WORDS,
+    slot_elements,
+)
+
+log = logging.getLogger("boundary")
 
 
 @dataclass
 class Workspace:
-    """A rank's communication buffers, sized once for `max_rows` rows of `hidden_size`."""
+    """One rank's buffers; `slots`, `peers` and `state` are set only where the rank exchanges with peers."""
 
     hidden_size: int
     max_rows: int
     device: torch.device
-    mailbox: Tensor = field(init=False)
-    error: Tensor = field(init=False)
+    world_size: int = 1
+    rank: int = 0
+    timeout_us: int = 0
+    slots: Tensor | None = None  # [generations, W + 1, max_rows, H] bf16: what the peers push into
+    peers: Tensor | None = None  # [W] int64: every rank's slot base address (this rank's included)
+    state: Tensor | None = None  # [4] int32: call counter, finished CTAs, rank, timeout (us)
+    ranks_per_device: int = 1  # > 1: simulated ranks sharing one GPU
 
     def __post_init__(self) -> None:
         self.mailbox = torch.zeros(self.max_rows, self.hidden_size, dtype=torch.bfloat16, device=self.device)
-        # Non-zero once a kernel gave up waiting for a peer: 1 + the missing rank.
-        self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # The device error word (CONTRACT §7): a mask of the ranks a wait gave up on, 1 + a bad MoE row, its index.
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=self.device)
+
+    def arm(self) -> None:
+        """Put every slot back to the sentinel and the call counter to 0 (this rank's part of a reset)."""
+        if self.slots is not None:
+            self.slots.view(torch.int32).fill_(SENTINEL_INT32)
+            self.state.copy_(self._initial_state())
+        self.error.zero_()
+
+    def _initial_state(self) -> Tensor:
+        state = torch.zeros(STATE_WORDS, dtype=torch.int32)
+        state[STATE_EPOCH] = 0
+        state[STATE_RANK] = self.rank
+        state[STATE_TIMEOUT_US] = self.timeout_us
+        return state.to(self.device)
+
+    def _attach(self, slots: Tensor, peers: list[int]) -> None:
+        self.slots = slots.view(GENERATIONS, self.world_size + 1, self.max_rows, self.hidden_size)
+        self.peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
+        self.state = torch.empty(STATE_WORDS, dtype=torch.int32, device=self.device)
+        self.arm()
+
+    @classmethod
+    def simulated(cls, hidden_size: int, world_size: int, max_rows: int, device: torch.device,
+                  timeout_us: int) -> list[Workspace]:  # fmt: skip
+        """W ranks' buffers on one GPU: plain allocations that address each other directly."""
+        n = slot_elements(world_size, max_rows, hidden_size)
+        buffers = [torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(world_size)]
+        peers = [b.data_ptr() for b in buffers]
+        spaces = []
+        for rank, buf in enumerate(buffers):
+            ws = cls(hidden_size, max_rows, device, world_size, rank, timeout_us, ranks_per_device=world_size)
+            ws._attach(buf, peers)
+            spaces.append(ws)
+        torch.cuda.synchronize(device)
+        return spaces
+
+    @classmethod
+    def symmetric(cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int) -> Workspace:
+        """This rank's buffers in symmetric memory of the TP group (unicast only): collective."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        # The slots are written with plain peer stores: no multicast object may be made for them.
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        buf = symm_mem.empty(slot_elements(world, max_rows, hidden_size), dtype=torch.bfloat16, device=device)
+        handle = symm_mem.rendezvous(buf, group)
+        offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]
+        ws = cls(hidden_size, max_rows, device, world, rank, timeout_us)
+        ws._attach(buf, [handle.buffer_ptrs[p] + offset for p in range(world)])
+        ws._handle = handle  # keeps the mapping alive
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # no peer pushes before every rank has armed its slots
+        return ws
+
+
+def peers_can_map(group: Any, device: torch.device) -> tuple[bool, str]:
+    """Whether every rank of `group` can map every other's memory (same host, CUDA peer access); collective.
+
+    Every rank gets the same answer, and the reason when it is no.
+    """
+    me = (socket.gethostname(), _pci_bus_id(device))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    hosts = {host for host, _ in everyone}
+    if len(hosts) > 1:
+        verdict = (False, f"the TP group spans {len(hosts)} hosts")
+    else:
+        visible = {_pci_bus_id(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
+        missing = [b for _, b in everyone if b not in visible]
+        if missing:
+            verdict = (False, f"this process cannot see the peers' GPUs {missing} to check peer access")
+        else:
+            blocked = [b for _, b in everyone if visible[b] != device.index
+                       and not torch.cuda.can_device_access_peer(device.index, visible[b])]  # fmt: skip
+            verdict = (not blocked, f"no CUDA peer access to {blocked}" if blocked else "")
+    votes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(votes, verdict, group=group)
+    reasons = [why for ok, why in votes if not ok]
+    return (not reasons, "; ".join(sorted(set(reasons))))
+
+
+def _pci_bus_id(device: torch.device) -> str:
+    """The PCI bus id of a CUDA device, as the driver names it (e.g. 0000:19:00.0)."""
+    from cuda.bindings import runtime
+
+    err, bus = runtime.cudaDeviceGetPCIBusId(32, device.index)
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaDeviceGetPCIBusId({device.index}) failed: {err}")
+    return bus.decode().rstrip("\x00").lower() if isinstance(bus, bytes) else str(bus).lower()

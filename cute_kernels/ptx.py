@@ -371,3 +371,53 @@ def st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
         ir.VectorType.get([4], Int32.mlir_type), [Int32(w).ir_value(loc=loc, ip=ip) for w in words], loc=loc, ip=ip
     )
     cute.arch.store(ptr, vec, loc=loc, ip=ip)
+
+
+# Peer exchange (the all-reduce): every 32-bit word of a slot is its own arrival flag, so no fence is
+# needed between the words a poll sees; `.sys` scope because the writer may be another GPU.
+
+
+@dsl_user_op
+def ld_sys_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> tuple[Uint32, ...]:
+    """16 bytes a peer may be writing (ld.relaxed.sys: never a stale L1 line) when `pred`, else zeros."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\t"
+        "setp.ne.b32 p, $5, 0;\n\t"
+        "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t"
+        "@p ld.relaxed.sys.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "=r,=r,=r,=r,l,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def st_sys_v4_pred(
+    addr: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, pred: cutlass.Boolean | None, *, loc=None, ip=None
+) -> None:
+    """Store 16 bytes (16-byte aligned) that a peer polls for (st.relaxed.sys), when `pred` (None: always)."""
+    cute.arch.inline_ptx(
+        "st.relaxed.sys.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[Int64(addr), Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)],
+        predicate=None if pred is None else cutlass.Boolean(pred),
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_global_v4_pred(
+    addr: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, pred: cutlass.Boolean | None, *, loc=None, ip=None
+) -> None:
+    """Store 16 bytes (16-byte aligned, a plain store) when `pred` (None: always)."""
+    cute.arch.inline_ptx(
+        "st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[Int64(addr), Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)],
+        predicate=None if pred is None else cutlass.Boolean(pred),
+        loc=loc,
+        ip=ip,
+    )

@@ -7,12 +7,14 @@ nothing here checks again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
+from cute_kernels.allreduce.protocol import ERROR_WORDS, GENERATIONS, PROTOCOLS, STATE_WORDS
 from cute_kernels.boundary.config import HC, BoundaryConfig, default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
@@ -39,22 +41,20 @@ ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = tuple(
 )
 
 
-@jit_cache
-def compile_fused_boundary(
-    H: int, y_source: str, shared: bool, pre: bool, mxfp8: bool, aux: bool, config: BoundaryConfig, *, arch: str
-) -> Callable[..., Any]:
-    """Compile one fused-boundary variant with its launch shape; T (and P, top-k) stay dynamic.
+def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
+    """The tensor-free arguments a fused-boundary kernel compiles against; T (and P, top-k, the slot rows) stay dynamic.
 
-    The compiled function takes, positionally, (residual, post, comb, pre, norm_weight, x,
-    shared, gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale,
-    aux, norm_eps), with None for every tensor the variant does not use.
+    The compiled function takes, positionally, (residual, post, comb, pre, norm_weight, x, shared,
+    gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale, aux, slots,
+    peers, state, error, norm_eps), with None for every tensor the variant does not use.
     """
-    kernel = FusedBoundaryKernel(H, config, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux)
+    y_source, shared, pre, mxfp8, aux = variant
     T, top_k = cute.sym_int(), cute.sym_int()
     bf16 = lambda shape: fake_tensor(BFloat16, shape, divisibility=8)  # noqa: E731
     f32 = lambda shape: fake_tensor(Float32, shape, divisibility=1)  # noqa: E731
     moe = y_source == "moe"
-    args = (
+    peers = world_size > 1
+    return (
         bf16((T, HC, H)),  # residual
         f32((T, HC)),  # post
         f32((T, HC, HC)),  # comb
@@ -70,14 +70,41 @@ def compile_fused_boundary(
         fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
         fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
         bf16((T, H)) if aux else None,
+        bf16((GENERATIONS, world_size + 1, cute.sym_int(), H)) if peers else None,  # receive slots
+        fake_tensor(Int64, (world_size,), divisibility=1) if peers else None,  # peer slot addresses
+        fake_tensor(Int32, (STATE_WORDS,), divisibility=1) if peers else None,  # call state
+        fake_tensor(Int32, (ERROR_WORDS,), divisibility=1) if peers or moe else None,  # error word
         Float32(0.0),  # norm eps
     )
-    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
 
 
-def compiled_boundary(H: int, variant: BoundaryVariant, *, arch: str) -> Callable[..., Any]:
+def compile_boundary_kernel(kernel: FusedBoundaryKernel, H: int, variant: BoundaryVariant, world_size: int, *,
+                            arch: str) -> Callable[..., Any]:  # fmt: skip
+    """Compile a fused-boundary kernel object (uncached; tests build modified ones) with the TVM-FFI call path."""
+    return compile_kernel(kernel, *fake_args(H, variant, world_size), fake_stream(), arch=arch)
+
+
+@jit_cache
+def compile_fused_boundary(
+    H: int, y_source: str, shared: bool, pre: bool, mxfp8: bool, aux: bool, config: BoundaryConfig,
+    world_size: int, protocol: str, *, arch: str,
+) -> Callable[..., Any]:  # fmt: skip
+    """Compile one fused-boundary variant: the flags, the launch shape, the world size and the protocol."""
+    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux)
+    kernel = FusedBoundaryKernel(
+        H, config, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux, world_size=world_size,
+        protocol=protocol,
+    )  # fmt: skip
+    return compile_boundary_kernel(kernel, H, variant, world_size, arch=arch)
+
+
+def compiled_boundary(
+    H: int, variant: BoundaryVariant, *, arch: str, world_size: int = 1, protocol: str = "oneshot",
+    ranks_per_device: int = 1,
+) -> Callable[..., Any]:  # fmt: skip
     """The compiled kernel of one variant at the shipped launch shape (compiled or loaded on first use)."""
-    return compile_fused_boundary(H, *variant, default_config(H, arch), arch=arch)
+    config = default_config(H, arch, ranks_per_device, world_size)
+    return compile_fused_boundary(H, *variant, config, world_size, protocol if world_size > 1 else "oneshot", arch=arch)
 
 
 def variant_name(v: BoundaryVariant) -> str:
@@ -88,18 +115,35 @@ def variant_name(v: BoundaryVariant) -> str:
     return " ".join(parts)
 
 
-def warmup_jobs(H: int, *, arch: str, variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS) -> list[WarmupJob]:
-    """One warmup job per variant an engine may launch at hidden size H (all of them by default)."""
-    config = default_config(H, arch)
+def warmup_jobs(
+    H: int, *, arch: str, world_size: int = 1, ranks_per_device: int = 1,
+    variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS,
+) -> list[WarmupJob]:  # fmt: skip
+    """One warmup job per variant (and, with W > 1, per protocol) an engine may launch at hidden size H."""
+    config = default_config(H, arch, ranks_per_device, world_size)
+    protocols = PROTOCOLS if world_size > 1 else ("oneshot",)
     return [
         WarmupJob(
-            name=f"boundary H={H} {variant_name(v)}",
+            name=f"boundary H={H} {variant_name(v)}" + (f" W={world_size} {p}" if world_size > 1 else ""),
             compile_fn=compile_fused_boundary,
-            args=(H, *v, config),
+            args=(H, *v, config, world_size, p),
             kwargs=(("arch", arch),),
         )
         for v in variants
+        for p in protocols
     ]
+
+
+@dataclass(frozen=True)
+class PeerArgs:
+    """What a W > 1 launch takes besides the boundary's tensors: the rank's workspace and the protocol."""
+
+    slots: torch.Tensor
+    peers: torch.Tensor
+    state: torch.Tensor
+    world_size: int
+    protocol: str
+    ranks_per_device: int
 
 
 def fused_boundary(
@@ -118,13 +162,16 @@ def fused_boundary(
     mxfp8_data: torch.Tensor | None = None,
     mxfp8_scale: torch.Tensor | None = None,
     aux: torch.Tensor | None = None,
+    error: torch.Tensor | None = None,
+    peer: PeerArgs | None = None,
     arch: str,
 ) -> None:
     """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, aux).
 
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
-    combine (plus `shared`, the shared-expert output). pre=None is the residual-only boundary.
-    `post` may be [T, 4] or [T, 4, 1].
+    combine (plus `shared`, the shared-expert output); with `peer`, the rank-order sum of that partial
+    over every rank. pre=None is the residual-only boundary. `post` may be [T, 4] or [T, 4, 1].
+    `error` (int32 [4]) takes the device error word (needed with `moe` or `peer`).
     """
     rows, _, H = residual.shape
     if rows == 0:
@@ -133,7 +180,15 @@ def fused_boundary(
         "x" if moe is None else "moe", shared is not None, pre is not None, mxfp8_data is not None, aux is not None
     )
     g, ew, idx = moe if moe is not None else (None, None, None)
-    compiled_boundary(H, variant, arch=arch)(
+    if peer is None:
+        fn = compiled_boundary(H, variant, arch=arch)
+        slots = peers = state = None
+    else:
+        fn = compiled_boundary(H, variant, arch=arch, world_size=peer.world_size, protocol=peer.protocol,
+                               ranks_per_device=peer.ranks_per_device)  # fmt: skip
+        slots, peers, state = peer.slots, peer.peers, peer.state
+    fn(
         residual, post.view(rows, HC), comb, pre, norm_weight if pre is not None else None, x, shared, g, ew, idx,
-        new_residual, out, mxfp8_data, mxfp8_scale, aux, float(norm_eps),
+        new_residual, out, mxfp8_data, mxfp8_scale, aux, slots, peers, state, error if moe is not None or peer else None,
+        float(norm_eps),
     )  # fmt: skip

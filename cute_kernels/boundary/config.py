@@ -14,7 +14,9 @@ SCALE_WORD_COLS = 4 * MXFP8_BLOCK  # columns of one 4-byte word of MXFP8 scales
 COEFS = HC + HC * HC + HC  # post, comb ([src, dst], row-major) and pre of one row
 MAX_GRID_Y = 65535  # clusters of one launch (the grid's y extent)
 # Launch bounds cap the registers at this many per thread, so that a known number of CTAs fit on an SM.
+# The peer exchange holds W slot vectors besides the row: 96 registers spill there (ptxas remarks).
 REGISTER_BUDGET = 96
+PEER_REGISTER_BUDGET = 128
 # The cluster cap takes this share of the clusters that fit, so that every cluster is resident from
 # the start (one that waited for a free slot would run its rows after the others had finished theirs).
 RESIDENT_SHARE = 0.9
@@ -69,18 +71,20 @@ def row_split(H: int) -> tuple[int, int]:
 
 
 @functools.cache
-def default_config(H: int, arch: str, ranks_per_device: int = 1) -> BoundaryConfig:
+def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int = 1) -> BoundaryConfig:
     """The shipped launch shape and row schedule for hidden size H on `arch`'s hardware: a function of H
     (and the device), never of the row count, so a row's bits never depend on the batch.
 
     `ranks_per_device` > 1 (simulated ranks sharing one GPU) divides the resident clusters among them:
-    every rank's grid must be resident at once.
+    every rank's grid must be resident at once. `world_size` > 1 (the peer exchange) takes a larger
+    register budget, so fewer CTAs per SM.
     """
     cluster_n, threads = row_split(H)
+    budget = REGISTER_BUDGET if world_size == 1 else PEER_REGISTER_BUDGET
     ctas_per_sm = min(
         hardware.MAX_CTAS_PER_SM,
         hardware.MAX_THREADS_PER_SM // threads,
-        hardware.REGISTERS_PER_SM // (REGISTER_BUDGET * threads),
+        hardware.REGISTERS_PER_SM // (budget * threads),
     )
     sms = hardware.for_arch(arch).sm_count
     cap = int(RESIDENT_SHARE * (sms * ctas_per_sm // cluster_n)) // ranks_per_device

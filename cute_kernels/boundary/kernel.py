@@ -24,9 +24,11 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from cute_kernels import ptx
+from cute_kernels.allreduce.peer import PeerReduce
+from cute_kernels.allreduce.protocol import STATE_DONE, STATE_EPOCH, STATE_RANK, STATE_TIMEOUT_US
 from cute_kernels.boundary.config import VEC, BoundaryConfig
 from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.loads import Ctx, RowLoads, RowRegs, row_major
@@ -45,6 +47,8 @@ class FusedBoundaryKernel:
         pre: bool = True,
         mxfp8: bool = False,
         aux: bool = False,
+        world_size: int = 1,
+        protocol: str = "oneshot",
     ) -> None:
         self.H = H
         self.pre = pre
@@ -59,6 +63,9 @@ class FusedBoundaryKernel:
         self.tail = self.vpt * self.threads != self.vecs
         self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
         self.epilogue = Epilogue(H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux)
+        # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots.
+        self.allreduce = PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n) if world_size > 1 else None
+        self.moe = y_source == "moe"
 
     @cute.jit
     def __call__(
@@ -78,6 +85,10 @@ class FusedBoundaryKernel:
         mQ: cute.Tensor | None,  # [T, H] e4m3
         mScale: cute.Tensor | None,  # [roundup(T, 128) * H/32] uint8, swizzled 128x4
         mAux: cute.Tensor | None,  # [T, H] bf16
+        mSlots: cute.Tensor | None,  # W > 1: [generations, W + 1, max_rows, H] bf16, this rank's receive slots
+        mPeers: cute.Tensor | None,  # W > 1: [W] int64, every rank's receive-slot base address
+        mState: cute.Tensor | None,  # W > 1: [4] int32: call counter, finished CTAs, rank, timeout (us)
+        mError: cute.Tensor | None,  # W > 1 or MoE: [4] int32 device error word
         eps: Float32,
         stream: cuda.CUstream,
     ):
@@ -85,7 +96,28 @@ class FusedBoundaryKernel:
         # The fewest rows per cluster under the cap, then the fewest clusters that give each that many.
         per_cluster = (rows + (self.max_clusters - 1)) // self.max_clusters
         clusters = (rows + per_cluster - 1) // per_cluster
-        self.kernel(mR, mPost, mComb, mPre, mW, mX, mShared, mG, mEW, mIdx, mNewR, mOut, mQ, mScale, mAux, eps).launch(
+        self.kernel(
+            mR,
+            mPost,
+            mComb,
+            mPre,
+            mW,
+            mX,
+            mShared,
+            mG,
+            mEW,
+            mIdx,
+            mNewR,
+            mOut,
+            mQ,
+            mScale,
+            mAux,
+            mSlots,
+            mPeers,
+            mState,
+            mError,
+            eps,
+        ).launch(  # fmt: skip
             grid=[self.cluster_n, clusters, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster_n, 1, 1] if const_expr(self.epilogue.use_cluster) else None,
@@ -114,6 +146,10 @@ class FusedBoundaryKernel:
         mQ: cute.Tensor | None,
         mScale: cute.Tensor | None,
         mAux: cute.Tensor | None,
+        mSlots: cute.Tensor | None,
+        mPeers: cute.Tensor | None,
+        mState: cute.Tensor | None,
+        mError: cute.Tensor | None,
         eps: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -151,19 +187,30 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
+        rank, timeout_us, gen, deadline = None, None, None, None
+        if const_expr(self.allreduce is not None):
+            # The workspace's constants; the call counter is written by the previous call, so after the wait.
+            rank = mState[STATE_RANK]
+            timeout_us = mState[STATE_TIMEOUT_US]
         cute.arch.griddepcontrol_wait()
+        if const_expr(self.allreduce is not None):
+            epoch = cute.arch.load(mState.iterator + STATE_EPOCH, Int32, sem="relaxed", scope="gpu")
+            gen = epoch % self.allreduce.generations
+            deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
 
         ctx = Ctx(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=mR.shape[0], cta=cta,
-            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar,
+            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
+            mError=mError, rank=rank, gen=gen, deadline=deadline,
         )  # fmt: skip
         rows, clusters = ctx.rows, cute.arch.grid_dim()[1]
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
         # while it is reduced and stored.
         regs = RowRegs(self.loads)
         self.loads.load_row(ctx, regs, first_row)
-        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.allreduce is None):
+            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.mxfp8):
             epi.quant.zero_padding(mScale, rows, cta, tidx, first_row, clusters)
         if const_expr(epi.use_cluster):
@@ -177,6 +224,8 @@ class FusedBoundaryKernel:
             if row + clusters < rows:
                 self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase, clusters)
             row, phase = row + 2 * clusters, phase ^ 1
+        if const_expr(self.allreduce is not None):
+            self.count_call(mState, epoch)
 
     @cute.jit
     def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
@@ -184,9 +233,28 @@ class FusedBoundaryKernel:
         ahead = row + clusters
         post, comb, pre = self.loads.coefs(regs.coef)
         y = self.loads.partial(ctx, regs, row)
+        if const_expr(self.allreduce is not None):
+            y = self.allreduce.reduce(ctx, y, row)
+            if ahead >= ctx.rows:
+                # This CTA waits for no peer any more: only now may the next kernel take its place, so
+                # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
+                cute.arch.griddepcontrol_launch_dependents()
         rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
             self.loads.load_row(ctx, regs, ahead)
         if const_expr(self.pre):
             self.epilogue.finish_row(ctx, row, rC, sumsq, stage, phase)
+
+    @cute.jit
+    def count_call(self, mState: cute.Tensor, epoch: Int32):
+        """The last CTA of the call to finish moves the call counter on (so the next call uses the other
+        generation) and resets the count; every CTA read the counter before it counted itself."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.arch.barrier()
+        if tidx == 0:
+            grid = cute.arch.grid_dim()
+            done = cute.arch.atomic_add(mState.iterator + STATE_DONE, Int32(1), sem="acq_rel", scope="gpu")
+            if done == grid[0] * grid[1] - 1:
+                cute.arch.store(mState.iterator + STATE_DONE, Int32(0), sem="relaxed", scope="gpu")
+                cute.arch.store(mState.iterator + STATE_EPOCH, epoch + 1, sem="relaxed", scope="gpu")

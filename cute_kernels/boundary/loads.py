@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from cute_kernels import ptx
+from cute_kernels.allreduce.protocol import ERROR_MOE_INDEX, ERROR_MOE_ROW
 from cute_kernels.boundary.config import COEFS, HC, VEC
 
 MOE_GROUP = 8  # experts whose gathers are issued together
@@ -101,7 +102,7 @@ class RowLoads:
             for v in cutlass.range_constexpr(vpt):
                 y[v, None].store(regs.rX[v, None].load().to(Float32))
         else:
-            self.moe_combine(y, ctx.mG, ctx.mEW, ctx.mIdx, row, ctx.vcols)
+            self.moe_combine(ctx, y, row)
         if const_expr(self.shared):
             for v in cutlass.range_constexpr(vpt):
                 ss = regs.rS[v, None].load().to(Float32)
@@ -112,12 +113,15 @@ class RowLoads:
         return y
 
     @cute.jit
-    def moe_combine(
-        self, acc: cute.Tensor, mG: cute.Tensor, mEW: cute.Tensor, mIdx: cute.Tensor, row: Int32, vcols: list
-    ):
-        """acc = sum_i w[row, i] * G[idx[row, i]] in fp32, i in order; idx < 0 adds nothing."""
+    def moe_combine(self, ctx: Ctx, acc: cute.Tensor, row: Int32):
+        """acc = sum_i w[row, i] * G[idx[row, i]] in fp32, i in order; an index -1 adds nothing, and so does
+        any other index outside [0, P), which CTA 0's thread 0 also reports in the error word (CONTRACT §2)."""
         vpt = const_expr(self.vpt)
+        mG, mEW, mIdx = ctx.mG, ctx.mEW, ctx.mIdx
         top_k = mEW.shape[1]
+        experts_in_g = mG.shape[0]
+        reporter = (ctx.tidx == 0) & (ctx.cta == 0)
+        error = ctx.mError.iterator
         acc.fill(0.0)
         g_base = mG.iterator.toint()
         for group in cutlass.range(cute.ceil_div(top_k, MOE_GROUP)):
@@ -127,14 +131,22 @@ class RowLoads:
                 i = group * MOE_GROUP + u
                 safe_i = cutlass.min(i, top_k - 1)
                 e = mIdx[row, safe_i]
-                experts.append(Int32(cutlass.select_(i < top_k, e, Int32(-1))))
+                e = Int32(cutlass.select_(i < top_k, e, Int32(-1)))
+                bad = (e < -1) | (e >= experts_in_g)
+                if bad & reporter:
+                    cute.arch.atomic_max(error + ERROR_MOE_ROW, row + 1, sem="relaxed", scope="gpu")
+                    cute.arch.store(error + ERROR_MOE_INDEX, e)
+                experts.append(Int32(cutlass.select_(bad, Int32(-1), e)))
                 weights.append(mEW[row, safe_i])
             gathered = []
             for u in cutlass.range_constexpr(MOE_GROUP):
                 valid = experts[u] >= 0
                 row_off = Int64(cutlass.max(experts[u], Int32(0))) * self.H
                 gathered.append(
-                    [ptx.ld_global_v4_pred(g_base + (row_off + Int64(vcols[v] * VEC)) * 2, valid) for v in range(vpt)]
+                    [
+                        ptx.ld_global_v4_pred(g_base + (row_off + Int64(ctx.vcols[v] * VEC)) * 2, valid)
+                        for v in range(vpt)
+                    ]
                 )
             for u in cutlass.range_constexpr(MOE_GROUP):
                 valid = experts[u] >= 0

@@ -1,0 +1,179 @@
+"""The peer all-reduce role of the fused boundary (CONTRACT §7): a row's y from every rank's partial.
+
+Each thread pushes its own 16-byte vectors of its rank's partial and polls for the same vectors of the
+other ranks, so the exchange needs no barrier and no flag besides the data: every 32-bit word of a
+slot is the sentinel until its writer's store lands. The sum runs in rank order 0..W-1 in fp32 with
+one bf16 rounding, on canonical words (a payload word equal to the sentinel travels, and is summed
+by its own rank too, as 0), so every rank gets the same bits.
+
+One-shot: every rank pushes its partial to every other rank and sums all W itself.
+Two-shot: the owner of a segment (row, CTA column chunk) receives the W - 1 other partials, sums, and
+pushes y to every other rank; the others wait for y. Half the bytes of one-shot for W > 2, one more hop.
+
+Every wait has a deadline (the call's start + the workspace's timeout): past it, the thread records
+the ranks it is still missing in the error word and goes on with what it has, so the call finishes
+(with wrong values) instead of hanging; later waits of the same call give up after one look.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+
+from cute_kernels import ptx
+from cute_kernels.allreduce.protocol import ERROR_MISSING, GENERATIONS, PROTOCOLS, SENTINEL_WORD
+from cute_kernels.boundary.config import VEC
+
+
+class PeerReduce:
+    """y of a row for this thread's `vpt` vectors, through the receive slots of `world_size` ranks."""
+
+    generations = GENERATIONS  # a class attribute, so that a test can build the one-generation control
+
+    def __init__(self, H: int, world_size: int, protocol: str, vpt: int, cluster_n: int) -> None:
+        assert world_size > 1 and protocol in PROTOCOLS
+        self.H = H
+        self.W = world_size
+        self.protocol = protocol
+        self.vpt = vpt
+        self.cluster_n = cluster_n
+
+    @cute.jit
+    def offset(self, mSlots: cute.Tensor, gen: Int32, slot, row: Int32, vcol: Int32) -> Int64:
+        """Byte offset of vector `vcol` of (generation, slot, row) in a rank's receive slots."""
+        max_rows = mSlots.shape[2]
+        cell = Int64(gen * (self.W + 1) + slot) * Int64(max_rows) + Int64(row)
+        return (cell * self.H + Int64(vcol * VEC)) * 2
+
+    @cute.jit
+    def reduce(self, ctx, y: cute.Tensor, row: Int32) -> cute.Tensor:
+        """y of `row` (fp32 holding bf16 values, (vpt, 8)) from this rank's partial `y` and every peer's."""
+        vpt = const_expr(self.vpt)
+        words = []
+        for v in cutlass.range_constexpr(vpt):
+            words.append([canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)])
+        rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
+        rY = cute.make_rmem_tensor((vpt, 4), Uint32)
+        if const_expr(self.protocol == "oneshot"):
+            self.oneshot(ctx, words, row, rIn, rY)
+        else:
+            self.twoshot(ctx, words, row, rIn, rY)
+        out = cute.make_rmem_tensor(y.layout, Float32)
+        for v in cutlass.range_constexpr(vpt):
+            for e in cutlass.range_constexpr(VEC):
+                out[v, e] = ptx.bf16_lo(rY[v, e // 2]) if e % 2 == 0 else ptx.bf16_hi(rY[v, e // 2])
+        return out
+
+    @cute.jit
+    def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """Push this rank's vectors into slot `rank` of every peer, wait for the W - 1 others, sum them all."""
+        for v in cutlass.range_constexpr(self.vpt):
+            mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+            for p in cutlass.range_constexpr(self.W):
+                self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+        sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        self.wait(ctx, rIn, row, sources)
+        self.rank_sum(ctx, words, rIn, rY)
+        self.rearm(ctx, row, sources)
+
+    @cute.jit
+    def twoshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """Push to the segment's owner and wait for its y, or, as the owner, sum and push y to every peer."""
+        owner = (row * self.cluster_n + ctx.cta) % self.W
+        if owner != ctx.rank:
+            peer = ctx.mPeers[owner]
+            for v in cutlass.range_constexpr(self.vpt):
+                mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+                self.push(ctx, peer + mine, words[v], self.real(ctx, v))
+            sources = [(self.W, owner, None)]
+            self.wait(ctx, rIn, row, sources)
+            for v in cutlass.range_constexpr(self.vpt):
+                for k in cutlass.range_constexpr(4):
+                    rY[v, k] = rIn[0, v, k]
+            self.rearm(ctx, row, sources)
+        else:
+            sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+            self.wait(ctx, rIn, row, sources)
+            self.rank_sum(ctx, words, rIn, rY)
+            for v in cutlass.range_constexpr(self.vpt):
+                y_words = [canonical(rY[v, k]) for k in range(4)]
+                for k in cutlass.range_constexpr(4):
+                    rY[v, k] = y_words[k]
+                reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
+                for p in cutlass.range_constexpr(self.W):
+                    self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
+            self.rearm(ctx, row, sources)
+
+    def real(self, ctx, v: int, needed: cutlass.Boolean | None = None) -> cutlass.Boolean | None:
+        """Whether this thread's vector v is a real one (threads past the chunk hold a clamped duplicate)
+        and `needed`; None when both always hold (a constant predicate must not reach the PTX)."""
+        if ctx.valid[v] is None:
+            return needed
+        return ctx.valid[v] if needed is None else needed & ctx.valid[v]
+
+    @cute.jit
+    def push(self, ctx, addr: Int64, words: list, pred: cutlass.Boolean):
+        """One 16-byte vector into a peer's slot (st.relaxed.sys: the peer polls the words)."""
+        ptx.st_sys_v4_pred(addr, words[0], words[1], words[2], words[3], pred)
+
+    @cute.jit
+    def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list):
+        """Load slots `sources` = [(slot, rank it comes from, needed)] of `row` into rIn[i] until no needed
+        word holds the sentinel, or the call's deadline has passed (then the missing ranks go to the error word)."""
+        vpt = const_expr(self.vpt)
+        base = ctx.mSlots.iterator.toint()
+        pending = Int32(1)
+        while pending != 0:
+            missing = Int32(0)
+            # Every slot's loads are in flight before any is checked.
+            for i in cutlass.range_constexpr(len(sources)):
+                slot, who, needed = sources[i]
+                for v in cutlass.range_constexpr(vpt):
+                    want = self.real(ctx, v, needed)
+                    addr = base + self.offset(ctx.mSlots, ctx.gen, slot, row, ctx.vcols[v])
+                    w = ptx.ld_sys_v4_pred(addr, cutlass.Boolean(True) if want is None else want)
+                    late = w[0] == Uint32(SENTINEL_WORD)
+                    for k in cutlass.range_constexpr(4):
+                        rIn[i, v, k] = w[k]
+                        if const_expr(k > 0):
+                            late = late | (w[k] == Uint32(SENTINEL_WORD))
+                    if const_expr(want is not None):
+                        late = late & want
+                    missing = missing | Int32(cutlass.select_(late, Int32(1) << who, Int32(0)))
+            pending = missing
+            if missing != 0:
+                if ptx.globaltimer() > ctx.deadline:
+                    cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, missing, sem="relaxed", scope="gpu")
+                    pending = Int32(0)
+
+    @cute.jit
+    def rank_sum(self, ctx, words: list, rIn: cute.Tensor, rY: cute.Tensor):
+        """rY = bf16(sum over s = 0..W-1 in order of partial s), this rank's own from `words`."""
+        for v in cutlass.range_constexpr(self.vpt):
+            for k in cutlass.range_constexpr(4):
+                halves = []
+                for h in cutlass.range_constexpr(2):
+                    acc = Float32(0.0)
+                    for s in cutlass.range_constexpr(self.W):
+                        word = Uint32(cutlass.select_(ctx.rank == s, words[v][k], rIn[s, v, k]))
+                        term = ptx.bf16_lo(word) if h == 0 else ptx.bf16_hi(word)
+                        acc = term if s == 0 else ptx.add_rn(acc, term)
+                    halves.append(acc)
+                rY[v, k] = ptx.cvt_bf16x2(halves[0], halves[1])
+
+    @cute.jit
+    def rearm(self, ctx, row: Int32, sources: list):
+        """Write the sentinel back into the slots this call consumed (no peer writes them before call k + 2)."""
+        base = ctx.mSlots.iterator.toint()
+        s = Uint32(SENTINEL_WORD)
+        for i in cutlass.range_constexpr(len(sources)):
+            slot, _, needed = sources[i]
+            for v in cutlass.range_constexpr(self.vpt):
+                addr = base + self.offset(ctx.mSlots, ctx.gen, slot, row, ctx.vcols[v])
+                ptx.st_global_v4_pred(addr, s, s, s, s, self.real(ctx, v, needed))
+
+
+def canonical(word: Uint32) -> Uint32:
+    """A payload word as it travels: the sentinel's bit pattern (a -0.0 beside a +0.0) becomes 0."""
+    return Uint32(cutlass.select_(word == Uint32(SENTINEL_WORD), Uint32(0), word))

@@ -1,0 +1,32 @@
+"""The peer protocol's layout and constants (CONTRACT §7), shared by the kernel role and the host workspace.
+
+Slots: every rank owns bf16 [GENERATIONS][W + 1][max_rows][H] receive slots. Slot s < W of a row
+receives rank s's partial; slot W receives the reduced row y from its owner (two-shot). Every 32-bit
+word of a slot is its own arrival flag: it holds SENTINEL_WORD until a peer writes it, and the rank
+that consumes it writes the sentinel back in the same call.
+"""
+
+from __future__ import annotations
+
+SENTINEL_WORD = 0x80000000  # a bf16 pair (+0.0 low, -0.0 high); payload words equal to it are sent as 0
+SENTINEL_INT32 = -(1 << 31)  # the same bits as a signed int32 (torch fill value)
+GENERATIONS = 2  # call k uses generation k % 2 (why two suffice: CONTRACT §7)
+PROTOCOLS = ("oneshot", "twoshot")
+# The per-rank device state (int32): the call counter, the CTAs of this call that have finished, this
+# rank, the bounded wait in microseconds.
+STATE_EPOCH, STATE_DONE, STATE_RANK, STATE_TIMEOUT_US = range(4)
+STATE_WORDS = 4
+# The error word (int32): a mask of the ranks a wait gave up on, 1 + a row whose MoE index was outside
+# [-1, P), that index.
+ERROR_MISSING, ERROR_MOE_ROW, ERROR_MOE_INDEX = range(3)
+ERROR_WORDS = 4
+
+
+def segment_owner(row: int, cta: int, ctas_per_row: int, world_size: int) -> int:
+    """The rank that reduces segment (row, CTA column chunk) in the two-shot protocol."""
+    return (row * ctas_per_row + cta) % world_size
+
+
+def slot_elements(world_size: int, max_rows: int, hidden: int) -> int:
+    """bf16 elements of one rank's receive slots."""
+    return GENERATIONS * (world_size + 1) * max_rows * hidden
