@@ -94,6 +94,11 @@ class Workspace:
         # The slots are written with plain peer stores: no multicast object may be made for them.
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        shapes: list[Any] = [None] * world
+        dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us), group=group)
+        if len(set(shapes)) > 1:
+            raise ValueError(f"every rank must build its BoundaryAllReduce with the same hidden_size, max_rows and "
+                             f"timeout_us; the ranks gave {shapes}")  # fmt: skip
         buf = symm_mem.empty(slot_elements(world, max_rows, hidden_size), dtype=torch.bfloat16, device=device)
         handle = symm_mem.rendezvous(buf, group)
         offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]

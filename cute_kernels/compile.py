@@ -202,20 +202,41 @@ class WarmupJob:
         return self.compile_fn(*self.args, **dict(self.kwargs))
 
 
-def warmup(jobs: Iterable[WarmupJob], *, progress: bool = True, desc: str = "compiling mHC kernels") -> int:
-    """Compile or load every job, with a progress bar on stderr; returns how many ran."""
+def warmup(
+    jobs: Iterable[WarmupJob], *, progress: bool = True, desc: str = "compiling mHC kernels", workers: int = 1
+) -> int:
+    """Compile or load every job, with a progress bar on stderr; returns how many ran.
+
+    With `workers` > 1 (and the disk cache on) the compiles run in that many spawned processes first,
+    which leave their objects in the disk cache; this process then only loads them.
+    """
     jobs = list(jobs)
+    if workers > 1 and len(jobs) > 1 and disk_cache_enabled():
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = [pool.submit(_compile_only, job) for job in jobs]
+            _progress(pending, progress, desc + " (compiling)", lambda f: f.result())
+    _progress(jobs, progress, desc, lambda job: job.run())
+    return len(jobs)
+
+
+def _compile_only(job: WarmupJob) -> None:
+    job.run()
+
+
+def _progress(items: list, progress: bool, desc: str, step: Callable[[Any], object]) -> None:
     bar = None
-    if progress and jobs:
+    if progress and items:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc=desc, unit="kernel", file=sys.stderr)
-    for job in jobs:
-        if bar is not None:
-            bar.set_postfix_str(job.name, refresh=False)
-        job.run()
+        bar = tqdm(total=len(items), desc=desc, unit="kernel", file=sys.stderr)
+    for item in items:
+        if bar is not None and isinstance(item, WarmupJob):
+            bar.set_postfix_str(item.name, refresh=False)
+        step(item)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    return len(jobs)

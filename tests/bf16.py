@@ -34,3 +34,21 @@ def bitwise_equal(a: Tensor, b: Tensor) -> bool:
         and a.dtype == b.dtype
         and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
+
+
+def ulp_bf16(x: Tensor) -> Tensor:
+    """The bf16 spacing at |x| (float64), subnormals included: 2^(floor(log2|x|) - 7), at least 2^-133."""
+    a = x.to(torch.float64).abs()
+    _, e = torch.frexp(a)
+    spacing = torch.ldexp(torch.ones_like(a), (e - 8).clamp(min=-133))
+    return torch.where(a == 0, torch.full_like(a, 2.0**-133), spacing)
+
+
+def within_contract(got: Tensor, exact: Tensor, terms: Tensor) -> Tensor:
+    """CONTRACT §2's comparison, elementwise: |got - exact| <= ulp_bf16(exact) + 2^-21 * terms, where `exact`
+    is the float64 value of the step and `terms` the sum of its products' magnitudes (fp32 reassociation
+    moves a result by at most 2^-21 of that at these sizes). NaN matches NaN; Inf matches the same Inf."""
+    got64, exact = got.to(torch.float64), exact.to(torch.float64)
+    ok = (got64 - exact).abs() <= ulp_bf16(exact) + 2.0**-21 * terms.to(torch.float64)
+    ok = ok | (got64.isnan() & exact.isnan()) | (got64.isinf() & (got64 == exact))
+    return ok
