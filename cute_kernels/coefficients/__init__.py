@@ -1,0 +1,31 @@
+"""The mHC coefficients kernels (SPEC §3): projection + Sinkhorn in one or two launches, and the layer input."""
+
+from cute_kernels.coefficients.api import (
+    MAX_ROWS,
+    CoefficientsWorkspace,
+    compile_coefficients,
+    compile_layer_input,
+    layer_input_mode,
+    mhc_coefficients,
+    mhc_layer_input,
+    warmup_jobs,
+)
+from cute_kernels.coefficients.config import CoefficientsConfig, projection_split, projection_width
+from cute_kernels.coefficients.projection import SENTINEL
+from cute_kernels.coefficients.tuning import default_config
+
+__all__ = [
+    "MAX_ROWS",
+    "SENTINEL",
+    "CoefficientsConfig",
+    "CoefficientsWorkspace",
+    "compile_coefficients",
+    "compile_layer_input",
+    "default_config",
+    "layer_input_mode",
+    "mhc_coefficients",
+    "mhc_layer_input",
+    "projection_split",
+    "projection_width",
+    "warmup_jobs",
+]

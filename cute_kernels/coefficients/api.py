@@ -1,0 +1,215 @@
+"""Host side of the coefficients kernels: compiles and their cache keys, warmup jobs, the workspace and the
+calls. The callers check the arguments (boundary/mhc.py does, once); nothing here checks them again."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, CoefficientsConfig, projection_split
+from cute_kernels.coefficients.kernel import CoefficientsKernel
+from cute_kernels.coefficients.layer_input import LayerInputKernel
+from cute_kernels.coefficients.projection import SENTINEL
+from cute_kernels.coefficients.tuning import default_config, default_row_classes
+from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
+
+MAX_ROWS = 16384  # rows of the largest workspace (and so of a call)
+LAYER_INPUTS = ("none", "carried", "one_hot")
+
+
+@jit_cache
+def compile_coefficients(
+    H: int, variant: str, layer_input: str, sinkhorn_repeat: int, config: CoefficientsConfig, *, arch: str
+) -> Callable[..., Any]:
+    """Compile one coefficients variant for `arch`; the row count and the workspace sizes stay dynamic."""
+    kernel = CoefficientsKernel(
+        H, variant=variant, layer_input=layer_input, sinkhorn_repeat=sinkhorn_repeat, config=config
+    )
+    T = cute.sym_int()
+    broadcast = variant == "broadcast"
+    x = fake_tensor(BFloat16, (T, H) if broadcast else (T, HC, H), divisibility=8)
+    f32 = lambda shape: fake_tensor(Float32, shape, divisibility=4)  # noqa: E731
+    inline = layer_input != "none"
+    args = (
+        x,
+        f32((MIX, kernel.projection.K)),
+        fake_tensor(Float32, (3,), divisibility=1),
+        fake_tensor(Float32, (MIX,), divisibility=1),
+        fake_tensor(Float32, (T, HC), divisibility=1),
+        fake_tensor(Float32, (T, HC, HC), divisibility=1),
+        fake_tensor(Float32, (T, HC), divisibility=1),
+        fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), NV), divisibility=1),
+        fake_tensor(Int32, (cute.sym_int(),), divisibility=1),
+        f32((T, HC)) if layer_input == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8) if inline else None,
+        fake_tensor(BFloat16, (T, H), divisibility=8) if inline else None,
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
+        Float32(0.0),
+    )
+    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+@jit_cache
+def compile_layer_input(H: int, variant: str, layer_input: str, *, arch: str) -> Callable[..., Any]:
+    """Compile the layer-input-only kernel for `arch`; the row count stays dynamic."""
+    kernel = LayerInputKernel(H, variant=variant, layer_input=layer_input)
+    T = cute.sym_int()
+    args = (
+        fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8),
+        fake_tensor(Float32, (T, HC), divisibility=4) if layer_input == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8),
+        fake_tensor(BFloat16, (T, H), divisibility=8),
+        Float32(0.0),
+    )
+    return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:
+    """The compile-time layer-input mode: none, the carried pre-mix collapse, or the one-hot stream 0."""
+    if not inline:
+        return "none"
+    return "carried" if carried and not broadcast else "one_hot"
+
+
+def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) -> list[WarmupJob]:
+    """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
+    the layer-input-only kernels, of hidden size H for `arch`."""
+    jobs = []
+    for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
+        broadcast = variant == "broadcast"
+        for mode in modes:
+            inline = mode != "none"
+            for rows in default_row_classes(H, broadcast, inline, max_rows, arch=arch):
+                config = default_config(H, broadcast, rows, inline, arch=arch)
+                name = f"coefficients H={H} {variant} layer_input={mode} tile={config.rows_per_tile}"
+                name += " split" if config.row_split > 1 else ""
+                key = (H, variant, mode, sinkhorn_repeat, config)
+                jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),)))
+    for variant, mode in (("standard", "carried"), ("standard", "one_hot"), ("broadcast", "one_hot")):
+        jobs.append(
+            WarmupJob(f"layer input H={H} {variant} {mode}", compile_layer_input, (H, variant, mode), (("arch", arch),))
+        )
+    return jobs
+
+
+class CoefficientsWorkspace:
+    """Partials [groups, max_rows, 25] fp32, per-(tile, CTA) ticket counters (int32, zero between calls)
+    and the partials schedule's per-CTA sums [groups * 8, max_rows, 25] fp32.
+
+    One workspace serves every variant of hidden size H on one device, but one launch at a time: two
+    calls that may run concurrently (e.g. the main stream and an mHC side stream) need two workspaces.
+    Counters are zeroed and partial slots set to the sentinel here, and every completed launch leaves
+    them so.
+    """
+
+    def __init__(self, H: int, max_rows: int, device: Any) -> None:
+        self.H = H
+        self.max_rows = max_rows
+        self.groups = max(projection_split(H, False)[1], projection_split(H, True)[1])
+        # Every slot holds the sentinel between calls (the ticket handoff polls for it to change).
+        self.partials = torch.full((self.groups, max_rows, NV), SENTINEL, dtype=torch.int32, device=device).view(
+            torch.float32
+        )
+        # Sized for the smallest tile (16 rows), so any rows_per_tile fits.
+        self.counters = torch.zeros((-(-max_rows // 16) * CLUSTER,), dtype=torch.int32, device=device)
+        # The partials schedule's per-CTA sums [G * 8, max_rows, 25] (6.5 MB at H 7168 x 512 rows):
+        # written by its first launch and read by its second within one call.
+        self.rank_partials = torch.empty((self.groups * CLUSTER, max_rows, NV), dtype=torch.float32, device=device)
+        self.device = self.partials.device
+
+    def reset(self) -> None:
+        """Zero the ticket counters and clear the partials (only needed after a launch was aborted)."""
+        self.counters.zero_()
+        self.partials.view(torch.int32).fill_(SENTINEL)
+
+
+def mhc_coefficients(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_eps: float,
+    pre_eps: float,
+    sinkhorn_eps: float,
+    post_mult: float,
+    sinkhorn_repeat: int,
+    broadcast: bool,
+    workspace: CoefficientsWorkspace,
+    post_out: torch.Tensor,
+    comb_out: torch.Tensor,
+    pre_out: torch.Tensor,
+    pre_mix: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
+    layer_input_out: torch.Tensor | None = None,
+    arch: str,
+    config: CoefficientsConfig | None = None,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Write post [T,4], comb [T,4,4] and next pre [T,4] of SPEC §3, and with `layer_input_out` the layer input.
+
+    `x` is the streams [T, 4, H] bf16 with `fn` [24, 4H], or with `broadcast` the first layer's embedding
+    [T, H] with `fn_broadcast` [24, H]. With `layer_input_out` [T, H] bf16 (inline form) the kernel also
+    writes RMSNorm_w(c): c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0] exactly when `pre_mix` is
+    None (the embedding row itself with `broadcast`). `config` None is the shipped config for the row
+    count. One launch (two with schedule "partials") on the current torch stream, or on `stream` when
+    given (the caller orders `stream` after the producer of `x` and joins it before reading the
+    outputs). Outputs may not alias inputs; `post_out` may also be [T, 4, 1].
+    """
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    H = x.shape[-1]
+    if config is None:
+        config = default_config(H, broadcast, rows, layer_input_out is not None, arch=arch)
+    mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None)
+    compiled = compile_coefficients(
+        H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
+    )
+    if post_out.dim() == 3:
+        post_out = post_out.view(rows, HC)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        compiled(
+            x, fn, scale, base, post_out, comb_out, pre_out,
+            workspace.rank_partials if config.schedule == "partials" else workspace.partials, workspace.counters,
+            pre_mix if mode == "carried" else None,
+            norm_weight if mode != "none" else None,
+            layer_input_out,
+            float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
+            float(norm_eps) if norm_eps is not None else 0.0,
+        )  # fmt: skip
+
+
+def mhc_layer_input(
+    x: torch.Tensor,
+    pre_mix: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    out: torch.Tensor,
+    *,
+    arch: str,
+    broadcast: bool = False,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Write the layer input alone: out = RMSNorm_w(c), c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0]
+    exactly when `pre_mix` is None (the embedding row itself with `broadcast`, x then [T, H]).
+
+    The same bits as the inline form of `mhc_coefficients`, without the projection and without a
+    workspace: the scheduler runs it on the main stream while the projection runs on a side stream
+    (first layer, Engram seams). One launch on the current torch stream, or on `stream`.
+    """
+    if x.shape[0] == 0:
+        return
+    mode = "carried" if pre_mix is not None else "one_hot"
+    compiled = compile_layer_input(x.shape[-1], "broadcast" if broadcast else "standard", mode, arch=arch)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        compiled(x, pre_mix, norm_weight, out, float(norm_eps))

@@ -1,0 +1,190 @@
+"""The per-row epilogue of SPEC §3 (steps 1-4) on a row's 25 summed partials: the rms scale, the pre and
+post sigmoids, and comb (softmax rows, then the Sinkhorn repeats), plus the partials schedule's finish
+kernel, which sums a row's CTA partials in the one-launch schedule's order before running it.
+
+Which threads run what: warp 0 comb, one lane per row (the long Sinkhorn chain), warp 1 pre and post,
+one lane per row, so the two do not queue on one scheduler (a one-warp CTA runs pre and post on warp 0
+after comb). The Sinkhorn repeats run as a rolled loop of SINKHORN_UNROLL repeats per iteration, not
+straight-line code: one warp runs the chain on an SM whose instruction cache has not seen it, and fully
+unrolled (39 normalisations) it was fetch-bound (docs/perf-log.md v4-v5).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cute_kernels import ptx as prim
+from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, SINKHORN_UNROLL, WARP
+
+
+class EpilogueRole:
+    """post, comb and next pre of the rows a CTA finishes, from their summed partials in shared memory."""
+
+    def __init__(self, K: int, sinkhorn_repeat: int, threads: int, groups: int) -> None:
+        self.K = K  # columns of the projection (the mean square's divisor)
+        self.repeat = sinkhorn_repeat
+        self.threads = threads  # of the projection CTA: a one-warp CTA runs pre and post after comb
+        self.groups = groups
+
+    @cute.jit
+    def finish_rows(
+        self,
+        sMix: cute.Tensor,
+        sParam: cute.Tensor,
+        share_row0: Int32,
+        share_rows: Int32,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+    ):
+        """The epilogue of the share rows: sMix [rows][25] partials, sParam [scale (3), base (24)]."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx < WARP:
+            self.row_comb(sMix, sParam, share_row0, share_rows, mComb, rms_eps, sinkhorn_eps)
+        pre_post_lane = tidx
+        if const_expr(self.threads >= 2 * WARP):
+            pre_post_lane = tidx - WARP
+        if pre_post_lane >= 0 and pre_post_lane < share_rows:
+            mixes = self.row_mixes(sMix, pre_post_lane, rms_eps, 2 * HC)
+            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult)
+
+    @cute.jit
+    def row_scale(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> Float32:
+        """SPEC §3 step 1 for share row i: rsqrt(mean square + eps)."""
+        return prim.rsqrt_approx(prim.div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
+
+    @cute.jit
+    def row_mixes(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32, count: int) -> list:
+        """The first `count` dot products of share row i times the row's scale."""
+        r = self.row_scale(sMix, i, rms_eps)
+        return [sMix[i * NV + n] * r for n in range(count)]
+
+    @cute.jit
+    def row_pre_post(
+        self,
+        mixes: list,
+        sParam: cute.Tensor,
+        row: Int32,
+        mPost: cute.Tensor,
+        mPre: cute.Tensor,
+        pre_eps: Float32,
+        post_mult: Float32,
+    ):
+        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
+        for j in cutlass.range_constexpr(HC):
+            z = mixes[j] * sParam[0] + sParam[3 + j]
+            mPre[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) + pre_eps
+        for j in cutlass.range_constexpr(HC):
+            z = mixes[HC + j] * sParam[1] + sParam[3 + HC + j]
+            mPost[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) * post_mult
+
+    @cute.jit
+    def row_comb(
+        self,
+        sMix: cute.Tensor,
+        sParam: cute.Tensor,
+        share_row0: Int32,
+        share_rows: Int32,
+        mComb: cute.Tensor,
+        rms_eps: Float32,
+        sinkhorn_eps: Float32,
+    ):
+        """SPEC §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits), lane i for share
+        row i; lanes past the rows redo the last one and store nothing."""
+        lane = cute.arch.lane_idx()
+        i = cutlass.min(lane, share_rows - 1)
+        r = self.row_scale(sMix, i, rms_eps)
+        rC = cute.make_rmem_tensor((HC * HC,), Float32)
+        for a in cutlass.range_constexpr(HC):
+            logits = []
+            for b in cutlass.range_constexpr(HC):
+                n = 2 * HC + HC * a + b
+                logits.append((sMix[i * NV + n] * r) * sParam[2] + sParam[3 + n])
+            top = cute.arch.fmax(cute.arch.fmax(logits[0], logits[1]), cute.arch.fmax(logits[2], logits[3]))
+            ex = [prim.exp_approx(logits[b] - top) for b in range(HC)]
+            inv = prim.rcp_approx((ex[0] + ex[1]) + (ex[2] + ex[3]))
+            for b in cutlass.range_constexpr(HC):
+                rC[a * HC + b] = ex[b] * inv + sinkhorn_eps
+        self.normalize_columns(rC, sinkhorn_eps)
+        for _ in cutlass.range(self.repeat - 1, unroll=SINKHORN_UNROLL):
+            self.sinkhorn_step(rC, sinkhorn_eps)
+        if lane < share_rows:
+            for a in cutlass.range_constexpr(HC):
+                for b in cutlass.range_constexpr(HC):
+                    mComb[share_row0 + i, a, b] = rC[a * HC + b]
+
+    @cute.jit
+    def sinkhorn_step(self, rC: cute.Tensor, eps: Float32):
+        """One Sinkhorn repeat in place on a register 4 x 4 matrix: rows, then columns."""
+        for a in cutlass.range_constexpr(HC):
+            c = [rC[a * HC + b] for b in range(HC)]
+            inv = prim.rcp_approx((c[0] + c[1]) + (c[2] + c[3]) + eps)
+            for b in cutlass.range_constexpr(HC):
+                rC[a * HC + b] = c[b] * inv
+        self.normalize_columns(rC, eps)
+
+    @cute.jit
+    def normalize_columns(self, rC: cute.Tensor, eps: Float32):
+        """C[a][b] / ((C[0][b] + C[1][b]) + (C[2][b] + C[3][b]) + eps)."""
+        for b in cutlass.range_constexpr(HC):
+            total = (rC[b] + rC[HC + b]) + (rC[2 * HC + b] + rC[3 * HC + b])
+            inv = prim.rcp_approx(total + eps)
+            for a in cutlass.range_constexpr(HC):
+                rC[a * HC + b] = rC[a * HC + b] * inv
+
+    @property
+    def finish_threads(self) -> int:
+        """Threads of a finish CTA: one per (group, element) of its row, at least 2 warps."""
+        return max(2, -(-self.groups * NV // WARP)) * WARP
+
+    @cute.kernel
+    def finish_kernel(
+        self,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mRank: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+    ):
+        """Schedule "partials", second launch: CTA b finishes row b. Thread (g, n) sums group g's 8 CTA
+        partials of element n in rank order (the cluster sum; 8 loads in flight), then 25 threads sum
+        the G groups in order (the finishing CTA's sum): the tile schedule's bits. Then the epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sGroup = smem.allocate_tensor(Float32, cute.make_layout(self.groups * NV), byte_alignment=16)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(NV), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        if tidx < 3:
+            sParam[tidx] = mScale[tidx]
+        if tidx < MIX:
+            sParam[3 + tidx] = mBase[tidx]
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if tidx < self.groups * NV:
+            g = tidx // NV
+            n = tidx - g * NV
+            parts = [mRank[g * CLUSTER + r, row, n] for r in range(CLUSTER)]
+            acc = parts[0]
+            for r in cutlass.range_constexpr(1, CLUSTER):
+                acc = acc + parts[r]
+            sGroup[tidx] = acc
+        cute.arch.sync_threads()
+        if tidx < NV:
+            total = sGroup[tidx]
+            for g in cutlass.range_constexpr(1, self.groups):
+                total = total + sGroup[g * NV + tidx]
+            sMix[tidx] = total
+        cute.arch.sync_threads()
+        self.finish_rows(sMix, sParam, row, Int32(1), mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult)

@@ -1,0 +1,214 @@
+"""The layer input of the next sublayer, by clusters of 8 CTAs: out = RMSNorm_w(c), where
+c = bf16(sum_j pre_mix[j] * R[j]) (the carried pre-mix collapse) or stream 0 / the embedding row exactly
+(one-hot). CTA r of a cluster owns the columns [r*H/8, (r+1)*H/8) of NR rows; the sums of squares of the
+rounded c are exchanged across the cluster (DSMEM), then out = bf16(c * rsqrt(sum/H + eps) * w).
+
+The inline form of the coefficients kernel runs these clusters after the projection clusters of the tile
+that reads the same rows (so their stream reads hit L2); LayerInputKernel runs them alone, with the same
+bits, for a scheduler that runs the projection on a side stream.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from cute_kernels import ptx as prim
+from cute_kernels import reduce
+from cute_kernels.coefficients.config import CLUSTER, HC, WARP
+
+LAYER_INPUT_WARPS = 8  # warps per CTA of the layer-input-only kernel
+INLINE_BUDGET = 2  # 16-byte vectors per thread of the inline form's layer-input clusters (x2 one-hot)
+INPUT_ONLY_BUDGET = 2  # the same for the layer-input-only kernel
+
+
+def norm_rows_per_cluster(H: int, threads: int, layer_input: str, budget: int) -> int:
+    """Rows per layer-input cluster: as many as `budget` (carried: 4 stream reads per vector) or 2*budget
+    (one-hot) 16-byte vectors per thread cover, a power of two in 1..16. Budget 2 keeps the layer-input
+    code from raising the projection's registers (inline form), and ptxas from sinking the later vectors'
+    loads below the first one's math (more vectors: one round trip each)."""
+    per_thread = budget if layer_input == "carried" else 2 * budget
+    rows = max(1, min(16, per_thread * threads // (H // (CLUSTER * 8))))
+    return 1 << (rows.bit_length() - 1)
+
+
+@cute.jit
+def cluster_prologue() -> tuple:
+    """(rank in the cluster, cluster index, shared-memory allocator, the exchange mbarrier initialised),
+    after the cluster arrive that the first cluster_wait matches."""
+    tidx, _, _ = cute.arch.thread_idx()
+    rank, cluster_id, _ = cute.arch.block_idx()
+    smem = cutlass.memory.SmemAllocator()
+    mbar = smem.allocate_array(Int64, num_elems=1)
+    if tidx == 0:
+        cute.arch.mbarrier_init(mbar, 1)
+    cute.arch.mbarrier_init_fence()
+    # Peers push into this CTA's shared memory only after every CTA of the cluster got here.
+    cute.arch.cluster_arrive_relaxed()
+    return rank, cluster_id, smem, mbar
+
+
+class LayerInputRole:
+    """The layer-input CTAs of one compile-time shape: NR rows per cluster, H/8 columns per CTA."""
+
+    def __init__(self, H: int, broadcast: bool, layer_input: str, cta_warps: int, budget: int) -> None:
+        self.H = H
+        self.layer_input = layer_input  # "carried" or "one_hot"
+        self.row_stride = H if broadcast else HC * H  # elements per row of the input tensor
+        self.cta_warps = cta_warps
+        self.threads = WARP * cta_warps
+        self.vecs_per_row = H // (CLUSTER * 8)  # 8-column vectors of a CTA's columns
+        self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, budget)
+        self.norm_vpt = -(-(self.norm_rows * self.vecs_per_row) // self.threads)
+
+    @cute.jit
+    def cluster_cta(
+        self,
+        smem: cutlass.memory.SmemAllocator,
+        mbar: cute.Pointer,
+        mX: cute.Tensor,
+        mPreMix: cute.Tensor | None,
+        mW: cute.Tensor,
+        mOut: cute.Tensor,
+        norm_eps: Float32,
+        rank: Int32,
+        cluster: Int32,
+    ):
+        """One CTA of a layer-input cluster: collapse and RMSNorm of H/8 columns of NR rows."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        rows = mX.shape[0]
+        nr = const_expr(self.norm_rows)
+        vpr = const_expr(self.vecs_per_row)
+        vpt = const_expr(self.norm_vpt)
+        row0 = cluster * nr
+        sVec = smem.allocate_tensor(Float32, cute.make_layout(nr * vpr), byte_alignment=16)
+        sRecv = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER * nr), byte_alignment=16)
+
+        # This thread's vectors: v = tidx + k*threads, row v // vpr, column block v % vpr.
+        vec_in = []
+        vec_row = []
+        vec_col = []
+        for k in cutlass.range_constexpr(vpt):
+            v = cutlass.min(tidx + k * self.threads, nr * vpr - 1)
+            vec_in.append(tidx + k * self.threads < nr * vpr)
+            local_row = v // vpr
+            vec_row.append(local_row)
+            vec_col.append(rank * (self.H // CLUSTER) + (v - local_row * vpr) * 8)
+        w_words = [prim.ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)]
+        cute.arch.griddepcontrol_wait()
+
+        # Every read in flight before any math.
+        loaded = []
+        for k in cutlass.range_constexpr(vpt):
+            row = cutlass.min(row0 + vec_row[k], rows - 1)
+            nstreams = HC if self.layer_input == "carried" else 1
+            streams = [
+                prim.ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(nstreams)
+            ]
+            pre = prim.ld_v4_f32(mPreMix.iterator + row * HC) if self.layer_input == "carried" else None
+            loaded.append((streams, pre))
+        # ptxas would otherwise sink the later vectors' loads below the first vector's math (one
+        # memory round trip per vector); loads cannot move across a barrier.
+        if const_expr(vpt > 1):
+            cute.arch.sync_threads()
+
+        c_words = []
+        for k in cutlass.range_constexpr(vpt):
+            streams, pre = loaded[k]
+            if const_expr(self.layer_input == "carried"):
+                cw = []
+                for e in cutlass.range_constexpr(4):
+                    vals = []
+                    for half in cutlass.range_constexpr(2):
+                        unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
+                        # Same order and roundings as the reference: pre0*R0, then + pre_j*R_j.
+                        acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
+                        for j in cutlass.range_constexpr(1, HC):
+                            acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
+                        vals.append(acc)
+                    cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
+                c_words.append(cw)
+            else:
+                c_words.append(list(streams[0]))
+        cute.arch.griddepcontrol_launch_dependents()
+
+        for k in cutlass.range_constexpr(vpt):
+            part = Float32(0.0)
+            for e in cutlass.range_constexpr(4):
+                c0 = prim.bf16_lo(c_words[k][e])
+                c1 = prim.bf16_hi(c_words[k][e])
+                part = part + c0 * c0 + c1 * c1
+            if vec_in[k]:
+                sVec[tidx + k * self.threads] = part
+        cute.arch.sync_threads()
+        cute.arch.cluster_wait()
+        if warp == 0:
+            reduce.expect_bytes(mbar, CLUSTER * nr * 4)
+        # One warp per row sums the row's vectors (fixed lane order, then a butterfly) and sends it
+        # to every CTA of the cluster.
+        for rr in cutlass.range_constexpr(0, nr, self.cta_warps):
+            r = rr + warp
+            if r < nr:
+                part = Float32(0.0)
+                for i in cutlass.range_constexpr(-(-vpr // 32)):
+                    if lane + i * 32 < vpr:
+                        part = part + sVec[r * vpr + lane + i * 32]
+                part = cute.arch.warp_reduction_sum(part)
+                if lane < CLUSTER:
+                    reduce.push(sRecv.iterator + (rank * nr + r), part, mbar, lane)
+        cute.arch.mbarrier_wait(mbar, 0)
+
+        for k in cutlass.range_constexpr(vpt):
+            total = sRecv[vec_row[k]]
+            for p in cutlass.range_constexpr(1, CLUSTER):
+                total = total + sRecv[p * nr + vec_row[k]]
+            inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
+            out = []
+            for e in cutlass.range_constexpr(4):
+                lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(c_words[k][e]), inv), prim.bf16_lo(w_words[k][e]))
+                hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(c_words[k][e]), inv), prim.bf16_hi(w_words[k][e]))
+                out.append(prim.cvt_bf16x2(lo_v, hi_v))
+            row = row0 + vec_row[k]
+            if vec_in[k]:
+                if row < rows:
+                    prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
+
+
+class LayerInputKernel:
+    """The layer input alone (no projection, no workspace), for the scheduler's main stream while the
+    projection runs beside it; the inline form's cluster code, so the same bits."""
+
+    def __init__(self, H: int, *, variant: str = "standard", layer_input: str = "carried") -> None:
+        self.broadcast = variant == "broadcast"
+        self.role = LayerInputRole(H, self.broadcast, layer_input, LAYER_INPUT_WARPS, INPUT_ONLY_BUDGET)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [T, 4, H] bf16 streams, or [T, H] bf16 embedding (broadcast)
+        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (layer_input == "carried")
+        mW: cute.Tensor,  # [H] bf16 norm weight
+        mOut: cute.Tensor,  # [T, H] bf16 layer input
+        norm_eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        clusters = (mX.shape[0] + (self.role.norm_rows - 1)) // self.role.norm_rows
+        self.kernel(mX, mPreMix, mW, mOut, norm_eps).launch(
+            grid=[CLUSTER, clusters, 1],
+            block=[self.role.threads, 1, 1],
+            cluster=[CLUSTER, 1, 1],
+            stream=stream,
+            use_pdl=True,
+            # Without it ptxas aims at full occupancy (32 registers) and sinks loads below math.
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mPreMix: cute.Tensor | None, mW: cute.Tensor, mOut: cute.Tensor,
+               norm_eps: Float32):  # fmt: skip
+        rank, cluster_id, smem, mbar = cluster_prologue()
+        self.role.cluster_cta(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)

@@ -1,0 +1,89 @@
+"""The shipped defaults as data: per arch, form and hidden size, the config each band of row counts uses.
+
+Every config of one H shares the split along K (config.projection_split), so a row's bits never depend
+on which band a call falls in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from cute_kernels.coefficients.config import CoefficientsConfig
+
+# The configs the bands name (measured on the H200, interleaved A/B runs: docs/perf-log.md v2-v10).
+T32 = CoefficientsConfig(32)
+T32_VEC = CoefficientsConfig(32, push_vec=True)
+SPLIT = CoefficientsConfig(32, push_vec=True, row_split=2)
+T64_VEC = CoefficientsConfig(64, push_vec=True)
+SPLIT_P = CoefficientsConfig(32, row_split=2, schedule="partials")
+T16_P = CoefficientsConfig(16, schedule="partials")
+T32_P = CoefficientsConfig(32, schedule="partials")
+T64_P = CoefficientsConfig(64, schedule="partials")
+T64_MB3_P = CoefficientsConfig(64, min_blocks=3, schedule="partials")
+T32_STAGED_P = CoefficientsConfig(32, schedule="partials", stage_rows=True)
+# One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
+RING_P = CoefficientsConfig(512, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
+T256_RING_P = CoefficientsConfig(256, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
+
+Bands = tuple[tuple[int, CoefficientsConfig], ...]  # (first row, config) in row order
+FORMS = ("standard", "broadcast", "inline", "first inline")
+
+# form -> ((smallest H, bands), ...), largest H first; the last entry serves every H below.
+SM90A: dict[str, tuple[tuple[int, Bands], ...]] = {
+    "standard": (
+        (7168, ((1, SPLIT_P), (17, T16_P), (41, SPLIT_P), (81, T32_P), (145, T256_RING_P), (257, RING_P))),
+        (5120, ((1, SPLIT_P), (17, T16_P), (113, T32_STAGED_P), (177, T256_RING_P), (257, RING_P))),
+        (4096, ((1, T32), (8, SPLIT_P), (25, T16_P), (113, T256_RING_P), (257, RING_P))),
+        (0, ((1, T32), (16, SPLIT), (33, T16_P), (49, T64_P), (65, T32_VEC), (129, T64_VEC), (384, T32_P))),
+    ),
+    "broadcast": (
+        (7168, ((1, SPLIT_P), (305, T32_STAGED_P))),
+        (5120, ((1, SPLIT_P), (417, T32_STAGED_P))),
+        (4096, ((1, SPLIT_P),)),
+        (0, ((1, SPLIT), (97, T32), (129, T64_MB3_P))),
+    ),
+    "inline": (
+        (7168, ((1, T32), (8, T32_P), (41, T32_VEC), (129, T32_P), (177, T64_P))),
+        (5120, ((1, T32), (12, T32_P), (209, T64_P))),
+        (4096, ((1, T32), (192, T64_VEC), (353, T64_P))),
+        (0, ((1, T32), (192, T64_VEC))),
+    ),
+    "first inline": ((0, ((1, T32), (257, T64_VEC))),),
+}
+# sm_100a has not been measured: it takes the sm_90a (H200) table.
+TABLES = {"sm_90a": SM90A, "sm_100a": SM90A}
+
+
+def default_form(broadcast: bool, inline: bool) -> str:
+    """Which form's bands a call uses: "inline", "first inline" (broadcast with a layer input), "broadcast"
+    or "standard"."""
+    if inline:
+        return "first inline" if broadcast else "inline"
+    return "broadcast" if broadcast else "standard"
+
+
+def default_bands(H: int, form: str, *, arch: str) -> Bands:
+    """The bands of one form at hidden size H on `arch`."""
+    for smallest, bands in TABLES[arch][form]:
+        if H >= smallest:
+            return bands
+    raise AssertionError("every table's last entry serves H >= 0")
+
+
+@functools.cache
+def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False, *, arch: str) -> CoefficientsConfig:
+    """The shipped config for a call of `rows` rows at hidden size H on `arch` (memoized: one lookup per call)."""
+    config = T32
+    for first, band in default_bands(H, default_form(broadcast, inline), arch=arch):
+        if rows >= first:
+            config = band
+    return config
+
+
+def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int, *, arch: str) -> list[int]:
+    """One row count per distinct default config of calls of 1..max_rows rows."""
+    seen: dict[CoefficientsConfig, int] = {}
+    for first, config in default_bands(H, default_form(broadcast, inline), arch=arch):
+        if first <= max_rows:
+            seen.setdefault(config, first)
+    return sorted(seen.values())
