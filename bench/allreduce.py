@@ -1,0 +1,313 @@
+"""The multi-rank boundary benchmark (`python -m bench --parts allreduce`).
+
+On one GPU the ranks are simulated: W BoundaryAllReduce ranks in this process, each call issued on
+its own stream inside the CUDA graph, the W kernels sharing the GPU's SMs and HBM. Those numbers are
+labelled "simulated" and are never NVLink numbers; what they measure is the protocol's own cost
+against, in the same run: the one-rank kernel launched the same way (on a forked stream inside the
+graph), the bytes every simulated rank moves together over the copy bandwidth, and the gather path
+of the previous version (each rank sums all partials in torch, then runs the one-rank kernel; its
+all-gather itself is not simulated). With several GPUs, `run_multi_gpu` runs one process per GPU
+(the NVLink benchmark of the multi-GPU issue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import boundary.all_reduce as all_reduce_module
+from bench.timing import GraphTimer
+from boundary import BoundaryAllReduce
+from boundary import reference as ref
+from cute_kernels.allreduce.tuning import protocol_for
+
+CALLS_PER_GRAPH = 10
+
+
+def boundary_bytes(rows: int, hidden: int) -> int:
+    """The fewest bytes one rank's epilogue moves: partial, streams in and out, layer input (bf16)."""
+    return 20 * rows * hidden
+
+
+def exchange_bytes(world: int, rows: int, hidden: int, protocol: str) -> int:
+    """Bytes the exchange itself moves through memory, all ranks together: pushes, polled reads, re-arms.
+
+    One-shot: every rank's partial to every other rank (W (W-1) S), read and re-armed there (x3).
+    Two-shot: W - 1 partials per segment to its owner and W - 1 copies of y back, each read and re-armed.
+    """
+    s = 2 * rows * hidden
+    if protocol == "oneshot":
+        return 3 * world * (world - 1) * s
+    return 6 * (world - 1) * s
+
+
+@contextlib.contextmanager
+def forced_protocol(protocol: str | None) -> Iterator[None]:
+    """Make every call take `protocol` (a measurement of both sides of the switch; None: the shipped choice)."""
+    if protocol is None:
+        yield
+        return
+    saved = all_reduce_module.protocol_for
+    all_reduce_module.protocol_for = lambda world, hidden, rows: protocol
+    try:
+        yield
+    finally:
+        all_reduce_module.protocol_for = saved
+
+
+def rank_sets(world: int, rows: int, hidden: int, count: int, device: torch.device) -> list[list[dict[str, Any]]]:
+    """`count` input sets, each with one partial per rank and the shared streams and mixes."""
+    sets = []
+    for seed in range(count):
+        g = torch.Generator(device=device).manual_seed(seed)
+        shared = dict(
+            residual=torch.randn(rows, 4, hidden, generator=g, device=device).to(torch.bfloat16),
+            post=torch.rand(rows, 4, generator=g, device=device) * 2,
+            comb=torch.softmax(torch.randn(rows, 4, 4, generator=g, device=device), -1),
+            pre=torch.rand(rows, 4, generator=g, device=device),
+            w=(1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16),
+        )
+        sets.append(
+            [
+                dict(shared, x=torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16))
+                for _ in range(world)
+            ]
+        )
+    return sets
+
+
+def boundary_call(ar: BoundaryAllReduce, s: dict[str, Any]) -> Any:
+    """One public boundary call (bf16 out)."""
+    return ar(s["x"], s["residual"], s["post"], s["comb"], s["pre"], s["w"], 1e-20, None)
+
+
+def simulated_call(ranks: list[BoundaryAllReduce], inputs: list[dict[str, Any]]):
+    """A closure issuing every simulated rank's boundary on its own stream."""
+    return lambda: BoundaryAllReduce.run_simulated(
+        ranks, [lambda ar, i=i: boundary_call(ar, inputs[i]) for i in range(len(ranks))]
+    )
+
+
+def forked_call(ar: BoundaryAllReduce, side: torch.cuda.Stream, inputs: dict[str, Any]):
+    """A closure running the one-rank boundary on a stream forked from the current one and joined back."""
+
+    def call() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            boundary_call(ar, inputs)
+        main.wait_stream(side)
+
+    return call
+
+
+def gather_call(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, inputs: list[dict[str, Any]]):
+    """A closure of the previous version's W > 1 path without its all-gather: every rank sums all partials in
+    rank order in torch, then runs the one-rank kernel on the sum (each on its own stream)."""
+    partials = [s["x"] for s in inputs]
+
+    def rank(ar: BoundaryAllReduce) -> Any:
+        s = inputs[ar.rank]
+        y = ref.rank_sum(partials)
+        return one_rank(y, s["residual"], s["post"], s["comb"], s["pre"], s["w"], 1e-20, None)
+
+    return lambda: BoundaryAllReduce.run_simulated(ranks, [rank] * len(ranks))
+
+
+def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
+    """Simulated W-rank boundaries (both protocols) against the one-rank kernel launched the same way,
+    the bytes over copy bandwidth and the gather path, per (W, H, rows)."""
+    device = timer.device
+    out = []
+    points = [(w, h, r) for w in args.world for h in args.hidden for r in sorted(args.rows)]
+    side = torch.cuda.Stream(device)
+    singles: dict[int, BoundaryAllReduce] = {}
+    for world, hidden, rows in tqdm(points, desc="allreduce (simulated ranks)", unit="shape"):
+        if hidden not in singles:
+            singles[hidden] = BoundaryAllReduce(hidden, max_rows=max(args.rows), device=device)
+            singles[hidden].warmup(progress=False)
+        ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
+        ranks[0].warmup(progress=False)
+        sets = rank_sets(world, rows, hidden, CALLS_PER_GRAPH, device)
+        row: dict[str, Any] = {"W": world, "H": hidden, "rows": rows, "simulated": True}
+        row["shipped_protocol"] = protocol_for(world, hidden, rows)
+        for protocol in ("oneshot", "twoshot"):
+            with forced_protocol(protocol):
+                row[f"{protocol}_us"] = timer.per_call_us([simulated_call(ranks, s) for s in sets])
+            total = world * boundary_bytes(rows, hidden) + exchange_bytes(world, rows, hidden, protocol)
+            row[f"{protocol}_bytes"] = total
+        row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
+        row["one_rank_forked_us"] = timer.per_call_us([forked_call(singles[hidden], side, s[0]) for s in sets])
+        row["gather_us"] = timer.per_call_us([gather_call(ranks, singles[hidden], s) for s in sets])
+        for protocol in ("oneshot", "twoshot"):
+            extra = (row[f"{protocol}_bytes"] - boundary_bytes(rows, hidden)) / copy_bw * 1e6
+            row[f"{protocol}_budget_us"] = row["one_rank_forked_us"] + extra
+            row[f"{protocol}_over_budget_us"] = row[f"{protocol}_us"] - row[f"{protocol}_budget_us"]
+            row[f"{protocol}_x_bytes"] = row[f"{protocol}_us"] / (row[f"{protocol}_bytes"] / copy_bw * 1e6)
+        row["best"] = min(("oneshot", "twoshot"), key=lambda p: row[f"{p}_us"])
+        out.append(row)
+        del sets, ranks
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_allreduce(rows: list[dict], copy_bw: float) -> None:
+    """The simulated multi-rank table and the one-shot / two-shot switch it suggests per (W, H)."""
+    print(f"\nmulti-rank boundary, SIMULATED ranks (W kernels on one GPU, not NVLink), GPU us per call; "
+          f"copy {copy_bw / 1e12:.2f} TB/s")  # fmt: skip
+    head = (f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} {'ships':>7} | {'1 rank':>7} {'gather':>7} | "
+            f"{'1s-bud':>7} {'2s-bud':>7} | {'1s xB':>6} {'2s xB':>6}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_us']:7.2f} {r['twoshot_us']:7.2f} "
+              f"{r['shipped_protocol']:>7} | {r['one_rank_forked_us']:7.2f} {r['gather_us']:7.2f} | "
+              f"{r['oneshot_over_budget_us']:+7.2f} {r['twoshot_over_budget_us']:+7.2f} | "
+              f"{r['oneshot_x_bytes']:6.2f} {r['twoshot_x_bytes']:6.2f}")  # fmt: skip
+    print("(1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; xB: time over "
+          "all ranks' bytes at copy bandwidth)")  # fmt: skip
+    for key in sorted({(r["W"], r["H"]) for r in rows}):
+        sel = sorted((r for r in rows if (r["W"], r["H"]) == key), key=lambda r: r["rows"])
+        oneshot = [r["rows"] for r in sel if r["oneshot_us"] <= r["twoshot_us"]]
+        print(f"  W={key[0]} H={key[1]}: one-shot at least as fast at rows {oneshot}")
+
+
+def plot_allreduce(rows: list[dict], path: Any) -> None:
+    """Simulated multi-rank us against rows, one panel per (W, H)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["W"], r["H"]) for r in rows})
+    worlds = sorted({k[0] for k in keys})
+    hiddens = sorted({k[1] for k in keys})
+    fig, axes = plt.subplots(len(worlds), len(hiddens), figsize=(4.5 * len(hiddens), 3.5 * len(worlds)), squeeze=False)
+    for (world, hidden), ax in ((k, axes[worlds.index(k[0])][hiddens.index(k[1])]) for k in keys):
+        sel = sorted((r for r in rows if (r["W"], r["H"]) == (world, hidden)), key=lambda r: r["rows"])
+        xs = [r["rows"] for r in sel]
+        for key, label in (("oneshot_us", "one-shot"), ("twoshot_us", "two-shot"), ("one_rank_forked_us", "one rank"),
+                           ("gather_us", "gather path (no all-gather)")):  # fmt: skip
+            ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"simulated W={world}, H={hidden}")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("us per call")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several GPUs: one process per GPU, NVLink (the multi-GPU issue). Not run on one GPU.
+
+
+def run_multi_gpu(args: argparse.Namespace) -> list[dict]:
+    """One process per GPU: the fused boundary (both protocols) against NCCL all-reduce + the one-rank kernel,
+    CUDA graphs, the median over samples of the maximum over ranks."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ[var] = "0" if var == "NCCL_NVLS_ENABLE" else "1"  # NVLink multicast stays off
+    world = torch.cuda.device_count()
+    manager = mp.get_context("spawn").Manager()
+    results = manager.list()
+    port = 29500 + os.getpid() % 1000
+    mp.spawn(_multi_gpu_worker, args=(world, port, args, results), nprocs=world, join=True)
+    return list(results)
+
+
+def _multi_gpu_worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for hidden in args.hidden:
+        _multi_gpu_hidden(rank, world, hidden, args, device, results)
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+def _multi_gpu_hidden(rank: int, world: int, hidden: int, args: argparse.Namespace, device: torch.device,
+                      results: Any) -> None:  # fmt: skip
+    """Every row count of one H on this rank's GPU; rank 0 records the rows."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD
+    ar = BoundaryAllReduce(hidden, group=group, max_rows=max(args.rows), device=device)
+    one = BoundaryAllReduce(hidden, max_rows=max(args.rows), device=device)
+    ar.warmup(progress=False)
+    one.warmup(progress=False)
+    buf = symm_mem.empty(max(args.rows) * hidden, dtype=torch.bfloat16, device=device)
+    symm_mem.rendezvous(buf, group)
+    for rows in sorted(args.rows):
+        s = rank_sets(1, rows, hidden, 1, device)[0][0]
+        row: dict[str, Any] = {"W": world, "H": hidden, "rows": rows, "simulated": False, "path": ar.path}
+        flat = buf[: rows * hidden]
+
+        def nccl_then_kernel(s: dict = s) -> None:
+            y = s["x"].float()
+            dist.all_reduce(y, group=group)
+            boundary_call(one, dict(s, x=y.to(torch.bfloat16)))
+
+        def symm_oneshot_then_kernel(s: dict = s, flat: torch.Tensor = flat) -> None:
+            flat.copy_(s["x"].view(-1))
+            y = torch.ops.symm_mem.one_shot_all_reduce(flat, "sum", group.group_name)
+            boundary_call(one, dict(s, x=y.view(s["x"].shape)))
+
+        def symm_twoshot_then_kernel(s: dict = s, flat: torch.Tensor = flat) -> None:
+            flat.copy_(s["x"].view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_(flat, "sum", group.group_name)
+            boundary_call(one, dict(s, x=flat.view(s["x"].shape)))
+
+        for protocol in ("oneshot", "twoshot"):
+            with forced_protocol(protocol):
+                row[f"{protocol}_us"] = _max_over_ranks(lambda s=s: boundary_call(ar, s), device)
+        for key, fn in (("nccl_kernel_us", nccl_then_kernel), ("symm_oneshot_kernel_us", symm_oneshot_then_kernel),
+                        ("symm_twoshot_kernel_us", symm_twoshot_then_kernel)):  # fmt: skip
+            try:
+                row[key] = _max_over_ranks(fn, device)
+            except Exception as exc:  # recorded, not hidden: the table prints it
+                row[key] = float("nan")
+                row[key.replace("_us", "_error")] = f"{type(exc).__name__}: {exc}"[:200]
+        if rank == 0:
+            results.append(row)
+
+
+def _max_over_ranks(call: Any, device: torch.device, calls: int = 20, samples: int = 15) -> float:
+    """Median over samples of the slowest rank's GPU time per call (a graph of `calls` calls per sample)."""
+    import torch.distributed as dist
+
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_sample = []
+    for _ in range(samples):
+        dist.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        t = torch.tensor([start.elapsed_time(end) * 1e3 / calls], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        per_sample.append(float(t))
+    return statistics.median(per_sample[1:])
