@@ -1,0 +1,103 @@
+"""The multi-rank API on a GPU-less box: construction errors, the MoE index rule on the reference path,
+the protocol switch and the slot layout (the peer kernels themselves: tests/test_allreduce_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
+from boundary import reference as ref
+from cute_kernels.allreduce import protocol
+from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for
+
+BF16 = torch.bfloat16
+
+
+def test_construction_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="timeout_us must be a positive int"):
+        BoundaryAllReduce(512, device="cpu", timeout_us=0)
+    with pytest.raises(ValueError, match="timeout_us must be at most"):
+        BoundaryAllReduce(512, device="cpu", timeout_us=2**31)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            BoundaryAllReduce.simulated(512, 2, device="cpu")
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        BoundaryAllReduce.simulated(512, 1, device="cpu")
+    one = BoundaryAllReduce(512, device="cpu")
+    assert one.path == "reference" and one.world_size == 1
+    with pytest.raises(ValueError, match="run_simulated takes the ranks of BoundaryAllReduce.simulated"):
+        BoundaryAllReduce.run_simulated([one], [lambda ar: None])
+
+
+def _moe_inputs(rows: int = 5, hidden: int = 256, experts: int = 9, top_k: int = 3):
+    g = torch.Generator().manual_seed(0)
+    gemm2 = torch.randn(experts, hidden, generator=g).to(BF16)
+    weights = torch.rand(rows, top_k, generator=g)
+    idx = torch.randint(-1, experts, (rows, top_k), generator=g, dtype=torch.int32)
+    residual = torch.randn(rows, 4, hidden, generator=g).to(BF16)
+    post = torch.rand(rows, 4, generator=g)
+    comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), -1)
+    pre = torch.rand(rows, 4, generator=g)
+    w = torch.ones(hidden, dtype=BF16)
+    return gemm2, weights, idx, residual, post, comb, pre, w
+
+
+def test_a_moe_index_outside_the_rows_is_no_expert_and_check_names_the_row() -> None:
+    """CONTRACT §2: an index outside [-1, P) adds nothing and sets the error word; no IndexError mid-way."""
+    gemm2, weights, idx, residual, post, comb, pre, w = _moe_inputs()
+    ar = BoundaryAllReduce(256, device="cpu", max_rows=8)
+    bad = idx.clone()
+    bad[3, 1] = 9  # == P: one past the last row
+    bad[1, 0] = -2
+    new_bad, out_bad = ar.finalize(gemm2, weights, bad, None, residual, post, comb, pre, w, 1e-6, None)
+    with pytest.raises(
+        ValueError, match=r"rank 0: expanded_idx_to_permuted_idx held -?\d+ in row 3, outside \[-1, P\)"
+    ):
+        ar.check()
+    ar.check()  # reported once, then cleared
+    clean = bad.clone()
+    clean[3, 1] = -1
+    clean[1, 0] = -1
+    new, out = ar.finalize(gemm2, weights, clean, None, residual, post, comb, pre, w, 1e-6, None)
+    assert torch.equal(new.view(torch.int16), new_bad.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), out_bad.view(torch.int16))
+    ar.check()
+    # The reference function itself, without an error word, only masks.
+    ref.moe_finalize(gemm2, weights, bad, None)
+    # An empty gemm2_permuted: every index is out of range.
+    empty = ref.moe_finalize(gemm2[:0], weights, bad, None, torch.zeros(4, dtype=torch.int32))
+    assert not bool(empty.float().abs().sum())
+
+
+def test_the_scheduler_path_reports_a_bad_index_too() -> None:
+    from boundary import Boundaries, BoundaryState, DecodeStep
+
+    gemm2, weights, idx, residual, post, comb, pre, w = _moe_inputs()
+    idx[0, 0] = 100
+    ar = BoundaryAllReduce(256, device="cpu", max_rows=8)
+    state = BoundaryState(residual, post, comb, pre, MoEOutput(UnfinalizedMoEOutput(gemm2, weights, idx), None))
+    Boundaries(ar).post_only(state)
+    with pytest.raises(ValueError, match="in row 0"):
+        ar.check()
+    assert DecodeStep.for_rows(5).rows == 5
+
+
+def test_the_protocol_switch_is_measured_data() -> None:
+    for (world, hidden), rows in ONESHOT_MAX_ROWS.items():
+        assert protocol_for(world, hidden, rows) == "oneshot"
+        assert protocol_for(world, hidden, rows + 1) == "twoshot"
+        assert protocol_for(world, hidden, 512) == "twoshot" or rows >= 512
+    assert oneshot_max_rows(4, 6144) == oneshot_max_rows(4, 7168)  # the nearest measured H
+    assert oneshot_max_rows(16, 7168) == 0  # an unmeasured world size takes two-shot
+    assert protocol_for(16, 7168, 1) == "twoshot"
+
+
+def test_the_slot_layout() -> None:
+    assert protocol.SENTINEL_WORD == 0x80000000 and protocol.SENTINEL_INT32 == -(2**31)
+    bits = torch.tensor([protocol.SENTINEL_INT32], dtype=torch.int32).view(BF16)
+    assert bits[0].item() == 0.0 and not torch.signbit(bits[0]) and torch.signbit(bits[1])  # +0.0 low, -0.0 high
+    assert protocol.slot_elements(4, 512, 7168) == protocol.GENERATIONS * 5 * 512 * 7168
+    owners = [protocol.segment_owner(t, c, 7, 8) for t in range(8) for c in range(7)]
+    assert sorted(set(owners)) == list(range(8))  # every rank owns segments
+    assert max(owners.count(r) for r in range(8)) - min(owners.count(r) for r in range(8)) <= 1  # balanced
