@@ -79,7 +79,11 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert jobs[0].compile_fn is api.compile_fused_boundary
     config = default_config(5120, "sm_90a")
     assert isinstance(config, BoundaryConfig) and (config.cluster_n, config.threads) == (5, 128)
-    assert all(j.args[0] == 5120 and j.args[-1] == config and dict(j.kwargs) == {"arch": "sm_90a"} for j in jobs)
+    assert all(j.args[0] == 5120 and j.args[6:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
+               for j in jobs)  # fmt: skip
+    peer = api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)
+    assert len(peer) == 48 and {j.args[8] for j in peer} == {"oneshot", "twoshot"}  # both protocols of every variant
+    assert all(j.args[7] == 4 and j.args[6] == default_config(5120, "sm_90a", 4, 4) for j in peer)
 
 
 @pytest.mark.slow
@@ -192,6 +196,8 @@ def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: 
         _fake_cuda((T, H), torch.float8_e4m3fn) if variant.mxfp8 else None,
         _fake_cuda((mxfp8_scale_bytes(T, H),), torch.uint8) if variant.mxfp8 else None,
         _fake_cuda((T, H), bf16) if variant.aux else None,
+        None, None, None,  # the peer slots, addresses and state (W = 1: none)
+        _fake_cuda((4,), torch.int32) if moe is not None else None,  # the error word
         1e-6,
     )  # fmt: skip
 

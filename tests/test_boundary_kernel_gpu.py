@@ -125,18 +125,22 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
     x = inp.x if variant.y_source == "x" else None
     shared = inp.shared if variant.shared else None
     moe = inp.moe if variant.y_source == "moe" else None
+    error = torch.zeros(4, dtype=torch.int32, device="cuda") if moe is not None else None
     if config is None:
         api.fused_boundary(
             residual=inp.residual, post=inp.post, comb=inp.comb, pre=pre, norm_weight=w, norm_eps=EPS, x=x,
             shared=shared, moe=moe, new_residual=res.new_residual, out=res.out, mxfp8_data=res.data,
-            mxfp8_scale=res.scale, aux=res.aux, arch=arch,
+            mxfp8_scale=res.scale, aux=res.aux, error=error, arch=arch,
         )  # fmt: skip
-        return
-    H = inp.residual.shape[-1]
-    g, ew, idx = moe if moe is not None else (None, None, None)
-    fn = api.compile_fused_boundary(H, *variant, config, arch=arch)
-    fn(inp.residual, inp.post.view(-1, 4), inp.comb, pre, w, x, shared, g, ew, idx, res.new_residual, res.out,
-       res.data, res.scale, res.aux, EPS)  # fmt: skip
+    else:
+        H = inp.residual.shape[-1]
+        g, ew, idx = moe if moe is not None else (None, None, None)
+        fn = api.compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
+        fn(inp.residual, inp.post.view(-1, 4), inp.comb, pre, w, x, shared, g, ew, idx, res.new_residual, res.out,
+           res.data, res.scale, res.aux, None, None, None, error, EPS)  # fmt: skip
+    if error is not None:
+        torch.cuda.synchronize()
+        assert not bool(error.any()), f"the kernel reported an error word {error.tolist()} on valid MoE indices"
 
 
 def run(inp: Inputs, variant: api.BoundaryVariant, arch: str, config: BoundaryConfig | None = None) -> Outputs:

@@ -80,30 +80,41 @@ class PeerReduce:
     @cute.jit
     def twoshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Push to the segment's owner and wait for its y, or, as the owner, sum and push y to every peer."""
-        owner = (row * self.cluster_n + ctx.cta) % self.W
+        owner = (row * self.cluster_n + ctx.cta) % self.W  # the same for every thread of the CTA
         if owner != ctx.rank:
-            peer = ctx.mPeers[owner]
-            for v in cutlass.range_constexpr(self.vpt):
-                mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
-                self.push(ctx, peer + mine, words[v], self.real(ctx, v))
-            sources = [(self.W, owner, None)]
-            self.wait(ctx, rIn, row, sources)
-            for v in cutlass.range_constexpr(self.vpt):
-                for k in cutlass.range_constexpr(4):
-                    rY[v, k] = rIn[0, v, k]
-            self.rearm(ctx, row, sources)
+            self.send_and_wait(ctx, words, row, owner, rIn, rY)
         else:
-            sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
-            self.wait(ctx, rIn, row, sources)
-            self.rank_sum(ctx, words, rIn, rY)
-            for v in cutlass.range_constexpr(self.vpt):
-                y_words = [canonical(rY[v, k]) for k in range(4)]
-                for k in cutlass.range_constexpr(4):
-                    rY[v, k] = y_words[k]
-                reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
-                for p in cutlass.range_constexpr(self.W):
-                    self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
-            self.rearm(ctx, row, sources)
+            self.reduce_and_send(ctx, words, row, rIn, rY)
+
+    @cute.jit
+    def send_and_wait(self, ctx, words: list, row: Int32, owner: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """Two-shot, not the owner: this rank's partial into the owner's slot `rank`, then y from slot W."""
+        peer = ctx.mPeers[owner]
+        for v in cutlass.range_constexpr(self.vpt):
+            mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+            self.push(ctx, peer + mine, words[v], self.real(ctx, v))
+        sources = [(self.W, owner, None)]
+        self.wait(ctx, rIn, row, sources)
+        for v in cutlass.range_constexpr(self.vpt):
+            for k in cutlass.range_constexpr(4):
+                rY[v, k] = rIn[0, v, k]
+        self.rearm(ctx, row, sources)
+
+    @cute.jit
+    def reduce_and_send(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """Two-shot, the owner: the W - 1 other partials, the rank-order sum, y into slot W of every peer."""
+        sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        self.wait(ctx, rIn, row, sources)
+        self.rank_sum(ctx, words, rIn, rY)
+        for v in cutlass.range_constexpr(self.vpt):
+            # y travels (and is used here) in canonical words, so that every rank has the same zero signs.
+            y_words = [canonical(rY[v, k]) for k in range(4)]
+            for k in cutlass.range_constexpr(4):
+                rY[v, k] = y_words[k]
+            reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
+            for p in cutlass.range_constexpr(self.W):
+                self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
+        self.rearm(ctx, row, sources)
 
     def real(self, ctx, v: int, needed: cutlass.Boolean | None = None) -> cutlass.Boolean | None:
         """Whether this thread's vector v is a real one (threads past the chunk hold a clamped duplicate)
