@@ -311,3 +311,46 @@ def _max_over_ranks(call: Any, device: torch.device, calls: int = 20, samples: i
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         per_sample.append(float(t))
     return statistics.median(per_sample[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.allreduce`: the multi-rank part alone (`make bench` runs it as --parts allreduce)."""
+    import datetime as dt
+    import json
+    from pathlib import Path
+
+    from cute_kernels.compile import arch_for_device
+
+    p = argparse.ArgumentParser(prog="python -m bench.allreduce", description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
+    p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_for_device(device)
+    timer = GraphTimer(device, replays=args.replays)
+    copy_bw = timer.copy_bandwidth()
+    name = torch.cuda.get_device_name(device)
+    print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    if torch.cuda.device_count() > 1:
+        rows = run_multi_gpu(args)
+        label = "nvlink"
+    else:
+        rows = bench_allreduce(args, arch, timer, copy_bw)
+        print_allreduce(rows, copy_bw)
+        label = "simulated"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"allreduce-{label}-{dt.date.today().isoformat()}"
+    (args.out / f"{stem}.json").write_text(
+        json.dumps({"gpu": name, "copy_bandwidth_Bps": copy_bw, "rows": rows}, indent=1)
+    )
+    if label == "simulated":
+        plot_allreduce(rows, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
