@@ -24,7 +24,7 @@ from bench.timing import GraphTimer, host_us_per_call
 from boundary import BoundaryAllReduce
 from boundary.reference import mxfp8_scale_bytes
 from cute_kernels import boundary_kernel as bk
-from cute_kernels import coefficients_kernel as ck
+from cute_kernels import coefficients as ck
 
 CALLS_PER_GRAPH = 20
 SPLIT_ROWS = (1, 16, 64, 512)
@@ -160,10 +160,9 @@ def coefficients_call(
     variant: str = "standard",
     config: ck.CoefficientsConfig | None = None,
     sinkhorn_repeat: int = 20,
-    trace: torch.Tensor | None = None,
 ):
     """A closure running the coefficients kernel (standard, broadcast or inline) on one input set (default config
-    unless `config`; `trace` goes with a trace build)."""
+    unless `config`)."""
     broadcast, inline = variant == "broadcast", variant == "inline"
     x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
 
@@ -174,7 +173,7 @@ def coefficients_call(
             workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"],
             pre_mix=inp["pre_mix"] if inline else None, norm_weight=inp["norm_weight"] if inline else None,
             norm_eps=1e-20 if inline else None, layer_input_out=inp["layer_input"] if inline else None, arch=arch,
-            config=config, trace=trace,
+            config=config,
         )  # fmt: skip
 
     return call

@@ -1,7 +1,8 @@
 """The public mHC ops (coefficients, post) with their input checks and their dispatch.
 
-On a CUDA device with the kernels (sm_90a / sm_100a) the coefficients run as one CuTe DSL launch
-(`cute_kernels.coefficients_kernel`); on the CPU, or with `backend="reference"`, as torch ops.
+On a CUDA device with the kernels (sm_90a / sm_100a) the coefficients run as one or two CuTe DSL
+launches (`cute_kernels.coefficients`); on the CPU, or with `backend="reference"`, as torch ops. The
+checks here are the only ones: the kernels' host side trusts its callers.
 """
 
 from __future__ import annotations
@@ -14,18 +15,15 @@ from torch import Tensor
 
 from boundary import checks, reference
 from boundary.reference import MIX_WIDTH
-from cute_kernels.boundary_kernel import fused_boundary
-from cute_kernels.coefficients_kernel import (
-    CoefficientsWorkspace,
-    coefficients_warmup_jobs,
-    mhc_coefficients,
-    mhc_layer_input,
-)
+from cute_kernels import coefficients
+from cute_kernels.boundary.api import fused_boundary
+from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
 from cute_kernels.compile import WarmupJob, arch_for_device
 
 BF16 = torch.bfloat16
 F32 = torch.float32
 BACKENDS = ("auto", "kernel", "reference")
+MAX_GRID_Y = 65535  # clusters (the grid's y extent) of one launch
 _WORKSPACES: dict[tuple[torch.device, int], Any] = {}
 
 
@@ -55,19 +53,35 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device) -> Any:
     key = (device, hidden)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.max_rows < rows:
+        limit = kernel_row_limit(hidden)
+        if rows > limit:
+            raise ValueError(_too_many_rows(rows, hidden))
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"the mHC coefficients workspace for H={hidden} must grow to {rows} rows during CUDA-graph "
                 "capture; call BoundaryAllReduce.warmup(max_rows) before capturing"
             )
-        capacity = max(rows, 512 if ws is None else 2 * ws.max_rows)
+        capacity = min(max(rows, 512 if ws is None else 2 * ws.max_rows), limit)
         ws = _WORKSPACES[key] = CoefficientsWorkspace(hidden, capacity, device)
     return ws
 
 
 def warmup_jobs(hidden: int, arch: str, max_rows: int) -> list[WarmupJob]:
     """The compiles every mHC coefficients call of hidden size H and up to `max_rows` rows can need."""
-    return coefficients_warmup_jobs(hidden, arch=arch, max_rows=max_rows)
+    _check_kernel_shape(4, hidden)
+    if max_rows > kernel_row_limit(hidden):
+        raise ValueError(_too_many_rows(max_rows, hidden))
+    return coefficients.warmup_jobs(hidden, arch=arch, max_rows=max_rows)
+
+
+def kernel_row_limit(hidden: int) -> int:
+    """The most rows a coefficients kernel call takes at hidden size H: the largest workspace, and row
+    offsets (rows * 4H elements) in 32 bits."""
+    return min(coefficients.MAX_ROWS, (2**31 - 1) // (4 * hidden))
+
+
+def _too_many_rows(rows: int, hidden: int) -> str:
+    return f"the mHC kernels take at most {kernel_row_limit(hidden)} rows at H={hidden}, got {rows}"
 
 
 def _check_pre_delayed_args(
@@ -129,14 +143,14 @@ def mhc_pre_delayed(
         hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
     )  # fmt: skip
     arch = kernel_arch(residual.device, backend)
+    inline = norm_weight is not None
     if arch is not None:
-        _check_kernel_shape(residual.shape[1], residual.shape[2])
+        _check_kernel_args(residual, x, fn, pre_mix, norm_weight, arch, inline=inline, layer_input_kernel=inline)
     if arch is None:
         return reference.mhc_pre_delayed(
             residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
             hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
         )  # fmt: skip
-    inline = norm_weight is not None
     layer_input = (
         torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
     )
@@ -159,9 +173,9 @@ def _layer_input(
         return delayed_layer_input(residual, pre_mix, norm_weight, norm_eps)
     out = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device)
     if x is not None:  # the first layer: the collapse is the embedding row itself
-        mhc_layer_input(x, None, norm_weight, norm_eps, out, arch=arch, broadcast=True, validate=False)
+        mhc_layer_input(x, None, norm_weight, norm_eps, out, arch=arch, broadcast=True)
     else:
-        mhc_layer_input(residual, pre_mix, norm_weight, norm_eps, out, arch=arch, validate=False)
+        mhc_layer_input(residual, pre_mix, norm_weight, norm_eps, out, arch=arch)
     return out
 
 
@@ -209,7 +223,8 @@ def mhc_pre_delayed_overlap(
         raise ValueError(f"stream is a CUDA stream but residual is on {residual.device}")
     arch = kernel_arch(residual.device, backend)
     if arch is not None:
-        _check_kernel_shape(residual.shape[1], residual.shape[2])
+        reads = layer_input is None and norm_weight is not None  # the layer-input-only kernel runs
+        _check_kernel_args(residual, x, fn, pre_mix, norm_weight, arch, inline=False, layer_input_kernel=reads)
     if layer_input is None:
         layer_input = _layer_input(residual, x, pre_mix, norm_weight, norm_eps, arch)
     else:
@@ -257,7 +272,7 @@ def _kernel_coefficients(
         sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, sinkhorn_repeat=repeat, broadcast=x is not None,
         workspace=prepare_workspace(hidden, rows, dev), post_out=post, comb_out=comb, pre_out=pre,
         pre_mix=pre_mix, norm_weight=norm_weight if inline else None, norm_eps=norm_eps if inline else None,
-        layer_input_out=layer_input, arch=arch, validate=False,
+        layer_input_out=layer_input, arch=arch,
     )  # fmt: skip
     return post, comb, pre
 
@@ -279,13 +294,39 @@ def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
     checks.tensor("x", x, align16=True)
     new = torch.empty_like(residual)
     fused_boundary(residual=residual, post=post, comb=comb, pre=None, norm_weight=None, norm_eps=0.0, x=x,
-                   new_residual=new, arch=arch, check=False)  # fmt: skip
+                   new_residual=new, arch=arch)  # fmt: skip
     return new
 
 
 def _check_kernel_shape(hc: int, hidden: int) -> None:
-    if hc != 4 or hidden % 256:
+    if hc != 4 or hidden < 256 or hidden % 256:
         raise ValueError(
-            f"the mHC kernels serve hc = 4 and H a multiple of 256 (got hc={hc}, H={hidden}); "
+            f"the mHC kernels serve hc = 4 and H a positive multiple of 256 (got hc={hc}, H={hidden}); "
             "pass backend='reference' for other shapes"
         )
+
+
+def _check_kernel_args(
+    residual: Tensor, x: Tensor | None, fn: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, arch: str,
+    *, inline: bool, layer_input_kernel: bool,
+) -> None:  # fmt: skip
+    """What the coefficients kernels need beyond _check_pre_delayed_args (dtypes, shapes, contiguity and the
+    device are checked there; the outputs and the workspace are allocated here): hc 4 and H a positive
+    multiple of 256, the row limit, at most 65535 clusters per launch, and 16-byte alignment of what they
+    read 16 bytes at a time. `inline`: the coefficients launch writes the layer input too;
+    `layer_input_kernel`: the layer input is computed by a kernel (inline or alone)."""
+    rows, hc, hidden = residual.shape
+    _check_kernel_shape(hc, hidden)
+    if rows > kernel_row_limit(hidden):
+        raise ValueError(_too_many_rows(rows, hidden))
+    broadcast = x is not None
+    mode = coefficients.layer_input_mode(broadcast, inline, pre_mix is not None)
+    clusters = coefficients.grid_clusters(hidden, broadcast, mode, rows, arch=arch)
+    if clusters > MAX_GRID_Y:
+        raise ValueError(f"{rows} rows at H={hidden} need {clusters} clusters, more than the {MAX_GRID_Y} of a launch")
+    checks.tensor("x" if broadcast else "residual", x if broadcast else residual, align16=True)
+    checks.tensor("fn", fn, align16=True)
+    if layer_input_kernel:
+        checks.tensor("norm_weight", norm_weight, align16=True)
+        if pre_mix is not None and not broadcast:  # the first layer's layer input ignores pre_mix
+            checks.tensor("pre_mix", pre_mix, align16=True)

@@ -2,7 +2,7 @@
 
 python profiles/run_kernel.py --kernel boundary --hidden 7168 --rows 16 [--mxfp8]
 python profiles/run_kernel.py --kernel coefficients --hidden 7168 --rows 512 [--variant broadcast|inline]
-    [--knobs projection=fma comb_lanes=2]   (CoefficientsConfig fields over the default config)
+    [--knobs rows_per_tile=64 push_vec=True]   (CoefficientsConfig fields over the default config)
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import boundary_inputs, coefficient_inputs, coefficients_call, fused_call  # noqa: E402
-from cute_kernels import coefficients_kernel as ck  # noqa: E402
+from cute_kernels.coefficients import CoefficientsConfig, default_config  # noqa: E402
 from cute_kernels.compile import arch_for_device  # noqa: E402
 
 
 def knob(text: str) -> tuple[str, object]:
     """One `field=value` of --knobs: the value as a Python literal, else as a string."""
     field, sep, value = text.partition("=")
-    if not sep or field not in ck.CoefficientsConfig.__dataclass_fields__:
+    if not sep or field not in CoefficientsConfig.__dataclass_fields__:
         raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with a CoefficientsConfig field, got {text!r}")
     try:
         return field, ast.literal_eval(value)
@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--mxfp8", action="store_true", help="boundary: also write the MXFP8 layer input")
     p.add_argument("--variant", choices=("standard", "broadcast", "inline"), default="standard")
     p.add_argument("--calls", type=int, default=3, help="warm-up calls before the profiled one")
-    p.add_argument("--knobs", type=knob, nargs="*", default=[], help="coefficients: config fields, e.g. comb_lanes=2")
+    p.add_argument("--knobs", type=knob, nargs="*", default=[], help="coefficients: config fields, e.g. push_vec=True")
     args = p.parse_args()
     if args.knobs and args.kernel != "coefficients":
         p.error("--knobs applies to --kernel coefficients only")
@@ -54,8 +54,7 @@ def main() -> None:
         if args.knobs:
             broadcast = args.variant == "broadcast"
             inline = args.variant == "inline"
-            config = replace(ck.default_config(args.hidden, broadcast, args.rows, inline), **dict(args.knobs))
-            config.validate(args.hidden, broadcast)
+            config = replace(default_config(args.hidden, broadcast, args.rows, inline, arch=arch), **dict(args.knobs))
         inp = coefficient_inputs(args.rows, args.hidden, device, 0)
         call = coefficients_call(inp, arch, args.variant, config)
     for _ in range(args.calls):

@@ -6,7 +6,6 @@ Timing sweep (not a test): python -m tests.test_coefficients_kernel_gpu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import NamedTuple
@@ -15,15 +14,14 @@ import pytest
 import torch
 
 from boundary import reference as ref
-from cute_kernels.coefficients_kernel import (
+from cute_kernels.coefficients import (
     SENTINEL,
     CoefficientsConfig,
     CoefficientsWorkspace,
-    LayerInputConfig,
-    default_config,
     mhc_coefficients,
     mhc_layer_input,
 )
+from cute_kernels.coefficients.tuning import default_config
 from cute_kernels.compile import arch_for_device
 from tests.bf16 import bitwise_equal, max_ulp
 
@@ -129,12 +127,11 @@ def layer_input_only(
     *,
     broadcast: bool = False,
     norm_eps: float = NORM_EPS,
-    config: LayerInputConfig | None = None,
 ) -> torch.Tensor:
     """One launch of the layer-input-only kernel; returns the new [T, H] bf16 layer input."""
     rows, H = x.shape[0], x.shape[-1]
     out = torch.empty(rows, H, dtype=BF16, device="cuda")
-    mhc_layer_input(x, pre_mix, weights(H).norm_weight, norm_eps, out, arch=arch(), broadcast=broadcast, config=config)
+    mhc_layer_input(x, pre_mix, weights(H).norm_weight, norm_eps, out, arch=arch(), broadcast=broadcast)
     return out
 
 
@@ -297,20 +294,19 @@ def test_layer_input_only_broadcast(rows: int) -> None:
     assert bitwise_equal(got, layer_input_only(e.unsqueeze(1).expand(rows, 4, H).contiguous(), None))
 
 
-@pytest.mark.parametrize("config", (LayerInputConfig(), LayerInputConfig(warps=4), LayerInputConfig(8, 1)))
-def test_layer_input_only_is_exact_before_the_norm(config: LayerInputConfig) -> None:
+def test_layer_input_only_is_exact_before_the_norm() -> None:
     # As test_inline_collapse_is_exact_before_the_norm: with eps 0 and c = +-1, out = c * w bit for bit.
     H, rows = 4096, 37
     sign = torch.where(torch.rand(rows, H, device="cuda", generator=gen(31)) < 0.5, -1.0, 1.0)
     x = torch.randn(rows, 4, H, device="cuda", generator=gen(37)).to(BF16)
     x[:, 0] = sign.to(BF16)
     want = (sign * weights(H).norm_weight.float()).to(BF16)
-    assert bitwise_equal(layer_input_only(x, None, norm_eps=0.0, config=config), want)
+    assert bitwise_equal(layer_input_only(x, None, norm_eps=0.0), want)
     x[:, 0] = (sign * 1.003).to(BF16)  # bf16(1.003) = 1.0
     x[:, 1:] = 0
     x[:, 1] = (sign * 0.003).to(BF16)
     pre_mix = torch.ones(rows, 4, device="cuda")
-    assert bitwise_equal(layer_input_only(x, pre_mix, norm_eps=0.0, config=config), want)
+    assert bitwise_equal(layer_input_only(x, pre_mix, norm_eps=0.0), want)
 
 
 def test_layer_input_only_batch_invariance_and_graph() -> None:
@@ -357,29 +353,19 @@ def test_layer_input_only_after_the_projection_that_makes_its_pre() -> None:
 
 
 def knob_configs(H: int, broadcast: bool) -> list[CoefficientsConfig]:
-    """Configs that share the default's reduction order (warps, groups), so must give its bits."""
-    f = CoefficientsConfig.for_shape
+    """Tile-schedule configs away from the defaults: all share the default's split along K, so must give its bits."""
+    f = functools.partial(CoefficientsConfig.for_shape, H, broadcast)
     return [
-        f(H, broadcast, handoff="ticket"),
-        f(H, broadcast, 128, prefetch=True),
-        f(H, broadcast, 128, prefetch=True, handoff="ticket"),
-        f(H, broadcast, 32, handoff="ticket"),
-        f(H, broadcast, 16),
-        f(H, broadcast, norm_order="front", norm_rows=1),
-        f(H, broadcast, handoff="ticket", norm_rows=16),
-        # v3 knobs: 16-byte DSMEM pushes, warps split over the m-tiles, launch bounds.
-        f(H, broadcast, handoff="ticket", push_vec=True),
-        f(H, broadcast, 32, handoff="ticket", push_vec=True, row_split=2),
-        f(H, broadcast, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
-        f(H, broadcast, 128, prefetch=True, handoff="ticket", push_vec=True, row_split=4),
-        f(H, broadcast, 32, handoff="ticket", push_vec=True, min_blocks=4),
-        # comb spread over 2 or 4 lanes per row (column sums by shuffles).
-        f(H, broadcast, 32, handoff="ticket", comb_lanes=2),
-        f(H, broadcast, handoff="ticket", comb_lanes=4),
-        f(H, broadcast, 128, prefetch=True, comb_lanes=2),
-        f(H, broadcast, 16, handoff="counter", comb_lanes=4),
-        f(H, broadcast, 32, handoff="ticket", sinkhorn_unroll=2),
-        f(H, broadcast, handoff="ticket", comb_lanes=2, sinkhorn_unroll=4),
+        f(64),
+        f(128),
+        f(32),
+        f(16),
+        # 16-byte DSMEM pushes, warps split over the m-tiles, launch bounds.
+        f(64, push_vec=True),
+        f(32, push_vec=True, row_split=2),
+        f(64, push_vec=True, row_split=2, min_blocks=2),
+        f(128, push_vec=True, row_split=4),
+        f(32, push_vec=True, min_blocks=4),
     ]
 
 
@@ -405,12 +391,12 @@ def test_knob_configs_give_the_default_bits(H: int, variant: str) -> None:
 
 
 @pytest.mark.parametrize("H", (5120, 7168))
-def test_ticket_handoff_batch_invariance(H: int) -> None:
-    config = CoefficientsConfig.for_shape(H, False, 128, prefetch=True, handoff="ticket")
+def test_tall_tile_batch_invariance(H: int) -> None:
+    # A call of the whole batch in 128-row tiles, calls of row ranges in 64-row tiles: same bits.
     x = torch.randn(MAX_ROWS, 4, H, device="cuda", generator=gen(43)).to(BF16)
-    full = call(x, config=config)
+    full = call(x, config=CoefficientsConfig.for_shape(H, False, 128))
     for start, rows in ((0, 1), (63, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
-        part = call(x[start : start + rows], config=CoefficientsConfig.for_shape(H, False, handoff="ticket"))
+        part = call(x[start : start + rows], config=CoefficientsConfig.for_shape(H, False, 64))
         for name in ("post", "comb", "pre"):
             assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
 
@@ -418,59 +404,15 @@ def test_ticket_handoff_batch_invariance(H: int) -> None:
 @pytest.mark.parametrize("H", (5120, 7168))
 def test_v3_knobs_batch_invariance(H: int) -> None:
     # A call of the whole batch with one knob config, calls of row ranges with another: same bits.
-    f = CoefficientsConfig.for_shape
-    whole = f(H, False, handoff="ticket", push_vec=True, row_split=2, min_blocks=2)
-    ranges = f(H, False, 32, handoff="ticket", push_vec=True)
+    f = functools.partial(CoefficientsConfig.for_shape, H, False)
+    whole = f(64, push_vec=True, row_split=2, min_blocks=2)
+    ranges = f(32, push_vec=True)
     x = torch.randn(MAX_ROWS, 4, H, device="cuda", generator=gen(45)).to(BF16)
     full = call(x, config=whole)
     for start, rows in ((0, 1), (63, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
         part = call(x[start : start + rows], config=ranges)
         for name in ("post", "comb", "pre"):
             assert bitwise_equal(getattr(part, name), getattr(full, name)[start : start + rows]), name
-
-
-# --- the projection on the CUDA cores (config.projection "fma"): its own bits, as accurate ------
-
-
-def fma_config(H: int, broadcast: bool, rows: int) -> CoefficientsConfig:
-    """The default config for a call of `rows` rows, with the projection as fp32 FMAs on the CUDA cores
-    (in the tile schedule, whose clusters finish at most 128 rows, without the partials schedule's
-    staging and sum buffers: that schedule runs the mma projection only)."""
-    default = default_config(H, broadcast, rows)
-    return dataclasses.replace(
-        default, projection="fma", schedule="tile", stage_rows=False, stage_depth=0, sum_buffers=1,
-        rows_per_tile=min(default.rows_per_tile, 128), row_split=min(default.row_split, 2),
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("H", (4096, 7168))
-@pytest.mark.parametrize("rows", (1, 16, 129))
-@pytest.mark.parametrize("broadcast", (False, True))
-def test_fma_projection_matches_reference(H: int, rows: int, broadcast: bool) -> None:
-    if broadcast:
-        x = torch.randn(rows, H, device="cuda", generator=gen(rows)).to(BF16)
-    else:
-        x = streams(rows, H, seed=rows)
-    got = call(x, broadcast=broadcast, config=fma_config(H, broadcast, rows))
-    assert_matches(got, reference(x, broadcast=broadcast))
-    assert_counters_clean(workspace(H))
-
-
-@pytest.mark.parametrize("H", (4096, 7168))
-@pytest.mark.parametrize("broadcast", (False, True))
-def test_fma_projection_batch_invariance(H: int, broadcast: bool) -> None:
-    # The whole batch with 64-row tiles, row ranges with the default small tiles (split or not):
-    # same (warps, groups, projection), so the same bits.
-    shape = (MAX_ROWS, H) if broadcast else (MAX_ROWS, 4, H)
-    x = torch.randn(*shape, device="cuda", generator=gen(7)).to(BF16)
-    full = call(x, broadcast=broadcast, config=fma_config(H, broadcast, MAX_ROWS))
-    assert_matches(full, reference(x, broadcast=broadcast))
-    for start, rows in ((0, 1), (5, 1), (63, 1), (64, 1), (511, 1), (200, 7), (3, 16), (300, 129), (1, 64)):
-        part = call(x[start : start + rows], broadcast=broadcast, config=fma_config(H, broadcast, rows))
-        for name in ("post", "comb", "pre"):
-            whole = getattr(full, name)[start : start + rows]
-            assert bitwise_equal(getattr(part, name), whole), f"{name} of rows {start}..{start + rows - 1}"
-    assert_counters_clean(workspace(H))
 
 
 def wait_or_fail(seconds: float = 20.0) -> None:
@@ -486,17 +428,13 @@ def wait_or_fail(seconds: float = 20.0) -> None:
 
 NAN_CONFIGS = [
     None,
-    CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket"),
-    CoefficientsConfig.for_shape(7168, False, 64, handoff="counter"),
-    CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", push_vec=True, row_split=2),
-    CoefficientsConfig.for_shape(7168, False, 64, handoff="ticket", push_vec=True, row_split=2, min_blocks=2),
-    CoefficientsConfig.for_shape(7168, False, 32, handoff="ticket", projection="fma"),
+    CoefficientsConfig.for_shape(7168, False, 64),
+    CoefficientsConfig.for_shape(7168, False, 32, push_vec=True, row_split=2),
+    CoefficientsConfig.for_shape(7168, False, 64, push_vec=True, row_split=2, min_blocks=2),
 ]
 
 
-@pytest.mark.parametrize(
-    "config", NAN_CONFIGS, ids=["default", "ticket", "counter", "vec-split", "vec-split-mb2", "fma"]
-)
+@pytest.mark.parametrize("config", NAN_CONFIGS, ids=["default", "tile64", "vec-split", "vec-split-mb2"])
 @pytest.mark.parametrize("rows", (40, 512))
 def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: CoefficientsConfig | None, rows: int) -> None:
     # The ticket handoff polls the workspace until no slot holds the NaN sentinel: a NaN partial
@@ -531,12 +469,11 @@ def test_nan_and_inf_rows_do_not_hang_and_stay_in_their_row(config: Coefficients
     assert_counters_clean(ws)
 
 
-@pytest.mark.parametrize("handoff", ("counter", "ticket"))
-def test_graph_replay_and_mixed_handoffs_keep_the_workspace_clean(handoff: str) -> None:
+def test_graph_replay_and_mixed_schedules_keep_the_workspace_clean() -> None:
     H, rows = 7168, 40
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
-    config = CoefficientsConfig.for_shape(H, False, handoff=handoff)
-    other = CoefficientsConfig.for_shape(H, False, handoff="ticket" if handoff == "counter" else "counter")
+    config = CoefficientsConfig.for_shape(H, False, 64)  # the tile schedule's ticket handoff
+    other = default_config(H, False, rows, arch=arch())  # the split partials tile
     x = streams(rows, H, seed=47)
     pre_mix = carried_pre(rows)
     out = call(x, inline=True, pre_mix=pre_mix, ws=ws, config=config)
@@ -550,7 +487,7 @@ def test_graph_replay_and_mixed_handoffs_keep_the_workspace_clean(handoff: str) 
         torch.cuda.synchronize()
         assert_matches(out, reference(x))
         assert_counters_clean(ws)
-        # The other handoff on the same workspace right after.
+        # The other schedule on the same workspace right after.
         assert_matches(call(x, ws=ws, config=other), reference(x))
         assert_counters_clean(ws)
 
@@ -663,7 +600,7 @@ if __name__ == "__main__":
 
 
 def partials_config(H: int, broadcast: bool, rows_per_tile: int = 64, **knobs) -> CoefficientsConfig:
-    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, handoff="ticket", schedule="partials", **knobs)
+    return CoefficientsConfig.for_shape(H, broadcast, rows_per_tile, schedule="partials", **knobs)
 
 
 def assert_default_bits(
@@ -744,7 +681,7 @@ def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -
     broadcast = variant == "first"
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
     configs = (
-        default_config(H, broadcast, 1, inline=True),
+        default_config(H, broadcast, 1, inline=True, arch=arch()),
         partials_config(H, broadcast, 32),
         partials_config(H, broadcast, 64),
         partials_config(H, broadcast, 64, row_split=2),

@@ -1,4 +1,4 @@
-"""bench.mma_order_probe: its kernel compiles for both targets and its fragments follow the mma.sync layout."""
+"""bench.experiments.mma_order_probe: its kernel compiles for both targets, its fragments follow the mma.sync layout."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from cutlass import Float32, Int32
 
-from bench.mma_order_probe import MmaProbe, _bf16_bits, fragments, permutations, random_values
+from bench.experiments.mma_order_probe import MmaProbe, _bf16_bits, fragments, permutations, random_values
 from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 
 ARCHS = ("sm_90a", "sm_100a")

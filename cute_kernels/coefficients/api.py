@@ -4,6 +4,7 @@ calls. The callers check the arguments (boundary/mhc.py does, once); nothing her
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,17 @@ def compile_layer_input(H: int, variant: str, layer_input: str, *, arch: str) ->
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+@functools.cache
+def _kernel(H: int, variant: str, layer_input: str, config: CoefficientsConfig) -> CoefficientsKernel:
+    return CoefficientsKernel(H, variant=variant, layer_input=layer_input, config=config)
+
+
+def grid_clusters(H: int, broadcast: bool, layer_input: str, rows: int, *, arch: str) -> int:
+    """The first launch's grid y extent of a call of `rows` rows with the shipped config (at most 65535)."""
+    config = default_config(H, broadcast, rows, layer_input != "none", arch=arch)
+    return _kernel(H, "broadcast" if broadcast else "standard", layer_input, config).grid_clusters(rows)
 
 
 def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from cute_kernels import hardware
 
@@ -22,12 +23,13 @@ SINKHORN_UNROLL = 4
 
 @dataclass(frozen=True)
 class CoefficientsConfig:
-    """The launch shape of one coefficients kernel beyond the split along K (a function of H alone).
+    """Compile-time launch shape: rows per tile, the split along K (warps per CTA, clusters along K), knobs.
 
-    The split (warps, groups: `projection_split`) fixes the reduction order, so every config of one H
-    gives the very same bits: the host picks one per call by row count (`tuning.default_config`)
-    without breaking batch invariance. The defaults are the shipped 32-row tile schedule.
+    (warps, groups) fix the reduction order and are a function of H alone (`for_shape`), so every config
+    of one H gives the very same bits: the host picks one per call by row count (`tuning.default_config`)
+    without breaking batch invariance. The knob defaults are the shipped 32-row tile schedule.
     - `rows_per_tile`: rows of one row tile (16-128; 256 or 512 with schedule "partials").
+    - `warps`, `groups`: 32-column chunks per CTA and clusters of 8 CTAs along K (`projection_split`).
     - `push_vec`: schedule "tile": push the summed warp partials to their owner CTA 16 bytes at a time
       (st.async.v4, a quarter of the DSMEM transactions; rows_per_tile >= 32).
     - `row_split`: warps per 32-column chunk (1, 2 or 4): warp (w, s) reads the columns of chunk w for
@@ -46,7 +48,9 @@ class CoefficientsConfig:
       between (1 or 2; 2 takes one barrier per batch instead of two).
     """
 
-    rows_per_tile: int = 32
+    rows_per_tile: int
+    warps: int
+    groups: int
     push_vec: bool = False
     row_split: int = 1
     min_blocks: int = 0
@@ -54,6 +58,17 @@ class CoefficientsConfig:
     stage_rows: bool = False
     stage_depth: int = 0
     sum_buffers: int = 1
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: warps * row_split warps of 32."""
+        return WARP * self.warps * self.row_split
+
+    @staticmethod
+    def for_shape(H: int, broadcast: bool, rows_per_tile: int = 32, **knobs: Any) -> CoefficientsConfig:
+        """The config of hidden size H's split along K with these knobs (by default the 32-row tile)."""
+        warps, groups = projection_split(H, broadcast)
+        return CoefficientsConfig(rows_per_tile, warps, groups, **knobs)
 
 
 def projection_width(H: int, broadcast: bool) -> int:

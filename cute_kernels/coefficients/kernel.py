@@ -16,11 +16,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from cute_kernels.coefficients.config import CLUSTER, WARP, CoefficientsConfig, projection_split, projection_width
+from cute_kernels.coefficients.config import CLUSTER, CoefficientsConfig, projection_width
 from cute_kernels.coefficients.epilogue import EpilogueRole
 from cute_kernels.coefficients.layer_input import INLINE_BUDGET, LayerInputRole, cluster_prologue
 from cute_kernels.coefficients.projection import ProjectionRole
-from cute_kernels.coefficients.tuning import default_config
 
 
 class CoefficientsKernel:
@@ -28,7 +27,7 @@ class CoefficientsKernel:
 
     `variant` "standard" projects the streams [T, 4, H], "broadcast" the first layer's embedding [T, H];
     `layer_input` "none", "carried" (the carried pre-mix collapse) or "one_hot" (stream 0 / the embedding
-    row); `config` None is the shipped config for one row on sm_90a.
+    row); `config` None is H's split with the default knobs (the shipped 32-row tile).
     """
 
     def __init__(
@@ -41,19 +40,25 @@ class CoefficientsKernel:
         config: CoefficientsConfig | None = None,
     ) -> None:
         broadcast = variant == "broadcast"
-        if config is None:
-            config = default_config(H, broadcast, 1, layer_input != "none", arch="sm_90a")
+        config = config if config is not None else CoefficientsConfig.for_shape(H, broadcast)
         self.layer_input = layer_input
         self.schedule = config.schedule
         self.min_blocks = config.min_blocks
-        warps, groups = projection_split(H, broadcast)
-        cta_warps = warps * config.row_split
-        self.epilogue = EpilogueRole(projection_width(H, broadcast), sinkhorn_repeat, WARP * cta_warps, groups)
+        self.epilogue = EpilogueRole(projection_width(H, broadcast), sinkhorn_repeat, config.threads, config.groups)
         self.projection = ProjectionRole(H, broadcast, config, self.epilogue)
         self.inputs = None
         if layer_input != "none":
+            cta_warps = config.warps * config.row_split
             self.inputs = LayerInputRole(H, broadcast, layer_input, cta_warps, INLINE_BUDGET)
             self.norm_per_tile = config.rows_per_tile // self.inputs.norm_rows  # layer-input clusters per tile
+
+    def grid_clusters(self, rows):
+        """The first launch's grid y extent for `rows` rows (an int, or the dynamic row count): per row tile
+        its G projection clusters (CTA groups of schedule "partials"), then, inline, its layer-input clusters."""
+        tiles = (rows + (self.projection.tm - 1)) // self.projection.tm
+        if self.layer_input == "none":
+            return tiles * self.projection.groups
+        return tiles * (self.projection.groups + self.norm_per_tile)
 
     @cute.jit
     def __call__(
@@ -79,10 +84,9 @@ class CoefficientsKernel:
     ):
         proj = self.projection
         rows = mX.shape[0]
-        tiles = (rows + (proj.tm - 1)) // proj.tm
         if const_expr(self.schedule == "partials" and self.layer_input == "none"):
             self.partials_kernel(mX, mFn, mPartial).launch(
-                grid=[CLUSTER, tiles * proj.groups, 1],
+                grid=[CLUSTER, self.grid_clusters(rows), 1],
                 block=[proj.threads, 1, 1],
                 stream=stream,
                 use_pdl=True,
@@ -92,14 +96,11 @@ class CoefficientsKernel:
         else:
             # With a layer input the partials schedule keeps this launch (its layer-input clusters
             # exchange sums of squares); its projection clusters skip the exchange and the handoff.
-            clusters = tiles * proj.groups
-            if const_expr(self.layer_input != "none"):
-                clusters = tiles * (proj.groups + self.norm_per_tile)
             self.kernel(
                 mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut,
                 rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps,
             ).launch(
-                grid=[CLUSTER, clusters, 1],
+                grid=[CLUSTER, self.grid_clusters(rows), 1],
                 block=[proj.threads, 1, 1],
                 cluster=[CLUSTER, 1, 1],
                 stream=stream,

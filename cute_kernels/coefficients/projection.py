@@ -46,7 +46,6 @@ from cute_kernels.coefficients.config import (
     NV,
     WARP,
     CoefficientsConfig,
-    projection_split,
     projection_width,
 )
 from cute_kernels.coefficients.epilogue import EpilogueRole
@@ -71,11 +70,12 @@ class ProjectionRole:
         self.epilogue = epilogue
         self.K = projection_width(H, broadcast)
         self.row_stride = H if broadcast else HC * H  # elements per row of the input tensor
-        self.warps, self.groups = projection_split(H, broadcast)  # 32-column chunks per CTA, clusters along K
+        self.warps = config.warps  # 32-column chunks per CTA
+        self.groups = config.groups  # clusters along K
         self.tm = config.rows_per_tile
         self.row_split = config.row_split
         self.cta_warps = self.warps * config.row_split
-        self.threads = WARP * self.cta_warps
+        self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
         self.mtiles_per_batch = min(4, self.tm // 16)
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split

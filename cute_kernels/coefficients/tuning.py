@@ -1,4 +1,4 @@
-"""The shipped defaults as data: per arch, form and hidden size, the config each band of row counts uses.
+"""The shipped defaults as data: per arch, form and hidden size, the knobs each band of row counts uses.
 
 Every config of one H shares the split along K (config.projection_split), so a row's bits never depend
 on which band a call falls in.
@@ -6,26 +6,47 @@ on which band a call falls in.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 from cute_kernels.coefficients.config import CoefficientsConfig
 
-# The configs the bands name (measured on the H200, interleaved A/B runs: docs/perf-log.md v2-v10).
-T32 = CoefficientsConfig(32)
-T32_VEC = CoefficientsConfig(32, push_vec=True)
-SPLIT = CoefficientsConfig(32, push_vec=True, row_split=2)
-T64_VEC = CoefficientsConfig(64, push_vec=True)
-SPLIT_P = CoefficientsConfig(32, row_split=2, schedule="partials")
-T16_P = CoefficientsConfig(16, schedule="partials")
-T32_P = CoefficientsConfig(32, schedule="partials")
-T64_P = CoefficientsConfig(64, schedule="partials")
-T64_MB3_P = CoefficientsConfig(64, min_blocks=3, schedule="partials")
-T32_STAGED_P = CoefficientsConfig(32, schedule="partials", stage_rows=True)
-# One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
-RING_P = CoefficientsConfig(512, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
-T256_RING_P = CoefficientsConfig(256, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
 
-Bands = tuple[tuple[int, CoefficientsConfig], ...]  # (first row, config) in row order
+@dataclass(frozen=True)
+class Choice:
+    """The knobs of one band: a CoefficientsConfig without the split along K (a function of H)."""
+
+    rows_per_tile: int = 32
+    push_vec: bool = False
+    row_split: int = 1
+    min_blocks: int = 0
+    schedule: str = "tile"
+    stage_rows: bool = False
+    stage_depth: int = 0
+    sum_buffers: int = 1
+
+    def config(self, H: int, broadcast: bool) -> CoefficientsConfig:
+        """This choice at hidden size H."""
+        return CoefficientsConfig.for_shape(H, broadcast, **dataclasses.asdict(self))
+
+
+# The choices the bands name (measured on the H200, interleaved A/B runs: docs/perf-log.md v2-v10).
+T32 = Choice(32)
+T32_VEC = Choice(32, push_vec=True)
+SPLIT = Choice(32, push_vec=True, row_split=2)
+T64_VEC = Choice(64, push_vec=True)
+SPLIT_P = Choice(32, row_split=2, schedule="partials")
+T16_P = Choice(16, schedule="partials")
+T32_P = Choice(32, schedule="partials")
+T64_P = Choice(64, schedule="partials")
+T64_MB3_P = Choice(64, min_blocks=3, schedule="partials")
+T32_STAGED_P = Choice(32, schedule="partials", stage_rows=True)
+# One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
+RING_P = Choice(512, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
+T256_RING_P = Choice(256, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
+
+Bands = tuple[tuple[int, Choice], ...]  # (first row, choice) in row order
 FORMS = ("standard", "broadcast", "inline", "first inline")
 
 # form -> ((smallest H, bands), ...), largest H first; the last entry serves every H below.
@@ -70,20 +91,25 @@ def default_bands(H: int, form: str, *, arch: str) -> Bands:
     raise AssertionError("every table's last entry serves H >= 0")
 
 
+def default_choice(H: int, broadcast: bool, inline: bool, rows: int, *, arch: str) -> Choice:
+    """The shipped choice for a call of `rows` rows at hidden size H on `arch`."""
+    choice = T32
+    for first, band in default_bands(H, default_form(broadcast, inline), arch=arch):
+        if rows >= first:
+            choice = band
+    return choice
+
+
 @functools.cache
 def default_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False, *, arch: str) -> CoefficientsConfig:
     """The shipped config for a call of `rows` rows at hidden size H on `arch` (memoized: one lookup per call)."""
-    config = T32
-    for first, band in default_bands(H, default_form(broadcast, inline), arch=arch):
-        if rows >= first:
-            config = band
-    return config
+    return default_choice(H, broadcast, inline, rows, arch=arch).config(H, broadcast)
 
 
 def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int, *, arch: str) -> list[int]:
     """One row count per distinct default config of calls of 1..max_rows rows."""
-    seen: dict[CoefficientsConfig, int] = {}
-    for first, config in default_bands(H, default_form(broadcast, inline), arch=arch):
+    seen: dict[Choice, int] = {}
+    for first, choice in default_bands(H, default_form(broadcast, inline), arch=arch):
         if first <= max_rows:
-            seen.setdefault(config, first)
+            seen.setdefault(choice, first)
     return sorted(seen.values())

@@ -1,10 +1,10 @@
 """Does a bf16 m16n8k16 MMA's fp32 result depend on the order of k inside the instruction?
 
-`python -m bench.mma_order_probe` runs many random 16x16 @ 16x8 (+ C) tiles through mma.sync twice:
-once with k in natural order and once with the same k permuted (columns of A and rows of B
-together, so the exact result is the same), and counts the outputs whose bits differ. The
+`python -m bench.experiments.mma_order_probe` runs many random 16x16 @ 16x8 (+ C) tiles through
+mma.sync twice: once with k in natural order and once with the same k permuted (columns of A and rows
+of B together, so the exact result is the same), and counts the outputs whose bits differ. The
 projection's k layout inside one MMA may be changed without changing its bits only if the count
-is 0 for every permutation tried (docs/PERF.md, v10).
+is 0 for every permutation tried (docs/perf-log.md, v10).
 """
 
 from __future__ import annotations

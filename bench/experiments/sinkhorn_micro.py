@@ -1,19 +1,21 @@
-"""What one Sinkhorn repeat of the coefficients epilogue costs, in SM cycles: `python -m bench.sinkhorn_micro`.
+"""What one Sinkhorn repeat of the coefficients epilogue costs, in SM cycles:
+`python -m bench.experiments.sinkhorn_micro`.
 
 One CTA of one warp; its `lanes` first threads (all 32 for the bodies that shuffle) each hold a
-4 x 4 matrix (or their share of one) in registers and run a loop body n times between two
-%clock64 reads. Cycles per iteration = (cycles at n = 1 + N - cycles at n = 1) / N, so the loads,
-the stores, the clock reads and whatever the compiler moves across them cancel. Bodies:
-- `lanes1`, `lanes2`, `lanes4`: `CoefficientsKernel.sinkhorn_step` (the kernel's own code: a row
-  and a column normalisation of the matrix, each sum 3 FADD + eps, rcp.approx, FMULs) with the
-  matrix spread over 1, 2 or 4 lanes (`comb_lanes`; column sums by shuffles);
-- `rcp1`: the one-lane repeat with one reciprocal per normalisation (1/s_a from 1/(s0 s1 s2 s3));
-- `unroll2`: two one-lane repeats per loop iteration (half the loop overhead);
-- `vectors`: the one-lane repeat in scaling-vector form, C = diag(r) K diag(c) with K fixed: a row
+4 x 4 matrix in registers and run a loop body n times between two %clock64 reads. Cycles per
+iteration = (cycles at n = 1 + N - cycles at n = 1) / N, so the loads, the stores, the clock reads
+and whatever the compiler moves across them cancel. Bodies:
+- `step`: the epilogue role's own `sinkhorn_step` (a row and a column normalisation of the matrix,
+  each sum 3 FADD + eps, rcp.approx, FMULs), one lane per matrix as the kernel runs it;
+- `rcp1`: the repeat with one reciprocal per normalisation (1/s_a from 1/(s0 s1 s2 s3));
+- `unroll2`: two repeats per loop iteration (half the loop overhead);
+- `vectors`: the repeat in scaling-vector form, C = diag(r) K diag(c) with K fixed: a row
   normalisation is r_a *= 1 / (r_a (K c)_a + eps) (28 instructions, FMA trees), a column one alike;
 - latency probes: dependent chains of 1 and 8 FADD, 8 FMUL, 4 `rcp.approx` per iteration; one
   and four independent chains of FADD + `rcp.approx`; 8 independent `rcp.approx` (MUFU issue
   interval); a chain of `shfl.bfly` (+ FADD).
+The matrix spread over 2 or 4 lanes (the removed `comb_lanes` knob, 140 / 166 cycles against 136-138
+for one lane) is in docs/perf-log.md v5.
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from cute_kernels import ptx as prim
-from cute_kernels.coefficients_kernel import HC, CoefficientsConfig, CoefficientsKernel
+from cute_kernels.coefficients.config import HC
+from cute_kernels.coefficients.epilogue import EpilogueRole
 from cute_kernels.compile import arch_for_device, compile_kernel, fake_stream, fake_tensor
 
 BODIES = (
-    "lanes1", "lanes2", "lanes4", "rcp1", "unroll2", "vectors",
+    "step", "rcp1", "unroll2", "vectors",
     "fadd_chain", "fadd_chain8", "fmul_chain8", "rcp_chain", "rcp_chain4", "rcp_dep4", "rcp_indep8", "shfl_chain",
 )  # fmt: skip
-BODY_LANES = {"lanes1": 1, "lanes2": 2, "lanes4": 4}  # the kernel's comb_lanes
-WHOLE_WARP = ("lanes2", "lanes4", "shfl_chain")  # bodies that shuffle: every lane takes part
+WHOLE_WARP = ("shfl_chain",)  # bodies that shuffle: every lane takes part
 
 
 class SinkhornMicro:
@@ -49,9 +51,8 @@ class SinkhornMicro:
             raise ValueError(f"body must be one of {BODIES}, got {body!r}")
         self.body = body
         self.lanes = 32 if body in WHOLE_WARP else lanes
-        # unroll2 runs the one-lane step
-        config = CoefficientsConfig.for_shape(4096, False, 32, comb_lanes=BODY_LANES.get(body, 1))
-        self.coef = CoefficientsKernel(4096, config=config)
+        # sinkhorn_step reads no shape of the role: any K, repeat, CTA and split will do.
+        self.epilogue = EpilogueRole(K=4 * 4096, sinkhorn_repeat=20, threads=32, groups=1)
 
     @cute.jit
     def __call__(
@@ -82,8 +83,8 @@ class SinkhornMicro:
     @cute.jit
     def step(self, rC: cute.Tensor, rV: cute.Tensor, eps: Float32):
         """One iteration of the chosen body."""
-        if const_expr(self.body in BODY_LANES):
-            self.coef.sinkhorn_step(rC, eps)
+        if const_expr(self.body == "step"):
+            self.epilogue.sinkhorn_step(rC, eps)
         elif const_expr(self.body == "vectors"):
             K = [[rC[a * HC + b] for b in range(HC)] for a in range(HC)]
             r = [rV[a] for a in range(HC)]
@@ -106,8 +107,8 @@ class SinkhornMicro:
                 for b in cutlass.range_constexpr(HC):
                     rC[a * HC + b] = c[a][b] * inv[b]
         elif const_expr(self.body == "unroll2"):
-            self.coef.sinkhorn_step(rC, eps)
-            self.coef.sinkhorn_step(rC, eps)
+            self.epilogue.sinkhorn_step(rC, eps)
+            self.epilogue.sinkhorn_step(rC, eps)
         elif const_expr(self.body == "fadd_chain8"):
             x = rC[0]
             for _ in cutlass.range_constexpr(8):
@@ -161,7 +162,7 @@ def compile_micro(body: str, lanes: int, arch: str) -> Callable[..., Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sinkhorn_micro", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.sinkhorn_micro", description=__doc__.splitlines()[0])
     p.add_argument("--bodies", nargs="+", default=list(BODIES), choices=BODIES)
     p.add_argument("--lanes", type=int, nargs="+", default=[1, 32], help="active lanes of the one-lane bodies")
     p.add_argument("--iterations", type=int, default=200)
