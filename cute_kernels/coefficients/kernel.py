@@ -14,7 +14,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from cute_kernels.coefficients.config import CLUSTER, CoefficientsConfig, projection_width
 from cute_kernels.coefficients.epilogue import EpilogueRole
@@ -52,7 +52,7 @@ class CoefficientsKernel:
             self.inputs = LayerInputRole(H, broadcast, layer_input, cta_warps, INLINE_BUDGET)
             self.norm_per_tile = config.rows_per_tile // self.inputs.norm_rows  # layer-input clusters per tile
 
-    def grid_clusters(self, rows):
+    def grid_clusters(self, rows: int | Int32) -> int | Int32:
         """The first launch's grid y extent for `rows` rows (an int, or the dynamic row count): per row tile
         its G projection clusters (CTA groups of schedule "partials"), then, inline, its layer-input clusters."""
         tiles = (rows + (self.projection.tm - 1)) // self.projection.tm
