@@ -123,17 +123,25 @@ def gather_call(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, inp
 def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
     """Simulated W-rank boundaries (both protocols) against the one-rank kernel launched the same way,
     the bytes over copy bandwidth and the gather path, per (W, H, rows)."""
+    import os
+
+    from cute_kernels.boundary import api
+    from cute_kernels.compile import warmup
+
     device = timer.device
     out = []
     points = [(w, h, r) for w in args.world for h in args.hidden for r in sorted(args.rows)]
     side = torch.cuda.Stream(device)
-    singles: dict[int, BoundaryAllReduce] = {}
+    # The one variant timed here (bf16 partial in, bf16 out), every world size and protocol, compiled in parallel.
+    variant = [api.BoundaryVariant("x", False, True, False, False)]
+    jobs = [job for h in args.hidden for job in api.warmup_jobs(h, arch=arch, variants=variant)]
+    for world in args.world:
+        for h in args.hidden:
+            jobs += api.warmup_jobs(h, arch=arch, world_size=world, ranks_per_device=world, variants=variant)
+    warmup(jobs, workers=os.cpu_count() or 1, desc="allreduce bench kernels")
+    singles = {h: BoundaryAllReduce(h, max_rows=max(args.rows), device=device) for h in args.hidden}
     for world, hidden, rows in tqdm(points, desc="allreduce (simulated ranks)", unit="shape"):
-        if hidden not in singles:
-            singles[hidden] = BoundaryAllReduce(hidden, max_rows=max(args.rows), device=device)
-            singles[hidden].warmup(progress=False)
         ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
-        ranks[0].warmup(progress=False)
         sets = rank_sets(world, rows, hidden, CALLS_PER_GRAPH, device)
         row: dict[str, Any] = {"W": world, "H": hidden, "rows": rows, "simulated": True}
         row["shipped_protocol"] = protocol_for(world, hidden, rows)

@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import platform
 import re
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,10 @@ from bench import chains
 from bench.timing import GraphTimer, host_us_per_call
 from boundary import BoundaryAllReduce
 from boundary.reference import mxfp8_scale_bytes
-from cute_kernels import boundary_kernel as bk
 from cute_kernels import coefficients as ck
+from cute_kernels.boundary import api as boundary_api
 
 CALLS_PER_GRAPH = 20
-SPLIT_ROWS = (1, 16, 64, 512)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -36,8 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
-    p.add_argument("--parts", nargs="+", default=["boundary", "split", "coefficients", "step"],
-                   choices=["boundary", "split", "widths", "coefficients", "step"], help="what to measure")  # fmt: skip
+    p.add_argument("--parts", nargs="+", default=["boundary", "allreduce", "coefficients", "step"],
+                   choices=["boundary", "allreduce", "coefficients", "step"], help="what to measure")  # fmt: skip
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8], help="world sizes of the allreduce part")
     p.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--step-hidden", type=int, default=5120, help="hidden size of the toy decode step")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
@@ -76,15 +75,15 @@ def boundary_bytes(rows: int, hidden: int, mxfp8: bool) -> int:
     return total
 
 
-def fused_call(inp: dict[str, torch.Tensor], arch: str, mxfp8: bool, config: bk.BoundaryConfig | None = None):
-    """A closure running the fused kernel on one input set (host checks included)."""
+def fused_call(inp: dict[str, torch.Tensor], arch: str, mxfp8: bool):
+    """A closure running the fused kernel's entry (no host checks: those are the public API's) on one input set."""
 
     def call() -> None:
-        bk.fused_boundary(
+        boundary_api.fused_boundary(
             residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"],
             norm_weight=inp["norm_weight"], norm_eps=1e-20, x=inp["x"], new_residual=inp["new_residual"],
             out=inp["out"], mxfp8_data=inp["mxfp8_data"] if mxfp8 else None,
-            mxfp8_scale=inp["mxfp8_scale"] if mxfp8 else None, arch=arch, config=config,
+            mxfp8_scale=inp["mxfp8_scale"] if mxfp8 else None, arch=arch,
         )  # fmt: skip
 
     return call
@@ -230,67 +229,6 @@ def print_coefficients(rows: list[dict]) -> None:
               f"{r.get('compile_ratio', float('nan')):7.1f}")  # fmt: skip
 
 
-def split_configs(hidden: int) -> dict[str, bk.BoundaryConfig]:
-    """The row schedules to compare at one H: the first default, the new default, and each knob moved alone."""
-    base, default = bk.BoundaryConfig.baseline(hidden), bk.default_config(hidden)
-    full = int(default.max_clusters / bk.RESIDENT_SHARE)  # every cluster that fits at the launch bounds
-    configs = {
-        "baseline": base,
-        "default": default,
-        "prefetch0": replace(default, prefetch=0),
-        "prefetch2": replace(default, prefetch=2),
-        "hints-loads": replace(default, cache_hints="loads"),
-        "no-bounds": replace(default, min_ctas_per_sm=0),
-        "cap/2": replace(default, max_clusters=default.max_clusters // 2),
-        "cap-full": replace(default, max_clusters=full),
-    }
-    widest = bk.BoundaryConfig.widest(hidden)
-    if widest.cluster_n != base.cluster_n:  # v1's default width, without and with the row schedule
-        configs["v1-width"] = widest
-        configs["v1-width+schedule"] = bk.BoundaryConfig.scheduled(widest)
-    return configs
-
-
-def bench_split(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
-    """Row schedules (one cluster per row, looping clusters, prefetch, hints, bounds) at rows 1, 16, 64, 512, per H."""
-    device = timer.device
-    out = []
-    for hidden in tqdm(args.hidden, desc="split", unit="H"):
-        configs = split_configs(hidden)
-        for rows in SPLIT_ROWS:
-            sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
-            for name, cfg in configs.items():
-                row: dict[str, Any] = {"H": hidden, "rows": rows, "name": name, "config": asdict(cfg),
-                                       "clusters": cfg.clusters(rows)}  # fmt: skip
-                for key, mx in (("us", False), ("mxfp8_us", True)):
-                    row[key] = timer.per_call_us([fused_call(s, arch, mx, cfg) for s in sets])
-                row["pct_copy"] = 100 * boundary_bytes(rows, hidden, False) / (row["us"] * 1e-6) / copy_bw
-                out.append(row)
-            del sets
-            torch.cuda.empty_cache()
-    return out
-
-
-def bench_widths(args: argparse.Namespace, arch: str, timer: GraphTimer) -> list[dict]:
-    """One CTA per row against row splits over a cluster (one cluster per row), per H."""
-    device = timer.device
-    out = []
-    for hidden in tqdm(args.hidden, desc="widths", unit="H"):
-        configs = []
-        for n in range(1, 9):
-            try:
-                configs.append(bk.BoundaryConfig.for_cluster(hidden, n))
-            except ValueError:
-                continue
-        for rows in (1, 4, 16, 64, 512):
-            sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
-            for cfg in configs:
-                us = timer.per_call_us([fused_call(s, arch, False, cfg) for s in sets])
-                out.append({"H": hidden, "rows": rows, "cluster_n": cfg.cluster_n, "threads": cfg.threads, "us": us,
-                            "default": cfg == bk.BoundaryConfig.baseline(hidden)})  # fmt: skip
-    return out
-
-
 def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
     """The whole toy decode step (CUDA graph, kernels path) with the coefficients on side streams and inline."""
     from boundary import Boundaries, DecodeStep
@@ -344,31 +282,6 @@ def print_boundary(rows: list[dict], copy_bw: float) -> None:
               f"{r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}")  # fmt: skip
 
 
-def print_split(rows: list[dict]) -> None:
-    """The row-schedule table: GPU us per call (plain, + MXFP8), % of copy bandwidth, and the best per (H, rows)."""
-    print("\nrow schedules: GPU us per call (bf16 out | + MXFP8); clusters launched; % of copy bandwidth (bf16 out)")
-    for r in rows:
-        print(f"  H {r['H']:>5} rows {r['rows']:>3}  {r['name']:<17} clusters {r['clusters']:>5}  "
-              f"{r['us']:7.2f} | {r['mxfp8_us']:7.2f} us  {r['pct_copy']:5.1f}%")  # fmt: skip
-    print("\nbest per (H, rows), against the baseline and the default:")
-    for key in sorted({(r["H"], r["rows"]) for r in rows}):
-        sel = [r for r in rows if (r["H"], r["rows"]) == key]
-        by = {r["name"]: r for r in sel}
-        for metric in ("us", "mxfp8_us"):
-            best = min(sel, key=lambda r: r[metric])
-            print(f"  H {key[0]:>5} rows {key[1]:>3} {metric:<8}: best {best['name']:<17} {best[metric]:7.2f}  "
-                  f"baseline {by['baseline'][metric]:7.2f}  default {by['default'][metric]:7.2f}")  # fmt: skip
-
-
-def print_widths(rows: list[dict]) -> None:
-    """The row-split table."""
-    print("\nrow split: GPU us per call by CTAs per row (cluster_n); * = the default width for that H")
-    for r in rows:
-        mark = "*" if r["default"] else " "
-        print(f"  H {r['H']:>5} rows {r['rows']:>3}  cluster_n {r['cluster_n']} x {r['threads']:>3} threads{mark} "
-              f"{r['us']:7.2f} us")  # fmt: skip
-
-
 def plot(rows: list[dict], path: Path) -> None:
     """Microseconds against rows, one panel per H."""
     import matplotlib
@@ -415,12 +328,12 @@ def main(argv: list[str] | None, *, arch: str) -> int:
         results["boundary"] = bench_boundary(args, arch, timer, copy_bw)
         print_boundary(results["boundary"], copy_bw)
         plot(results["boundary"], args.out / f"{stem}-boundary.png")
-    if "split" in args.parts:
-        results["split"] = bench_split(args, arch, timer, copy_bw)
-        print_split(results["split"])
-    if "widths" in args.parts:
-        results["widths"] = bench_widths(args, arch, timer)
-        print_widths(results["widths"])
+    if "allreduce" in args.parts:
+        from bench import allreduce
+
+        results["allreduce"] = allreduce.bench_allreduce(args, arch, timer, copy_bw)
+        allreduce.print_allreduce(results["allreduce"], copy_bw)
+        allreduce.plot_allreduce(results["allreduce"], args.out / f"{stem}-allreduce-simulated.png")
     if "coefficients" in args.parts:
         results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
         print_coefficients(results["coefficients"])

@@ -114,7 +114,7 @@ def _import_new(kernel: str) -> Any | None:
         return None
     try:
         module = importlib.import_module(f"cute_kernels.{kernel}.api")
-    except ModuleNotFoundError as exc:
+    except ImportError as exc:
         if exc.name in _NEW_MODULES[kernel]:
             return None
         raise
@@ -330,7 +330,7 @@ def check_dispatch_coverage(hidden: Iterable[int], max_rows: int, entries: list[
     exposes default_config / layer_input_mode) and report any that no warmup job compiles."""
     try:
         from cute_kernels import coefficients_kernel as ck
-    except ModuleNotFoundError:
+    except ImportError:
         return ["dispatch coverage: not checked (cute_kernels.coefficients_kernel is gone)"]
     if not all(hasattr(ck, f) for f in ("default_config", "layer_input_mode", "compile_coefficients")):
         return ["dispatch coverage: not checked (default_config / layer_input_mode / compile_coefficients moved)"]
