@@ -360,6 +360,7 @@ def test_looping_variants_are_bit_identical_to_the_default(variant: api.Boundary
         assert bitwise_equal(got, want), "a cap of 4 clusters differs from the default"
 
 
+@pytest.mark.parametrize("H", [2560, 7168])
 def test_looping_batch_invariance(H: int, arch: str) -> None:
     """A row's bits are the same alone, among 64 rows, or among 512 rows on 5 clusters of ~103 rows."""
     variant = ALL_OUTPUTS
