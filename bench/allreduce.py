@@ -107,6 +107,23 @@ def forked_call(ar: BoundaryAllReduce, side: torch.cuda.Stream, inputs: dict[str
     return call
 
 
+def parallel_single_call(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, inputs: list[dict[str, Any]]):
+    """A closure launching W one-rank boundaries (no exchange) the way the simulated ranks launch theirs: one per
+    rank stream, forked and joined: what W ranks cost on this GPU before any byte is exchanged."""
+
+    def call() -> None:
+        main = torch.cuda.current_stream()
+        for ar in ranks:
+            ar.stream.wait_stream(main)
+        for ar in ranks:
+            with torch.cuda.stream(ar.stream):
+                boundary_call(one_rank, inputs[ar.rank])
+        for ar in ranks:
+            main.wait_stream(ar.stream)
+
+    return call
+
+
 def gather_call(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, inputs: list[dict[str, Any]]):
     """A closure of the previous version's W > 1 path without its all-gather: every rank sums all partials in
     rank order in torch, then runs the one-rank kernel on the sum (each on its own stream)."""
@@ -152,12 +169,14 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
             row[f"{protocol}_bytes"] = total
         row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
         row["one_rank_forked_us"] = timer.per_call_us([forked_call(singles[hidden], side, s[0]) for s in sets])
+        row["w_one_rank_forked_us"] = timer.per_call_us([parallel_single_call(ranks, singles[hidden], s) for s in sets])
         row["gather_us"] = timer.per_call_us([gather_call(ranks, singles[hidden], s) for s in sets])
         for protocol in ("oneshot", "twoshot"):
             extra = (row[f"{protocol}_bytes"] - boundary_bytes(rows, hidden)) / copy_bw * 1e6
             row[f"{protocol}_budget_us"] = row["one_rank_forked_us"] + extra
             row[f"{protocol}_over_budget_us"] = row[f"{protocol}_us"] - row[f"{protocol}_budget_us"]
             row[f"{protocol}_x_bytes"] = row[f"{protocol}_us"] / (row[f"{protocol}_bytes"] / copy_bw * 1e6)
+            row[f"{protocol}_over_w_one_rank_us"] = row[f"{protocol}_us"] - row["w_one_rank_forked_us"]
         row["best"] = min(("oneshot", "twoshot"), key=lambda p: row[f"{p}_us"])
         out.append(row)
         del sets, ranks
@@ -169,17 +188,19 @@ def print_allreduce(rows: list[dict], copy_bw: float) -> None:
     """The simulated multi-rank table and the one-shot / two-shot switch it suggests per (W, H)."""
     print(f"\nmulti-rank boundary, SIMULATED ranks (W kernels on one GPU, not NVLink), GPU us per call; "
           f"copy {copy_bw / 1e12:.2f} TB/s")  # fmt: skip
-    head = (f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} {'ships':>7} | {'1 rank':>7} {'gather':>7} | "
-            f"{'1s-bud':>7} {'2s-bud':>7} | {'1s xB':>6} {'2s xB':>6}")  # fmt: skip
+    head = (f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} {'ships':>7} | {'1 rank':>7} {'W x 1':>7} "
+            f"{'gather':>7} | {'1s-bud':>7} {'2s-bud':>7} | {'1s-Wx1':>7} {'2s-Wx1':>7} | {'1s xB':>6} {'2s xB':>6}")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_us']:7.2f} {r['twoshot_us']:7.2f} "
-              f"{r['shipped_protocol']:>7} | {r['one_rank_forked_us']:7.2f} {r['gather_us']:7.2f} | "
-              f"{r['oneshot_over_budget_us']:+7.2f} {r['twoshot_over_budget_us']:+7.2f} | "
+              f"{r['shipped_protocol']:>7} | {r['one_rank_forked_us']:7.2f} {r['w_one_rank_forked_us']:7.2f} "
+              f"{r['gather_us']:7.2f} | {r['oneshot_over_budget_us']:+7.2f} {r['twoshot_over_budget_us']:+7.2f} | "
+              f"{r['oneshot_over_w_one_rank_us']:+7.2f} {r['twoshot_over_w_one_rank_us']:+7.2f} | "
               f"{r['oneshot_x_bytes']:6.2f} {r['twoshot_x_bytes']:6.2f}")  # fmt: skip
-    print("(1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; xB: time over "
-          "all ranks' bytes at copy bandwidth)")  # fmt: skip
+    print("(1 rank: the one-rank boundary on one forked stream; W x 1: W of them, one per rank stream, no exchange; "
+          "1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; 1s-Wx1 / 2s-Wx1: us "
+          "above W x 1; xB: time over all ranks' bytes at copy bandwidth)")  # fmt: skip
     for key in sorted({(r["W"], r["H"]) for r in rows}):
         sel = sorted((r for r in rows if (r["W"], r["H"]) == key), key=lambda r: r["rows"])
         oneshot = [r["rows"] for r in sel if r["oneshot_us"] <= r["twoshot_us"]]
@@ -201,6 +222,7 @@ def plot_allreduce(rows: list[dict], path: Any) -> None:
         sel = sorted((r for r in rows if (r["W"], r["H"]) == (world, hidden)), key=lambda r: r["rows"])
         xs = [r["rows"] for r in sel]
         for key, label in (("oneshot_us", "one-shot"), ("twoshot_us", "two-shot"), ("one_rank_forked_us", "one rank"),
+                           ("w_one_rank_forked_us", "W one-rank kernels, no exchange"),
                            ("gather_us", "gather path (no all-gather)")):  # fmt: skip
             ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
         ax.set_xscale("log", base=2)
