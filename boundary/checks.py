@@ -100,3 +100,37 @@ def finite_float(name: str, value: object, *, minimum: float | None = None) -> f
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def pre_delayed_args(
+    residual: object,
+    fn: object,
+    hc_scale: object,
+    hc_base: object,
+    rms_eps: object,
+    hc_pre_eps: object,
+    hc_sinkhorn_eps: object,
+    hc_post_mult_value: object,
+    sinkhorn_repeat: object,
+    pre_mix: object,
+    x: object,
+    norm_weight: object,
+    norm_eps: object,
+) -> None:
+    """The arguments of mhc_pre_delayed and mhc_pre_delayed_overlap (CONTRACT §3): dtypes, shapes, devices, scalars."""
+    residual = tensor("residual", residual, dtype=torch.bfloat16, shape=(None, None, None))
+    rows, hc, hidden = residual.shape
+    dev = residual.device
+    x = optional_tensor("x", x, dtype=torch.bfloat16, shape=(rows, hidden), device=dev)
+    width = hidden if x is not None else hc * hidden
+    tensor("fn", fn, dtype=torch.float32, shape=(hc * (hc + 2), width), device=dev)
+    tensor("hc_scale", hc_scale, dtype=torch.float32, shape=(3,), device=dev)
+    tensor("hc_base", hc_base, dtype=torch.float32, shape=(hc * (hc + 2),), device=dev)
+    optional_tensor("pre_mix", pre_mix, dtype=torch.float32, shape=(rows, hc), device=dev)
+    optional_tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=dev)
+    finite_float("rms_eps", rms_eps, minimum=0.0)
+    finite_float("hc_pre_eps", hc_pre_eps, minimum=0.0)
+    finite_float("hc_sinkhorn_eps", hc_sinkhorn_eps, minimum=0.0)
+    finite_float("hc_post_mult_value", hc_post_mult_value)
+    positive_int("sinkhorn_repeat", sinkhorn_repeat)
+    finite_float("norm_eps", norm_eps, minimum=0.0)

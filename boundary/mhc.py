@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from boundary import checks, reference
-from boundary.reference import MIX_WIDTH
 from cute_kernels import coefficients
 from cute_kernels.boundary.api import fused_boundary
 from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
@@ -84,39 +83,6 @@ def _too_many_rows(rows: int, hidden: int) -> str:
     return f"the mHC kernels take at most {kernel_row_limit(hidden)} rows at H={hidden}, got {rows}"
 
 
-def _check_pre_delayed_args(
-    residual: object,
-    fn: object,
-    hc_scale: object,
-    hc_base: object,
-    rms_eps: object,
-    hc_pre_eps: object,
-    hc_sinkhorn_eps: object,
-    hc_post_mult_value: object,
-    sinkhorn_repeat: object,
-    pre_mix: object,
-    x: object,
-    norm_weight: object,
-    norm_eps: object,
-) -> None:
-    residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
-    rows, hc, hidden = residual.shape
-    dev = residual.device
-    x = checks.optional_tensor("x", x, dtype=BF16, shape=(rows, hidden), device=dev)
-    width = hidden if x is not None else hc * hidden
-    checks.tensor("fn", fn, dtype=F32, shape=(MIX_WIDTH if hc == 4 else hc * (hc + 2), width), device=dev)
-    checks.tensor("hc_scale", hc_scale, dtype=F32, shape=(3,), device=dev)
-    checks.tensor("hc_base", hc_base, dtype=F32, shape=(hc * (hc + 2),), device=dev)
-    checks.optional_tensor("pre_mix", pre_mix, dtype=F32, shape=(rows, hc), device=dev)
-    checks.optional_tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev)
-    checks.finite_float("rms_eps", rms_eps, minimum=0.0)
-    checks.finite_float("hc_pre_eps", hc_pre_eps, minimum=0.0)
-    checks.finite_float("hc_sinkhorn_eps", hc_sinkhorn_eps, minimum=0.0)
-    checks.finite_float("hc_post_mult_value", hc_post_mult_value)
-    checks.positive_int("sinkhorn_repeat", sinkhorn_repeat)
-    checks.finite_float("norm_eps", norm_eps, minimum=0.0)
-
-
 def mhc_pre_delayed(
     residual: Tensor,
     fn: Tensor,
@@ -138,7 +104,7 @@ def mhc_pre_delayed(
 
     On the kernels, one launch computes both the mixes and (with `norm_weight`) the layer input.
     """
-    _check_pre_delayed_args(
+    checks.pre_delayed_args(
         residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
         hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
     )  # fmt: skip
@@ -213,7 +179,7 @@ def mhc_pre_delayed_overlap(
     reads post, comb or next_pre. With `layer_input` given, only the mixes run. `stream` None
     (the CPU) runs everything on the current stream.
     """
-    _check_pre_delayed_args(
+    checks.pre_delayed_args(
         residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
         hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
     )  # fmt: skip

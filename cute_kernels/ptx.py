@@ -160,23 +160,29 @@ def st_async_remote_f32(
     )
 
 
-@dsl_user_op
-def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> tuple[Uint32, ...]:
-    """16 bytes (4 words) from a global address when `pred`, else zeros without touching memory."""
-    # Marked side-effecting so LLVM keeps it after griddepcontrol.wait; ptxas still schedules it freely.
+def _ld_v4_pred(op: str, addr: Int64, pred: cutlass.Boolean, loc, ip) -> tuple[Uint32, ...]:
+    """`op` (a 16-byte load) of 4 words when `pred`, else zeros without touching memory."""
+    # Marked side-effecting so LLVM keeps it after griddepcontrol.wait (and in a poll loop); ptxas still
+    # schedules it freely.
     res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .pred p;\n\t"
         "setp.ne.b32 p, $5, 0;\n\t"
         "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t"
-        "@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        f"@p {op} {{$0, $1, $2, $3}}, [$4];\n\t}}",
         "=r,=r,=r,=r,l,r",
         side_effects=True,
         loc=loc,
         ip=ip,
     )
     return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> tuple[Uint32, ...]:
+    """16 bytes (4 words) from a global address when `pred`, else zeros without touching memory."""
+    return _ld_v4_pred("ld.global.v4.b32", addr, pred, loc, ip)
 
 
 @dsl_user_op
@@ -380,19 +386,7 @@ def st_v4_i32(ptr: cute.Pointer, words: tuple, *, loc=None, ip=None) -> None:
 @dsl_user_op
 def ld_sys_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> tuple[Uint32, ...]:
     """16 bytes a peer may be writing (ld.relaxed.sys: never a stale L1 line) when `pred`, else zeros."""
-    res = inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .pred p;\n\t"
-        "setp.ne.b32 p, $5, 0;\n\t"
-        "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t"
-        "@p ld.relaxed.sys.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
-        "=r,=r,=r,=r,l,r",
-        side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+    return _ld_v4_pred("ld.relaxed.sys.global.v4.b32", addr, pred, loc, ip)
 
 
 @dsl_user_op
