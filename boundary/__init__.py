@@ -1,4 +1,4 @@
-"""The fused mHC decode boundary for DeepSeek-V4.1-style models: the public names of SPEC §5."""
+"""The fused mHC decode boundary for DeepSeek-V4.1-style models: the public names of CONTRACT §5."""
 
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.mhc import mhc_post, mhc_pre_delayed, mhc_pre_delayed_overlap

@@ -100,7 +100,7 @@ def mhc_pre_delayed(
     *,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(post, comb, layer_input, next_pre) of SPEC §3: the mixes of the streams and the delayed collapse.
+    """(post, comb, layer_input, next_pre) of CONTRACT §3: the mixes of the streams and the delayed collapse.
 
     On the kernels, one launch computes both the mixes and (with `norm_weight`) the layer input.
     """

@@ -1,6 +1,6 @@
-"""The torch math of SPEC §2-§4, with its exact rounding points: the oracle and the CPU path.
+"""The torch math of CONTRACT §2-§4, with its exact rounding points: the oracle and the CPU path.
 
-Every function computes in fp32 and rounds to bf16 exactly where the SPEC says, so that a kernel
+Every function computes in fp32 and rounds to bf16 exactly where the contract (docs/CONTRACT.md) says, so that a kernel
 can be held to the same bits. Nothing here checks its inputs: the public entry points in
 `boundary.mhc` and `boundary.all_reduce` do that before calling in.
 """
@@ -23,7 +23,7 @@ F32 = torch.float32
 
 
 def rank_sum(partials: Sequence[Tensor]) -> Tensor:
-    """y = bf16(x_0 + x_1 + ... + x_{W-1}) summed in fp32 in rank order (SPEC §2 step 1)."""
+    """y = bf16(x_0 + x_1 + ... + x_{W-1}) summed in fp32 in rank order (CONTRACT §2 step 1)."""
     acc = partials[0].to(F32)
     for p in partials[1:]:
         acc = acc + p.to(F32)
@@ -68,7 +68,7 @@ def add_shared(routed: Tensor, shared_output: Tensor | None) -> Tensor:
 
 
 def mhc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """R'[j] = bf16(post[j]*y + sum_k comb[k, j]*R[k]) for each stream j (SPEC §2 step 2)."""
+    """R'[j] = bf16(post[j]*y + sum_k comb[k, j]*R[k]) for each stream j (CONTRACT §2 step 2)."""
     rows, hc, _ = residual.shape
     y32 = y.to(F32)
     r32 = residual.to(F32)
@@ -84,7 +84,7 @@ def mhc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 
 
 def collapse(residual: Tensor, pre: Tensor) -> Tensor:
-    """c = bf16(sum_j pre[j] * R[j]), j in order 0..hc-1 (SPEC §2 step 3)."""
+    """c = bf16(sum_j pre[j] * R[j]), j in order 0..hc-1 (CONTRACT §2 step 3)."""
     rows, hc, _ = residual.shape
     pre = pre.reshape(rows, hc).to(F32)
     r32 = residual.to(F32)
@@ -95,7 +95,7 @@ def collapse(residual: Tensor, pre: Tensor) -> Tensor:
 
 
 def rms_norm(c: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """out = bf16(c * rsqrt(sum c^2 / H + eps) * w) over the bf16 values of c (SPEC §2 steps 4-5)."""
+    """out = bf16(c * rsqrt(sum c^2 / H + eps) * w) over the bf16 values of c (CONTRACT §2 steps 4-5)."""
     c32 = c.to(F32)
     inv = torch.rsqrt((c32 * c32).sum(-1, keepdim=True) / c.shape[-1] + eps)
     return (c32 * inv * weight.to(F32)).to(BF16)
@@ -143,7 +143,7 @@ def e8m0_round_up(descale: Tensor) -> Tensor:
 
 
 def mxfp8_quantize(out: Tensor) -> tuple[Tensor, Tensor]:
-    """MXFP8 of a [T, H] bf16 tensor (SPEC §4): e4m3 data [T, H] and swizzled 128x4 E8M0 scales."""
+    """MXFP8 of a [T, H] bf16 tensor (CONTRACT §4): e4m3 data [T, H] and swizzled 128x4 E8M0 scales."""
     rows, hidden = out.shape
     blocks = out.to(F32).reshape(rows, hidden // MXFP8_BLOCK, MXFP8_BLOCK)
     amax = blocks.abs().amax(-1)
@@ -183,7 +183,7 @@ def boundary(
     mxfp8: bool = False,
     aux: bool = False,
 ) -> BoundaryResult:
-    """SPEC §2 steps 2-6 on an already reduced y; residual-only when pre is None."""
+    """CONTRACT §2 steps 2-6 on an already reduced y; residual-only when pre is None."""
     new_residual = mhc_post(y, residual, post, comb)
     mean = mean_of_streams(new_residual) if aux else None
     if pre is None:
@@ -212,7 +212,7 @@ def mhc_coefficients(
     post_mult: float,
     sinkhorn_repeat: int,
 ) -> Coefficients:
-    """post, comb and pre from a [T, K] projection input (SPEC §3); the RMS is over K columns.
+    """post, comb and pre from a [T, K] projection input (CONTRACT §3); the RMS is over K columns.
 
     Pass the streams flattened to [T, hc*H] with `fn`, or the first layer's embedding [T, H]
     with `fn_broadcast`.

@@ -1,7 +1,7 @@
 """A toy DeepSeek-V4.1-like decode model (random weights, real shapes) and two ways to run a step.
 
 `decode_step` drives the boundaries through `Boundaries`; `decode_step_plain` writes the same
-step out from the SPEC formulas with no scheduler, no fused boundary and no side streams. On
+step out from the contract formulas with no scheduler, no fused boundary and no side streams. On
 the reference path the two agree bit for bit.
 """
 
@@ -56,7 +56,7 @@ class ToyNorm:
 
 @dataclass
 class ToyLayer:
-    """One decoder layer: the mHC parameters of SPEC §5 and this rank's shards of the sublayers."""
+    """One decoder layer: the mHC parameters of CONTRACT §5 and this rank's shards of the sublayers."""
 
     index: int
     hc_mult: int
@@ -210,7 +210,7 @@ class ToyModel:
 def decode_step(
     model: ToyModel, boundaries: Boundaries, tokens: Tensor, step: DecodeStep, *, capture_mxfp8: bool = True
 ) -> StepOutput:
-    """One decode step driven by the boundary scheduler (the SPEC §3 layer loop)."""
+    """One decode step driven by the boundary scheduler (the CONTRACT §3 layer loop)."""
     layers = model.layers
     state, x = boundaries.first(layers[0], model.embed[tokens], step)
     quantized = aux = None
@@ -286,7 +286,7 @@ def _input_plain(streams: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Te
 
 
 def decode_step_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) -> StepOutput:
-    """The same decode step written out from the SPEC formulas, with no scheduler and no side streams."""
+    """The same decode step written out from the contract formulas, with no scheduler and no side streams."""
     world = dist.get_world_size(group) if group is not None else 1
     layers = model.layers
 

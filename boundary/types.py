@@ -60,7 +60,7 @@ class Norm(Protocol):
 
 
 class MHCLayer(Protocol):
-    """The attributes of a decoder layer that the boundary scheduler reads (SPEC §5)."""
+    """The attributes of a decoder layer that the boundary scheduler reads (CONTRACT §5)."""
 
     hc_mult: int
     hc_attn_fn: Tensor

@@ -28,7 +28,8 @@ def main() -> int:
             w = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
             xs = [torch.randn(protocol_rows, hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in ranks]
             outs = BoundaryAllReduce.run_simulated(
-                ranks, [lambda ar: ar(xs[ar.rank], residual, post, comb, pre, w, 1e-6, None)] * world  # noqa: B023
+                ranks,
+                [lambda ar: ar(xs[ar.rank], residual, post, comb, pre, w, 1e-6, None)] * world,  # noqa: B023
             )
             torch.cuda.synchronize()
             want = ref.mhc_post(ref.rank_sum(xs), residual, post, comb)

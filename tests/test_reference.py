@@ -1,4 +1,4 @@
-"""The reference math of SPEC §2-§4 against float64 oracles, and its rounding contract."""
+"""The reference math of CONTRACT §2-§4 against float64 oracles, and its rounding contract."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def streams(rows: int, hidden: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(rows, 4, hidden, generator=gen(seed)).to(BF16)
 
 
-# --- SPEC §2 step 1: the rank-order sum ------------------------------------------------------
+# --- CONTRACT §2 step 1: the rank-order sum ------------------------------------------------------
 
 
 def test_rank_sum_matches_float64_sum_rounded_once() -> None:
@@ -47,7 +47,7 @@ def test_rank_sum_adds_in_rank_order() -> None:
     assert torch.all(ref.rank_sum([b, c, a]) == 1)
 
 
-# --- SPEC §2 steps 2-5 -------------------------------------------------------------------------
+# --- CONTRACT §2 steps 2-5 -------------------------------------------------------------------------
 
 
 def test_mhc_post_against_float64() -> None:
@@ -150,7 +150,7 @@ def test_moe_finalize_against_float64_with_missing_experts() -> None:
     assert torch.all(no_shared[3] == 0)
 
 
-# --- SPEC §3: the coefficients -----------------------------------------------------------------
+# --- CONTRACT §3: the coefficients -----------------------------------------------------------------
 
 
 def coefficients_float64(x, fn, scale, base, rms_eps, pre_eps, eps, post_mult, repeat):
@@ -215,7 +215,7 @@ def test_pre_delayed_without_pre_mix_collapses_to_stream_zero_exactly() -> None:
     assert bitwise_equal(ref.collapse(residual, ref.one_hot_pre(rows)), residual[:, 0])
 
 
-# --- SPEC §4: MXFP8 ----------------------------------------------------------------------------
+# --- CONTRACT §4: MXFP8 ----------------------------------------------------------------------------
 
 
 def test_scale_bytes_and_layout() -> None:
@@ -254,7 +254,7 @@ def test_e8m0_round_up_is_the_smallest_exponent_that_covers() -> None:
 
 
 def mx_inputs(rows: int, hidden: int, seed: int) -> torch.Tensor:
-    """bf16 rows whose 32-blocks span a huge dynamic range, with every special block the SPEC names."""
+    """bf16 rows whose 32-blocks span a huge dynamic range, with every special block the contract names."""
     g = gen(seed)
     x = torch.randn(rows, hidden, generator=g, dtype=F64)
     x *= (
@@ -298,7 +298,7 @@ def test_mxfp8_matches_torchao_bit_for_bit(rows: int, hidden: int) -> None:
     nan = data.float().isnan()
     assert torch.equal(nan, ao_data.float().isnan())
     assert torch.equal(ours[~nan], theirs[~nan])
-    # The SPEC's special blocks, spelled out.
+    # The contract's special blocks (CONTRACT §4), spelled out.
     e = scale[ref.swizzled_scale_offsets(rows, hidden)[0, :11]].tolist()
     assert e[0] == 0 and e[1] == 0 and e[2] == 0 and e[3] == 1 and e[5] == 127 and e[6] == 128
     assert e[7] == 254 and e[8] == 254 and e[9] == 255

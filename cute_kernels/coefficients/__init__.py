@@ -1,4 +1,4 @@
-"""The mHC coefficients kernels (SPEC §3): projection + Sinkhorn in one or two launches, and the layer input."""
+"""The mHC coefficients kernels (CONTRACT §3): projection + Sinkhorn in one or two launches, and the layer input."""
 
 from cute_kernels.coefficients.api import (
     MAX_ROWS,

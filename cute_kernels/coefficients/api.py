@@ -167,7 +167,7 @@ def mhc_coefficients(
     config: CoefficientsConfig | None = None,
     stream: torch.cuda.Stream | None = None,
 ) -> None:
-    """Write post [T,4], comb [T,4,4] and next pre [T,4] of SPEC §3, and with `layer_input_out` the layer input.
+    """Write post [T,4], comb [T,4,4] and next pre [T,4] of CONTRACT §3, and with `layer_input_out` the layer input.
 
     `x` is the streams [T, 4, H] bf16 with `fn` [24, 4H], or with `broadcast` the first layer's embedding
     [T, H] with `fn_broadcast` [24, H]. With `layer_input_out` [T, H] bf16 (inline form) the kernel also

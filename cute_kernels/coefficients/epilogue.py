@@ -1,4 +1,4 @@
-"""The per-row epilogue of SPEC §3 (steps 1-4) on a row's 25 summed partials: the rms scale, the pre and
+"""The per-row epilogue of CONTRACT §3 (steps 1-4) on a row's 25 summed partials: the rms scale, the pre and
 post sigmoids, and comb (softmax rows, then the Sinkhorn repeats), plus the partials schedule's finish
 kernel, which sums a row's CTA partials in the one-launch schedule's order before running it.
 
@@ -56,7 +56,7 @@ class EpilogueRole:
 
     @cute.jit
     def row_scale(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> Float32:
-        """SPEC §3 step 1 for share row i: rsqrt(mean square + eps)."""
+        """CONTRACT §3 step 1 for share row i: rsqrt(mean square + eps)."""
         return prim.rsqrt_approx(prim.div_rn(sMix[i * NV + MIX], Float32(self.K)) + rms_eps)
 
     @cute.jit
@@ -76,7 +76,7 @@ class EpilogueRole:
         pre_eps: Float32,
         post_mult: Float32,
     ):
-        """SPEC §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
+        """CONTRACT §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * sParam[0] + sParam[3 + j]
             mPre[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) + pre_eps
@@ -95,7 +95,7 @@ class EpilogueRole:
         rms_eps: Float32,
         sinkhorn_eps: Float32,
     ):
-        """SPEC §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits), lane i for share
+        """CONTRACT §3 step 4 on one warp: comb = Sinkhorn(softmax rows of the 16 comb logits), lane i for share
         row i; lanes past the rows redo the last one and store nothing."""
         lane = cute.arch.lane_idx()
         i = cutlass.min(lane, share_rows - 1)

@@ -1,4 +1,4 @@
-"""The mHC coefficients kernel (SPEC §3, `mhc_pre_delayed`): the projection, layer-input and epilogue roles
+"""The mHC coefficients kernel (CONTRACT §3, `mhc_pre_delayed`): the projection, layer-input and epilogue roles
 composed into one or two launches.
 
 Schedule "tile": one launch of clusters; the projection clusters exchange their partials in the cluster,
@@ -23,7 +23,7 @@ from cute_kernels.coefficients.projection import ProjectionRole
 
 
 class CoefficientsKernel:
-    """post, comb and next pre of SPEC §3 (plus, inline, the layer input); variant and shape compile-time.
+    """post, comb and next pre of CONTRACT §3 (plus, inline, the layer input); variant and shape compile-time.
 
     `variant` "standard" projects the streams [T, 4, H], "broadcast" the first layer's embedding [T, H];
     `layer_input` "none", "carried" (the carried pre-mix collapse) or "one_hot" (stream 0 / the embedding
