@@ -207,6 +207,21 @@ def print_allreduce(rows: list[dict], copy_bw: float) -> None:
         print(f"  W={key[0]} H={key[1]}: one-shot at least as fast at rows {oneshot}")
 
 
+def print_multi_gpu(rows: list[dict]) -> None:
+    """The NVLink table: the fused boundary (both protocols) against NCCL / symmetric-memory all-reduce + the
+    one-rank kernel, the median over samples of the slowest rank."""
+    print("\nmulti-rank boundary, one process per GPU (NVLink, multicast off), GPU us per call, slowest rank")
+    head = f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} | {'NCCL+k':>7} {'symm1+k':>7} {'symm2+k':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_us']:7.2f} {r['twoshot_us']:7.2f} | "
+              f"{r['nccl_kernel_us']:7.2f} {r['symm_oneshot_kernel_us']:7.2f} {r['symm_twoshot_kernel_us']:7.2f}")  # fmt: skip
+        for key in ("nccl_kernel_error", "symm_oneshot_kernel_error", "symm_twoshot_kernel_error"):
+            if key in r:
+                print(f"      {key}: {r[key]}")
+
+
 def plot_allreduce(rows: list[dict], path: Any) -> None:
     """Simulated multi-rank us against rows, one panel per (W, H)."""
     import matplotlib
@@ -366,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     if torch.cuda.device_count() > 1:
         rows = run_multi_gpu(args)
+        print_multi_gpu(rows)
         label = "nvlink"
     else:
         rows = bench_allreduce(args, arch, timer, copy_bw)

@@ -331,9 +331,13 @@ def main(argv: list[str] | None, *, arch: str) -> int:
     if "allreduce" in args.parts:
         from bench import allreduce
 
-        results["allreduce"] = allreduce.bench_allreduce(args, arch, timer, copy_bw)
-        allreduce.print_allreduce(results["allreduce"], copy_bw)
-        allreduce.plot_allreduce(results["allreduce"], args.out / f"{stem}-allreduce-simulated.png")
+        if torch.cuda.device_count() > 1:  # one process per GPU, over NVLink
+            results["allreduce_nvlink"] = allreduce.run_multi_gpu(args)
+            allreduce.print_multi_gpu(results["allreduce_nvlink"])
+        else:
+            results["allreduce_simulated"] = allreduce.bench_allreduce(args, arch, timer, copy_bw)
+            allreduce.print_allreduce(results["allreduce_simulated"], copy_bw)
+            allreduce.plot_allreduce(results["allreduce_simulated"], args.out / f"{stem}-allreduce-simulated.png")
     if "coefficients" in args.parts:
         results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
         print_coefficients(results["coefficients"])
