@@ -13,7 +13,7 @@ from torch import Tensor
 from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
 from boundary.workspace import Workspace, peers_can_map
-from cute_kernels.allreduce.protocol import ERROR_MISSING, ERROR_MOE_INDEX, ERROR_MOE_ROW
+from cute_kernels.allreduce.protocol import ERROR_MISSING, ERROR_MOE_INDEX, ERROR_MOE_ROW, MAX_WORLD
 from cute_kernels.allreduce.tuning import protocol_for
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.compile import arch_for_device, warmup
@@ -91,6 +91,8 @@ class BoundaryAllReduce:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         checks.positive_int("timeout_us", timeout_us)
+        if world > MAX_WORLD:
+            raise ValueError(f"the TP group has {world} ranks; the peer boundary serves at most {MAX_WORLD}")
         if timeout_us > MAX_TIMEOUT_US:
             raise ValueError(f"timeout_us must be at most {MAX_TIMEOUT_US}, got {timeout_us}")
         self.hidden_size = hidden_size
@@ -269,10 +271,12 @@ class BoundaryAllReduce:
         if missing:
             raise RuntimeError(
                 f"rank {self.rank}: the boundary gave up waiting for rank(s) {missing} after timeout_us="
-                f"{self.timeout_us}; its outputs since are wrong. Call reset() on every rank before the next boundary"
+                f"{self.timeout_us}; the outputs of that boundary and every one since are wrong, on every rank "
+                "(a peer may have used this rank's unfinished sum). Call reset() on every rank before the next boundary"
             )
         if word[ERROR_MOE_ROW]:
             self.workspace.error[ERROR_MOE_ROW : ERROR_MOE_INDEX + 1].zero_()
+            # The row is the last one flagged; the index is one of the flagged ones (usually that row's).
             raise ValueError(
                 f"rank {self.rank}: expanded_idx_to_permuted_idx held {word[ERROR_MOE_INDEX]} in row "
                 f"{word[ERROR_MOE_ROW] - 1}, outside [-1, P): that expert was treated as none"
@@ -284,11 +288,13 @@ class BoundaryAllReduce:
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.synchronize(self.device)
+        if self.group is not None:
+            dist.barrier(self.group)  # every rank's kernels are done: no late push can land after the re-arm
         self.workspace.arm()
         if on_gpu:
             torch.cuda.synchronize(self.device)
         if self.group is not None:
-            dist.barrier(self.group)
+            dist.barrier(self.group)  # every rank is re-armed before any rank's next push
 
     def _check_rows(self, rows: int) -> None:
         checks.positive_int("rows", rows)

@@ -101,9 +101,11 @@ class Workspace:
                              f"timeout_us; the ranks gave {shapes}")  # fmt: skip
         buf = symm_mem.empty(slot_elements(world, max_rows, hidden_size), dtype=torch.bfloat16, device=device)
         handle = symm_mem.rendezvous(buf, group)
-        offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]
+        # Where this tensor starts in its symmetric allocation; a pooling allocator may differ by rank.
+        offsets: list[Any] = [None] * world
+        dist.all_gather_object(offsets, buf.data_ptr() - handle.buffer_ptrs[handle.rank], group=group)
         ws = cls(hidden_size, max_rows, device, world, rank, timeout_us)
-        ws._attach(buf, [handle.buffer_ptrs[p] + offset for p in range(world)])
+        ws._attach(buf, [handle.buffer_ptrs[p] + offsets[p] for p in range(world)])
         ws._handle = handle  # keeps the mapping alive
         torch.cuda.synchronize(device)
         dist.barrier(group)  # no peer pushes before every rank has armed its slots
@@ -115,21 +117,28 @@ def peers_can_map(group: Any, device: torch.device) -> tuple[bool, str]:
 
     Every rank gets the same answer, and the reason when it is no.
     """
-    me = (socket.gethostname(), _pci_bus_id(device))
+    # Every local probe is caught, so that no rank leaves the two collectives below and hangs the others.
+    try:
+        me: Any = (socket.gethostname(), _pci_bus_id(device))
+    except Exception as exc:
+        me = (socket.gethostname(), f"unknown ({type(exc).__name__}: {exc})")
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, me, group=group)
     hosts = {host for host, _ in everyone}
-    if len(hosts) > 1:
-        verdict = (False, f"the TP group spans {len(hosts)} hosts")
-    else:
-        visible = {_pci_bus_id(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
-        missing = [b for _, b in everyone if b not in visible]
-        if missing:
-            verdict = (False, f"this process cannot see the peers' GPUs {missing} to check peer access")
+    try:
+        if len(hosts) > 1:
+            verdict = (False, f"the TP group spans {len(hosts)} hosts")
         else:
-            blocked = [b for _, b in everyone if visible[b] != device.index
-                       and not torch.cuda.can_device_access_peer(device.index, visible[b])]  # fmt: skip
-            verdict = (not blocked, f"no CUDA peer access to {blocked}" if blocked else "")
+            visible = {_pci_bus_id(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
+            missing = [b for _, b in everyone if b not in visible]
+            if missing:
+                verdict = (False, f"this process cannot see the peers' GPUs {missing} to check peer access")
+            else:
+                blocked = [b for _, b in everyone if visible[b] != device.index
+                           and not torch.cuda.can_device_access_peer(device.index, visible[b])]  # fmt: skip
+                verdict = (not blocked, f"no CUDA peer access to {blocked}" if blocked else "")
+    except Exception as exc:
+        verdict = (False, f"the peer-access probe failed: {type(exc).__name__}: {exc}")
     votes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(votes, verdict, group=group)
     reasons = [why for ok, why in votes if not ok]

@@ -338,8 +338,12 @@ def test_negative_zero_and_sentinel_valued_partials(world: int, rows_of: str) ->
             inp.x[1] = sentinel[1].view(BF16)  # the sentinel pattern on every rank
             if r == world - 1:
                 inp.x[2] = sentinel[2].view(BF16)  # on one rank only, beside real values
-            if r == 0:
-                inp.x[3, : hidden // 2] = sentinel[3, : hidden // 4].view(BF16)
+            # Row 3: the sentinel word on rank 0, (1.0, -0.0) pairs on the others: the high halves sum to
+            # +0.0 only if rank 0 sums its own word in canonical form, as its peers receive it. The -0.0
+            # streams keep the sign of a zero y in R' (post 1, comb 0), so that every rank's bits show it.
+            other = torch.full((hidden // 2,), 0x80003F80 - (1 << 32), dtype=torch.int32, device="cuda")
+            inp.x[3] = sentinel[3].view(BF16) if r == 0 else other.view(BF16)
+        inputs[0].residual[3] = -0.0
         _y_visible(inputs)
         assert_y(run(ranks, inputs, mode), inputs)
     no_errors(ranks)
@@ -467,12 +471,12 @@ class _StalledBeforeWait(PeerReduce):
     """Rank 0 stalls ~60 us between its push and its wait, so rank 1 runs one call ahead of it."""
 
     @cute.jit
-    def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list):
+    def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list, deadline: cutlass.Int64):
         if ctx.rank == 0:
             until = cute.arch.globaltimer() + 60_000
             while cute.arch.globaltimer() < until:
                 pass
-        PeerReduce.wait(self, ctx, rIn, row, sources)
+        PeerReduce.wait(self, ctx, rIn, row, sources, deadline)
 
 
 class _OneGeneration(_StalledBeforeWait):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import pytest
@@ -65,6 +66,28 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
                 torch.cuda.synchronize()
                 sim.check([res], inputs, "partial")
             ar.check()
+        elif scenario == "late":
+            # The last rank comes after its peers gave up: they report it, every rank resets (the reset
+            # waits for the late kernels, so no late push lands after the re-arm), the next call is exact.
+            inputs = sim.make_inputs(world, 8, hidden, "partial", seed=2)
+            if rank == world - 1:
+                time.sleep(4.5)
+            sim.call(ar, inputs[rank], "partial")
+            torch.cuda.synchronize()
+            if rank != world - 1:
+                try:
+                    ar.check()
+                except RuntimeError as exc:
+                    assert f"{world - 1}" in str(exc), str(exc)
+                else:
+                    raise AssertionError("the late rank was not reported")
+            ar.reset()
+            for seed in range(3):
+                inputs = sim.make_inputs(world, 8, hidden, "partial", seed=10 + seed)
+                res = sim.call(ar, inputs[rank], "partial")
+                torch.cuda.synchronize()
+                sim.check([res], inputs, "partial")
+            ar.check()
         elif scenario == "missing":
             inputs = sim.make_inputs(world, 8, hidden, "partial", seed=1)
             if rank != world - 1:
@@ -115,3 +138,8 @@ def test_a_stalled_rank(world: int) -> None:
 @pytest.mark.parametrize("world", _worlds())
 def test_a_missing_rank_is_named(world: int) -> None:
     _spawn(world, "missing")
+
+
+@pytest.mark.parametrize("world", _worlds())
+def test_a_rank_later_than_the_timeout(world: int) -> None:
+    _spawn(world, "late")

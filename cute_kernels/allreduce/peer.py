@@ -10,9 +10,11 @@ One-shot: every rank pushes its partial to every other rank and sums all W itsel
 Two-shot: the owner of a segment (row, CTA column chunk) receives the W - 1 other partials, sums, and
 pushes y to every other rank; the others wait for y. Half the bytes of one-shot for W > 2, one more hop.
 
-Every wait has a deadline (the call's start + the workspace's timeout): past it, the thread records
-the ranks it is still missing in the error word and goes on with what it has, so the call finishes
-(with wrong values) instead of hanging; later waits of the same call give up after one look.
+Every wait has a deadline (the call's start + the workspace's timeout; a two-shot wait for y, half a
+timeout more, so that an owner stuck on a missing rank gives up, and names it, first): past it, the
+thread records the ranks it is still missing in the error word and goes on with what it has, so the
+call finishes (with wrong values) instead of hanging; later waits of the same call give up after one
+look.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class PeerReduce:
             for p in cutlass.range_constexpr(self.W):
                 self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
         sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
-        self.wait(ctx, rIn, row, sources)
+        self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         self.rearm(ctx, row, sources)
 
@@ -94,7 +96,7 @@ class PeerReduce:
             mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
             self.push(ctx, peer + mine, words[v], self.real(ctx, v))
         sources = [(self.W, owner, None)]
-        self.wait(ctx, rIn, row, sources)
+        self.wait(ctx, rIn, row, sources, ctx.deadline_y)
         for v in cutlass.range_constexpr(self.vpt):
             for k in cutlass.range_constexpr(4):
                 rY[v, k] = rIn[0, v, k]
@@ -104,7 +106,7 @@ class PeerReduce:
     def reduce_and_send(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Two-shot, the owner: the W - 1 other partials, the rank-order sum, y into slot W of every peer."""
         sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
-        self.wait(ctx, rIn, row, sources)
+        self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         for v in cutlass.range_constexpr(self.vpt):
             # y travels (and is used here) in canonical words, so that every rank has the same zero signs.
@@ -129,9 +131,9 @@ class PeerReduce:
         ptx.st_sys_v4_pred(addr, words[0], words[1], words[2], words[3], pred)
 
     @cute.jit
-    def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list):
+    def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64):
         """Load slots `sources` = [(slot, rank it comes from, needed)] of `row` into rIn[i] until no needed
-        word holds the sentinel, or the call's deadline has passed (then the missing ranks go to the error word)."""
+        word holds the sentinel, or `deadline` has passed (then the missing ranks go to the error word)."""
         vpt = const_expr(self.vpt)
         base = ctx.mSlots.iterator.toint()
         pending = Int32(1)
@@ -154,7 +156,7 @@ class PeerReduce:
                     missing = missing | Int32(cutlass.select_(late, Int32(1) << who, Int32(0)))
             pending = missing
             if missing != 0:
-                if ptx.globaltimer() > ctx.deadline:
+                if ptx.globaltimer() > deadline:
                     cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, missing, sem="relaxed", scope="gpu")
                     pending = Int32(0)
 

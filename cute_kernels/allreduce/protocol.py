@@ -11,9 +11,10 @@ from __future__ import annotations
 SENTINEL_WORD = 0x80000000  # a bf16 pair (+0.0 low, -0.0 high); payload words equal to it are sent as 0
 SENTINEL_INT32 = -(1 << 31)  # the same bits as a signed int32 (torch fill value)
 GENERATIONS = 2  # call k uses generation k % 2 (why two suffice: CONTRACT §7)
+MAX_WORLD = 32  # the error word's mask of missing ranks has 32 bits
 PROTOCOLS = ("oneshot", "twoshot")
-# The per-rank device state (int32): the call counter, the CTAs of this call that have finished, this
-# rank, the bounded wait in microseconds.
+# The per-rank device state (int32): the generation the next call uses, the CTAs of this call that have
+# finished, this rank, the bounded wait in microseconds.
 STATE_EPOCH, STATE_DONE, STATE_RANK, STATE_TIMEOUT_US = range(4)
 STATE_WORDS = 4
 # The error word (int32): a mask of the ranks a wait gave up on, 1 + a row whose MoE index was outside

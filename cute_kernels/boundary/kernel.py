@@ -87,7 +87,7 @@ class FusedBoundaryKernel:
         mAux: cute.Tensor | None,  # [T, H] bf16
         mSlots: cute.Tensor | None,  # W > 1: [generations, W + 1, max_rows, H] bf16, this rank's receive slots
         mPeers: cute.Tensor | None,  # W > 1: [W] int64, every rank's receive-slot base address
-        mState: cute.Tensor | None,  # W > 1: [4] int32: call counter, finished CTAs, rank, timeout (us)
+        mState: cute.Tensor | None,  # W > 1: [4] int32: this call's generation, finished CTAs, rank, timeout (us)
         mError: cute.Tensor | None,  # W > 1 or MoE: [4] int32 device error word
         eps: Float32,
         stream: cuda.CUstream,
@@ -187,22 +187,22 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
-        rank, timeout_us, gen, deadline = None, None, None, None
+        rank, timeout_us, gen, deadline, deadline_y = None, None, None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants; the call counter is written by the previous call, so after the wait.
             rank = mState[STATE_RANK]
             timeout_us = mState[STATE_TIMEOUT_US]
         cute.arch.griddepcontrol_wait()
         if const_expr(self.allreduce is not None):
-            epoch = cute.arch.load(mState.iterator + STATE_EPOCH, Int32, sem="relaxed", scope="gpu")
-            gen = epoch % self.allreduce.generations
+            gen = cute.arch.load(mState.iterator + STATE_EPOCH, Int32, sem="relaxed", scope="gpu")
             deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
+            deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
 
         ctx = Ctx(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=mR.shape[0], cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
-            mError=mError, rank=rank, gen=gen, deadline=deadline,
+            mError=mError, rank=rank, gen=gen, deadline=deadline, deadline_y=deadline_y,
         )  # fmt: skip
         rows, clusters = ctx.rows, cute.arch.grid_dim()[1]
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
@@ -225,7 +225,7 @@ class FusedBoundaryKernel:
                 self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase, clusters)
             row, phase = row + 2 * clusters, phase ^ 1
         if const_expr(self.allreduce is not None):
-            self.count_call(mState, epoch)
+            self.count_call(mState, gen)
 
     @cute.jit
     def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
@@ -247,9 +247,10 @@ class FusedBoundaryKernel:
             self.epilogue.finish_row(ctx, row, rC, sumsq, stage, phase)
 
     @cute.jit
-    def count_call(self, mState: cute.Tensor, epoch: Int32):
-        """The last CTA of the call to finish moves the call counter on (so the next call uses the other
-        generation) and resets the count; every CTA read the counter before it counted itself."""
+    def count_call(self, mState: cute.Tensor, gen: Int32):
+        """The last CTA of the call to finish moves the generation on (the next call uses the other one; kept
+        in [0, generations), so it never overflows) and resets the count; every CTA read the generation
+        before it counted itself."""
         tidx, _, _ = cute.arch.thread_idx()
         cute.arch.barrier()
         if tidx == 0:
@@ -257,4 +258,10 @@ class FusedBoundaryKernel:
             done = cute.arch.atomic_add(mState.iterator + STATE_DONE, Int32(1), sem="acq_rel", scope="gpu")
             if done == grid[0] * grid[1] - 1:
                 cute.arch.store(mState.iterator + STATE_DONE, Int32(0), sem="relaxed", scope="gpu")
-                cute.arch.store(mState.iterator + STATE_EPOCH, epoch + 1, sem="relaxed", scope="gpu")
+                nxt = gen + 1
+                cute.arch.store(
+                    mState.iterator + STATE_EPOCH,
+                    Int32(cutlass.select_(nxt == self.allreduce.generations, Int32(0), nxt)),
+                    sem="relaxed",
+                    scope="gpu",
+                )
