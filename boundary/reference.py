@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-HC = 4
+from cute_kernels import HC
+
 MIX_WIDTH = HC * (HC + 2)  # 24: pre (4), post (4), comb (16)
 MXFP8_BLOCK = 32
 E4M3_MAX = 448.0

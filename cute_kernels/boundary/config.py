@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from cute_kernels import hardware
+from cute_kernels import HC, hardware
 
-HC = 4  # residual streams (mHC hc_mult)
 VEC = 8  # bf16 elements per thread vector: one 16-byte access
 MXFP8_BLOCK = 32
 SCALE_WORD_COLS = 4 * MXFP8_BLOCK  # columns of one 4-byte word of MXFP8 scales

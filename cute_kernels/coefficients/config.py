@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cute_kernels import hardware
+from cute_kernels import HC, hardware
 
-HC = 4  # residual streams (mHC hc_mult)
 MIX = HC * (HC + 2)  # 24 mixes: pre (4), post (4), comb (16)
 NV = MIX + 1  # values per row in the partials: the 24 dot products and the sum of squares
 CLUSTER = hardware.MAX_CLUSTER  # CTAs per thread-block cluster (the portable limit, 8)
