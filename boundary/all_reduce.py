@@ -103,6 +103,7 @@ class BoundaryAllReduce:
         self.world_size = world
         self.timeout_us = timeout_us
         self.simulated_ranks = False
+        self._peer_args: dict[str, boundary_api.PeerArgs] = {}
         self.stream: torch.cuda.Stream | None = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -357,11 +358,13 @@ class BoundaryAllReduce:
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
         peer = None
         if self.path == "peer":
-            ws = self.workspace
-            peer = boundary_api.PeerArgs(
-                ws.slots, ws.peers, ws.state, self.world_size, protocol_for(self.world_size, self.hidden_size, rows),
-                ws.ranks_per_device,
-            )  # fmt: skip
+            protocol = protocol_for(self.world_size, self.hidden_size, rows)
+            peer = self._peer_args.get(protocol)
+            if peer is None:  # made once per protocol: this runs ~100 times per decode step
+                ws = self.workspace
+                peer = self._peer_args[protocol] = boundary_api.PeerArgs(
+                    ws.slots, ws.peers, ws.state, self.world_size, protocol, ws.ranks_per_device
+                )
         boundary_api.fused_boundary(
             residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,
             shared=shared, moe=moe, new_residual=new_residual, out=out,

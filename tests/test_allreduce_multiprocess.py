@@ -59,12 +59,9 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
             ar.check()
         elif scenario == "stall":
             for rows in (4, 300):
-                inputs = sim.make_inputs(world, rows, hidden, "partial", seed=rows)
                 if rank == world - 1:
                     torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its push
-                res = sim.call(ar, inputs[rank], "partial")
-                torch.cuda.synchronize()
-                sim.check([res], inputs, "partial")
+                _exact_call(sim, ar, world, rows, hidden, seed=rows)
             ar.check()
         elif scenario == "late":
             # The last rank comes after its peers gave up: they report it, every rank resets (the reset
@@ -78,10 +75,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
                 _assert_reported(ar, world - 1)
             ar.reset()
             for seed in range(3):
-                inputs = sim.make_inputs(world, 8, hidden, "partial", seed=10 + seed)
-                res = sim.call(ar, inputs[rank], "partial")
-                torch.cuda.synchronize()
-                sim.check([res], inputs, "partial")
+                _exact_call(sim, ar, world, 8, hidden, seed=10 + seed)
             ar.check()
         elif scenario == "missing":
             inputs = sim.make_inputs(world, 8, hidden, "partial", seed=1)
@@ -91,14 +85,20 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
                 _assert_reported(ar, world - 1)
             dist.barrier()
             ar.reset()
-            res = sim.call(ar, inputs[rank], "partial")
-            torch.cuda.synchronize()
-            sim.check([res], inputs, "partial")
+            _exact_call(sim, ar, world, 8, hidden, seed=1)
             ar.check()
         dist.destroy_process_group()
     except Exception:
         failures.append(f"rank {rank}: {traceback.format_exc()}")
         raise
+
+
+def _exact_call(sim, ar, world: int, rows: int, hidden: int, *, seed: int) -> None:
+    """One partial boundary of this rank (inputs made the same on every rank), held to the reference."""
+    inputs = sim.make_inputs(world, rows, hidden, "partial", seed=seed)
+    res = sim.call(ar, inputs[ar.rank], "partial")
+    torch.cuda.synchronize()
+    sim.check([res], inputs, "partial")
 
 
 def _assert_reported(ar, rank: int) -> None:

@@ -8,6 +8,8 @@ may move it (the multi-GPU benchmark measures it there).
 
 from __future__ import annotations
 
+import functools
+
 # Calls of at most this many rows take the one-shot protocol, per (world size, H); other H: the
 # nearest measured H of that world size.
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
@@ -17,6 +19,7 @@ ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
 }  # fmt: skip
 
 
+@functools.cache
 def oneshot_max_rows(world_size: int, hidden: int) -> int:
     """The largest row count that takes the one-shot protocol (0: never)."""
     measured = [(abs(h - hidden), rows) for (w, h), rows in ONESHOT_MAX_ROWS.items() if w == world_size]
