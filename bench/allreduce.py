@@ -1,10 +1,12 @@
 """The multi-rank boundary benchmark (`python -m bench --parts allreduce`).
 
-On one GPU the ranks are simulated: W BoundaryAllReduce ranks in this process, each call issued on
-its own stream inside the CUDA graph, the W kernels sharing the GPU's SMs and HBM. Those numbers are
-labelled "simulated" and are never NVLink numbers; what they measure is the protocol's own cost
-against, in the same run: the one-rank kernel launched the same way (on a forked stream inside the
-graph), the bytes every simulated rank moves together over the copy bandwidth, and the gather path
+On one GPU the ranks are simulated: W BoundaryAllReduce ranks in this process, each running its
+sequence of calls back to back on its own stream inside the CUDA graph (forked once, joined once:
+only the exchange couples the ranks, as on W GPUs), the W kernels sharing the GPU's SMs and HBM.
+Those numbers are labelled "simulated" and are never NVLink numbers; what they measure is the
+protocol's own cost against, in the same run: the one-rank kernel launched the same way (its calls
+back to back on a forked stream inside the graph), W of them on the W rank streams, the bytes every
+simulated rank moves together over the copy bandwidth, and the gather path
 of the previous version (each rank sums all partials in torch, then runs the one-rank kernel; its
 all-gather itself is not simulated). With several GPUs, `run_multi_gpu` runs one process per GPU
 (the NVLink benchmark of the multi-GPU issue).
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -87,54 +89,48 @@ def boundary_call(ar: BoundaryAllReduce, s: dict[str, Any]) -> Any:
     return ar(s["x"], s["residual"], s["post"], s["comb"], s["pre"], s["w"], 1e-20, None)
 
 
-def simulated_call(ranks: list[BoundaryAllReduce], inputs: list[dict[str, Any]]):
-    """A closure issuing every simulated rank's boundary on its own stream."""
-    return lambda: BoundaryAllReduce.run_simulated(
-        ranks, [lambda ar, i=i: boundary_call(ar, inputs[i]) for i in range(len(ranks))]
-    )
+def on_streams(streams: Sequence[torch.cuda.Stream], work: Sequence[Callable[[], Any]]) -> None:
+    """work[i]() on streams[i], every stream forked once from the current one and joined back once."""
+    main = torch.cuda.current_stream()
+    for stream in streams:
+        stream.wait_stream(main)
+    for stream, fn in zip(streams, work):
+        with torch.cuda.stream(stream):
+            fn()
+    for stream in streams:
+        main.wait_stream(stream)
 
 
-def forked_call(ar: BoundaryAllReduce, side: torch.cuda.Stream, inputs: dict[str, Any]):
-    """A closure running the one-rank boundary on a stream forked from the current one and joined back."""
+def simulated_sequence(ranks: list[BoundaryAllReduce], sets: list[list[dict[str, Any]]]):
+    """A closure: every simulated rank runs its boundaries of all `sets` back to back on its own stream, as W GPUs
+    would (no join between calls: only the exchange couples the ranks)."""
 
-    def call() -> None:
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            boundary_call(ar, inputs)
-        main.wait_stream(side)
-
-    return call
-
-
-def parallel_single_call(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, inputs: list[dict[str, Any]]):
-    """A closure launching W one-rank boundaries (no exchange) the way the simulated ranks launch theirs: one per
-    rank stream, forked and joined: what W ranks cost on this GPU before any byte is exchanged."""
-
-    def call() -> None:
-        main = torch.cuda.current_stream()
-        for ar in ranks:
-            ar.stream.wait_stream(main)
-        for ar in ranks:
-            with torch.cuda.stream(ar.stream):
-                boundary_call(one_rank, inputs[ar.rank])
-        for ar in ranks:
-            main.wait_stream(ar.stream)
-
-    return call
-
-
-def gather_call(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, inputs: list[dict[str, Any]]):
-    """A closure of the previous version's W > 1 path without its all-gather: every rank sums all partials in
-    rank order in torch, then runs the one-rank kernel on the sum (each on its own stream)."""
-    partials = [s["x"] for s in inputs]
-
-    def rank(ar: BoundaryAllReduce) -> Any:
-        s = inputs[ar.rank]
-        y = ref.rank_sum(partials)
-        return one_rank(y, s["residual"], s["post"], s["comb"], s["pre"], s["w"], 1e-20, None)
+    def rank(ar: BoundaryAllReduce) -> list[Any]:
+        return [boundary_call(ar, s[ar.rank]) for s in sets]
 
     return lambda: BoundaryAllReduce.run_simulated(ranks, [rank] * len(ranks))
+
+
+def one_rank_sequence(streams: Sequence[torch.cuda.Stream], one_rank: BoundaryAllReduce,
+                      sets: list[list[dict[str, Any]]]):  # fmt: skip
+    """A closure launching one-rank boundaries (no exchange) the way the simulated ranks launch theirs: stream i runs
+    rank i's inputs of all `sets` back to back. One stream: the one-rank kernel; W streams: what W ranks cost on
+    this GPU before any byte is exchanged."""
+    work = [lambda i=i: [boundary_call(one_rank, s[i]) for s in sets] for i in range(len(streams))]
+    return lambda: on_streams(streams, work)
+
+
+def gather_sequence(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce, sets: list[list[dict[str, Any]]]):
+    """A closure of the previous version's W > 1 path without its all-gather, launched like the ranks: every rank sums
+    all partials in rank order in torch, then runs the one-rank kernel on the sum, each on its own stream."""
+
+    def rank(i: int) -> None:
+        for inputs in sets:
+            s = inputs[i]
+            y = ref.rank_sum([p["x"] for p in inputs])
+            one_rank(y, s["residual"], s["post"], s["comb"], s["pre"], s["w"], 1e-20, None)
+
+    return lambda: on_streams([ar.stream for ar in ranks], [lambda i=i: rank(i) for i in range(len(ranks))])
 
 
 def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
@@ -164,13 +160,14 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
         row["shipped_protocol"] = protocol_for(world, hidden, rows)
         for protocol in ("oneshot", "twoshot"):
             with forced_protocol(protocol):
-                row[f"{protocol}_us"] = timer.per_call_us([simulated_call(ranks, s) for s in sets])
+                row[f"{protocol}_us"] = timer.per_call_us([simulated_sequence(ranks, sets)], len(sets))
             total = world * boundary_bytes(rows, hidden) + exchange_bytes(world, rows, hidden, protocol)
             row[f"{protocol}_bytes"] = total
         row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
-        row["one_rank_forked_us"] = timer.per_call_us([forked_call(singles[hidden], side, s[0]) for s in sets])
-        row["w_one_rank_forked_us"] = timer.per_call_us([parallel_single_call(ranks, singles[hidden], s) for s in sets])
-        row["gather_us"] = timer.per_call_us([gather_call(ranks, singles[hidden], s) for s in sets])
+        single, streams = singles[hidden], [ar.stream for ar in ranks]
+        row["one_rank_forked_us"] = timer.per_call_us([one_rank_sequence([side], single, sets)], len(sets))
+        row["w_one_rank_forked_us"] = timer.per_call_us([one_rank_sequence(streams, single, sets)], len(sets))
+        row["gather_us"] = timer.per_call_us([gather_sequence(ranks, single, sets)], len(sets))
         for protocol in ("oneshot", "twoshot"):
             extra = (row[f"{protocol}_bytes"] - boundary_bytes(rows, hidden)) / copy_bw * 1e6
             row[f"{protocol}_budget_us"] = row["one_rank_forked_us"] + extra

@@ -20,8 +20,9 @@ class GraphTimer:
         self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device)
 
-    def per_call_us(self, calls: Sequence[Callable[[], object]]) -> float:
-        """Median over replays of (graph time / number of calls), in microseconds."""
+    def per_call_us(self, calls: Sequence[Callable[[], object]], calls_each: int = 1) -> float:
+        """Median over replays of (graph time / number of calls), in microseconds; each closure makes
+        `calls_each` calls."""
         with torch.cuda.stream(self.stream):
             for call in calls:  # compile, allocate, settle
                 call()
@@ -38,7 +39,7 @@ class GraphTimer:
             graph.replay()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+            samples.append(start.elapsed_time(end) * 1e3 / (len(calls) * calls_each))
         del graph
         return statistics.median(samples[1:])
 

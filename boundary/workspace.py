@@ -21,7 +21,7 @@ from cute_kernels.allreduce.protocol import (
     ERROR_WORDS,
     GENERATIONS,
     SENTINEL_INT32,
-    STATE_EPOCH,
+    STATE_CALLS,
     STATE_RANK,
     STATE_TIMEOUT_US,
     STATE_WORDS,
@@ -43,7 +43,7 @@ class Workspace:
     timeout_us: int = 0
     slots: Tensor | None = None  # [generations, W + 1, max_rows, H] bf16: what the peers push into
     peers: Tensor | None = None  # [W] int64: every rank's slot base address (this rank's included)
-    state: Tensor | None = None  # [4] int32: call counter, finished CTAs, rank, timeout (us)
+    state: Tensor | None = None  # [3] int32: call counter, rank, timeout (us)
     ranks_per_device: int = 1  # > 1: simulated ranks sharing one GPU
 
     def __post_init__(self) -> None:
@@ -60,7 +60,7 @@ class Workspace:
 
     def _initial_state(self) -> Tensor:
         state = torch.zeros(STATE_WORDS, dtype=torch.int32)
-        state[STATE_EPOCH] = 0
+        state[STATE_CALLS] = 0
         state[STATE_RANK] = self.rank
         state[STATE_TIMEOUT_US] = self.timeout_us
         return state.to(self.device)

@@ -10,16 +10,19 @@ import sys
 
 import torch
 
+import boundary.all_reduce as all_reduce_module
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
 
 
 def main() -> int:
-    hidden, rows = 2560, 5
+    hidden = 2560
     for world in (2, 4):
-        ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=64, device="cuda", timeout_us=5_000_000)
-        ranks[0].warmup(max_rows=64, progress=False)
-        for protocol_rows in (rows, 60):  # one-shot, then two-shot (W = 2: both one-shot below 64 rows)
+        ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=256, device="cuda", timeout_us=5_000_000)
+        ranks[0].warmup(max_rows=256, progress=False)
+        # Each protocol inline (5 rows: one per cluster) and staged (250 rows: several per cluster).
+        for protocol, protocol_rows in (("oneshot", 5), ("twoshot", 5), ("oneshot", 250), ("twoshot", 250)):
+            all_reduce_module.protocol_for = lambda world, hidden, rows, protocol=protocol: protocol
             g = torch.Generator(device="cuda").manual_seed(world)
             residual = torch.randn(protocol_rows, 4, hidden, generator=g, device="cuda").to(torch.bfloat16)
             post = torch.rand(protocol_rows, 4, generator=g, device="cuda")
@@ -35,10 +38,10 @@ def main() -> int:
             want = ref.mhc_post(ref.rank_sum(xs), residual, post, comb)
             for new, _ in outs:
                 if not torch.equal(new.view(torch.int16), outs[0][0].view(torch.int16)):
-                    print(f"W={world}: ranks differ")
+                    print(f"W={world} {protocol} {protocol_rows} rows: ranks differ")
                     return 1
                 if (new.float() - want.float()).abs().max() > 0.05 * want.float().abs().max():
-                    print(f"W={world}: wrong result")
+                    print(f"W={world} {protocol} {protocol_rows} rows: wrong result")
                     return 1
             for ar in ranks:
                 ar.check()

@@ -27,7 +27,7 @@ from cute_kernels.allreduce.tuning import oneshot_max_rows
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
-from cute_kernels.compile import warmup
+from cute_kernels.compile import arch_for_device, warmup
 from tests.bf16 import bitwise_equal, max_ulp, ordered, ulp_distance, within_contract
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -59,8 +59,6 @@ def _variant(mode: str) -> api.BoundaryVariant:
 
 @pytest.fixture(scope="session", autouse=True)
 def _compiled() -> None:
-    from cute_kernels.compile import arch_for_device
-
     arch = arch_for_device(torch.device("cuda"))
     jobs = []
     variants = sorted({_variant(m) for m in MODES})
@@ -467,37 +465,47 @@ def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable() -> No
     no_errors(ranks)
 
 
-class _StalledBeforeWait(PeerReduce):
-    """Rank 0 stalls ~60 us between its push and its wait, so rank 1 runs one call ahead of it."""
+class _Stalled(PeerReduce):
+    """Rank 0 stalls ~60 us before each wait and before each re-arm, so rank 1 runs one call ahead of it and
+    pushes into slots rank 0 has not re-armed yet."""
 
     @cute.jit
-    def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list, deadline: cutlass.Int64):
+    def stall(self, ctx):
         if ctx.rank == 0:
             until = cute.arch.globaltimer() + 60_000
             while cute.arch.globaltimer() < until:
                 pass
+
+    @cute.jit
+    def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list, deadline: cutlass.Int64):
+        self.stall(ctx)
         PeerReduce.wait(self, ctx, rIn, row, sources, deadline)
 
+    @cute.jit
+    def rearm(self, ctx, row: cutlass.Int32, sources: list):
+        self.stall(ctx)
+        PeerReduce.rearm(self, ctx, row, sources)
 
-class _OneGeneration(_StalledBeforeWait):
+
+class _OneGeneration(_Stalled):
     """The negative control: the same, with one slot generation where the protocol needs two."""
 
     generations = 1
 
 
-def _stalled_kernel(role: type, hidden: int, world: int, arch: str):
+def _stalled_kernel(role: type, hidden: int, world: int, protocol: str, arch: str):
     variant = api.BoundaryVariant("x", False, True, False, False)
     config = default_config(hidden, arch, world, world)
-    kernel = FusedBoundaryKernel(hidden, config, world_size=world, protocol="oneshot")
-    kernel.allreduce = role(hidden, world, "oneshot", kernel.vpt, kernel.cluster_n)
+    kernel = FusedBoundaryKernel(hidden, config, world_size=world, protocol=protocol)
+    kernel.attach_allreduce(role(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staging=True))
     return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch)
 
 
-def _race(role: type) -> tuple[int, bool]:
+def _race(role: type, protocol: str, rows: int) -> tuple[int, bool]:
     """20 stalled boundaries back to back on 2 fresh ranks: (wrong calls, whether a wait gave up)."""
-    world, hidden, rows, calls = 2, 4096, 4, 20
-    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=64, device="cuda", timeout_us=50_000)
-    fn = _stalled_kernel(role, hidden, world, ranks[0].arch)
+    world, hidden, calls = 2, 4096, 20
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=256, device="cuda", timeout_us=50_000)
+    fn = _stalled_kernel(role, hidden, world, protocol, ranks[0].arch)
     sets = [make_inputs(world, rows, hidden, "partial", seed=500 + k) for k in range(calls)]
 
     def many(ar: BoundaryAllReduce) -> list[Tensor]:
@@ -523,10 +531,14 @@ def _race(role: type) -> tuple[int, bool]:
     return wrong, gave_up
 
 
-def test_the_race_test_passes_with_two_generations_and_fails_with_one() -> None:
-    wrong, gave_up = _race(_StalledBeforeWait)
+# One-shot and two-shot, each inline (4 rows: one per cluster) and staged (200 rows: several per cluster).
+@pytest.mark.parametrize(("protocol", "rows"), [("oneshot", 4), ("twoshot", 4), ("oneshot", 200), ("twoshot", 200)])
+def test_the_race_test_passes_with_two_generations_and_fails_with_one(protocol: str, rows: int) -> None:
+    clusters = default_config(4096, arch_for_device(torch.device("cuda")), 2, 2).clusters(rows)
+    assert (rows > clusters) == (rows == 200), "the staged case must take several rows per cluster"
+    wrong, gave_up = _race(_Stalled, protocol, rows)
     assert wrong == 0 and not gave_up, "two generations must survive a rank that runs a call ahead"
-    wrong, gave_up = _race(_OneGeneration)
+    wrong, gave_up = _race(_OneGeneration, protocol, rows)
     assert wrong > 0 or gave_up, "the negative control did not fail: the race test cannot detect a lost generation"
 
 

@@ -10,6 +10,15 @@ One-shot: every rank pushes its partial to every other rank and sums all W itsel
 Two-shot: the owner of a segment (row, CTA column chunk) receives the W - 1 other partials, sums, and
 pushes y to every other rank; the others wait for y. Half the bytes of one-shot for W > 2, one more hop.
 
+A call whose clusters each take one row runs the exchange inline, row by row. A call whose clusters
+take several rows (with a ready partial x) is staged, so that no row waits for a push its peer has
+not issued yet: first every row's partial goes out, then (two-shot) each owner waits for, sums and
+sends y of all its segments, and only then the row loop runs the epilogue, y loaded with the row's
+other loads (one-shot: summed there from the slots, already full).
+
+The slot generation of a call comes from the rank's call counter (protocol.CALL_UNIT): each warp reads
+it and adds its share at once, so no CTA counts itself at its end.
+
 Every wait has a deadline (the call's start + the workspace's timeout; a two-shot wait for y, half a
 timeout more, so that an owner stuck on a missing rank gives up, and names it, first): past it, the
 thread records the ranks it is still missing in the error word and goes on with what it has, so the
@@ -24,8 +33,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from cute_kernels import ptx
-from cute_kernels.allreduce.protocol import ERROR_MISSING, GENERATIONS, PROTOCOLS, SENTINEL_WORD
+from cute_kernels.allreduce.protocol import CALL_UNIT, ERROR_MISSING, GENERATIONS, PROTOCOLS, SENTINEL_WORD, STATE_CALLS
 from cute_kernels.boundary.config import VEC
+from cute_kernels.boundary.loads import RowRegs
 
 
 class PeerReduce:
@@ -33,13 +43,38 @@ class PeerReduce:
 
     generations = GENERATIONS  # a class attribute, so that a test can build the one-generation control
 
-    def __init__(self, H: int, world_size: int, protocol: str, vpt: int, cluster_n: int) -> None:
-        assert world_size > 1 and protocol in PROTOCOLS
+    def __init__(self, H: int, world_size: int, protocol: str, vpt: int, cluster_n: int, *, staging: bool) -> None:
+        assert world_size > 1 and protocol in PROTOCOLS and self.generations in (1, 2)
         self.H = H
         self.W = world_size
         self.protocol = protocol
         self.vpt = vpt
         self.cluster_n = cluster_n
+        self.staging = staging  # calls of several rows per cluster may be staged (a ready partial x)
+        self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
+
+    @cute.jit
+    def call_generation(self, mState: cute.Tensor) -> Int32:
+        """This call's slot generation, from the call counter, whose share for this warp goes in at once."""
+        lane = cute.arch.lane_idx()
+        counter = mState.iterator + STATE_CALLS
+        # Warp-uniform values first: warp_idx() is a whole-warp shuffle, which must not run in a one-lane branch.
+        bx, by, _ = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        tx, _, _ = cute.arch.block_dim()
+        warps = gx * gy * (tx // 32)
+        first = (bx == 0) & (by == 0) & (cute.arch.warp_idx() == 0)
+        share = Int32(cutlass.select_(first, Int32(CALL_UNIT) - (warps - 1), Int32(1)))
+        calls = Int32(0)
+        if lane == 0:
+            calls = cute.arch.load(counter, Int32, sem="relaxed", scope="gpu")
+        calls = cute.arch.shuffle_sync(calls, 0)
+        if lane == 0:
+            cute.arch.atomic_add(counter, share, sem="relaxed", scope="gpu")
+        gen = Int32(0)
+        if const_expr(self.generations == 2):
+            gen = (calls >> 16) & 1  # the call index's parity (the counter may wrap: 2^16 calls is even)
+        return gen
 
     @cute.jit
     def offset(self, mSlots: cute.Tensor, gen: Int32, slot, row: Int32, vcol: Int32) -> Int64:
@@ -49,23 +84,134 @@ class PeerReduce:
         return (cell * self.H + Int64(vcol * VEC)) * 2
 
     @cute.jit
-    def reduce(self, ctx, y: cute.Tensor, row: Int32) -> cute.Tensor:
-        """y of `row` (fp32 holding bf16 values, (vpt, 8)) from this rank's partial `y` and every peer's."""
+    def reduce(self, ctx, y: cute.Tensor, row: Int32, rSlot: cute.Tensor | None) -> cute.Tensor:
+        """y of `row` (fp32 holding bf16 values, (vpt, 8)) from this rank's partial `y` and every peer's; `rSlot`:
+        the row's y slot as loaded with the row (staged two-shot)."""
         vpt = const_expr(self.vpt)
-        words = []
-        for v in cutlass.range_constexpr(vpt):
-            words.append([canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)])
+        words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
-        if const_expr(self.protocol == "oneshot"):
-            self.oneshot(ctx, words, row, rIn, rY)
+        if const_expr(not self.staging):
+            self.inline(ctx, words, row, rIn, rY)
         else:
-            self.twoshot(ctx, words, row, rIn, rY)
+            if ctx.staged:
+                self.staged_row(ctx, words, row, rIn, rY, rSlot)
+            else:
+                self.inline(ctx, words, row, rIn, rY)
         out = cute.make_rmem_tensor(y.layout, Float32)
         for v in cutlass.range_constexpr(vpt):
             for e in cutlass.range_constexpr(VEC):
                 out[v, e] = ptx.bf16_lo(rY[v, e // 2]) if e % 2 == 0 else ptx.bf16_hi(rY[v, e // 2])
         return out
+
+    def words(self, y: cute.Tensor) -> list:
+        """This thread's vectors of a partial as canonical bf16-pair words, [vpt][4]."""
+        return [
+            [canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)] for v in range(self.vpt)
+        ]
+
+    @cute.jit
+    def inline(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """The whole exchange of one row, here: push, wait, sum (and, two-shot, the owner's y out)."""
+        if const_expr(self.protocol == "oneshot"):
+            self.oneshot(ctx, words, row, rIn, rY)
+        else:
+            self.twoshot(ctx, words, row, rIn, rY)
+
+    # -- a staged call: every partial out first, then (two-shot) every owned y, then the row loop.
+
+    @cute.jit
+    def push_rows(self, ctx, first_row: Int32, clusters: Int32):
+        """Push the partial of each of this cluster's rows to whoever sums it, the next row's loads in flight."""
+        regs = RowRegs(self.loads)
+        self.loads.load_partial(ctx, regs, first_row)
+        row = first_row
+        while row < ctx.rows:
+            words = self.words(self.loads.partial(ctx, regs, row))
+            ahead = row + clusters
+            if ahead < ctx.rows:
+                self.loads.load_partial(ctx, regs, ahead)
+            if const_expr(self.protocol == "oneshot"):
+                for v in cutlass.range_constexpr(self.vpt):
+                    mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+                    for p in cutlass.range_constexpr(self.W):
+                        self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+            else:
+                owner = (row * self.cluster_n + ctx.cta) % self.W
+                peer = ctx.mPeers[owner]
+                for v in cutlass.range_constexpr(self.vpt):
+                    mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+                    self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.rank))
+            row = ahead
+
+    @cute.jit
+    def reduce_owned(self, ctx, first_row: Int32, clusters: Int32):
+        """Two-shot: for each of this cluster's rows whose segment this rank owns, wait for the other partials,
+        sum, and push y to every peer and into this rank's own y slot (read back by this same thread)."""
+        vpt = const_expr(self.vpt)
+        regs = RowRegs(self.loads)
+        rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
+        rY = cute.make_rmem_tensor((vpt, 4), Uint32)
+        row = first_row
+        while row < ctx.rows:
+            if (row * self.cluster_n + ctx.cta) % self.W == ctx.rank:
+                self.loads.load_partial(ctx, regs, row)  # in flight during the poll
+                self.reduce_segment(ctx, regs, row, rIn, rY)
+            row = row + clusters
+
+    @cute.jit
+    def reduce_segment(self, ctx, regs, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """reduce_owned's work on one owned segment whose partial loads are in flight."""
+        sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        self.wait(ctx, rIn, row, sources, ctx.deadline)
+        self.rank_sum(ctx, self.words(self.loads.partial(ctx, regs, row)), rIn, rY)
+        base = ctx.mSlots.iterator.toint()
+        for v in cutlass.range_constexpr(self.vpt):
+            y_words = [canonical(rY[v, k]) for k in range(4)]
+            reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
+            for p in cutlass.range_constexpr(self.W):
+                self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
+            ptx.st_global_v4_pred(base + reduced, *y_words, self.real(ctx, v))
+        self.rearm(ctx, row, sources)
+
+    @cute.jit
+    def prefetch_y(self, ctx, rSlot: cute.Tensor, row: Int32):
+        """Issue the load of a staged two-shot row's y slot with the row's other loads (nothing when unstaged)."""
+        base = ctx.mSlots.iterator.toint()
+        for v in cutlass.range_constexpr(self.vpt):
+            addr = base + self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
+            w = ptx.ld_sys_v4_pred(addr, self.real(ctx, v, ctx.staged))
+            for k in cutlass.range_constexpr(4):
+                rSlot[v, k] = w[k]
+
+    @cute.jit
+    def staged_row(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor, rSlot: cute.Tensor | None):
+        """A row of the staged row loop. One-shot: the slots are full (or nearly), wait, sum and re-arm. Two-shot:
+        y as loaded with the row (the owner's own, or a peer's once it has landed), the peer's slot re-armed."""
+        if const_expr(self.protocol == "oneshot"):
+            sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+            self.wait(ctx, rIn, row, sources, ctx.deadline)
+            self.rank_sum(ctx, words, rIn, rY)
+            self.rearm(ctx, row, sources)
+        else:
+            owner = (row * self.cluster_n + ctx.cta) % self.W
+            for v in cutlass.range_constexpr(self.vpt):
+                for k in cutlass.range_constexpr(4):
+                    rY[v, k] = rSlot[v, k]
+            if owner != ctx.rank:
+                late = cutlass.Boolean(False)
+                for v in cutlass.range_constexpr(self.vpt):
+                    want = self.real(ctx, v)
+                    for k in cutlass.range_constexpr(4):
+                        miss = rSlot[v, k] == Uint32(SENTINEL_WORD)
+                        late = late | (miss if const_expr(want is None) else miss & want)
+                sources = [(self.W, owner, None)]
+                if late:
+                    self.wait(ctx, rIn, row, sources, ctx.deadline_y)
+                    for v in cutlass.range_constexpr(self.vpt):
+                        for k in cutlass.range_constexpr(4):
+                            rY[v, k] = rIn[0, v, k]
+                self.rearm(ctx, row, sources)
 
     @cute.jit
     def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):

@@ -13,10 +13,15 @@ SENTINEL_INT32 = -(1 << 31)  # the same bits as a signed int32 (torch fill value
 GENERATIONS = 2  # call k uses generation k % 2 (why two suffice: CONTRACT §7)
 MAX_WORLD = 32  # the error word's mask of missing ranks has 32 bits
 PROTOCOLS = ("oneshot", "twoshot")
-# The per-rank device state (int32): the generation the next call uses, the CTAs of this call that have
-# finished, this rank, the bounded wait in microseconds.
-STATE_EPOCH, STATE_DONE, STATE_RANK, STATE_TIMEOUT_US = range(4)
-STATE_WORDS = 4
+# The per-rank device state (int32): the call counter, this rank, the bounded wait in microseconds. Every
+# call adds exactly CALL_UNIT to the counter, in shares, one per warp, each added right after that warp
+# read it: the first warp of the first CTA adds CALL_UNIT - (warps - 1), every other warp 1, so the
+# counter crosses the next multiple of CALL_UNIT only once every warp of the call has read it, and
+# counter // CALL_UNIT counts the calls (modulo 2^16: only its parity is used) for any reader of the call.
+STATE_CALLS, STATE_RANK, STATE_TIMEOUT_US = range(3)
+STATE_WORDS = 3
+# More than the warps of any peer launch: its grid is resident at once, at most 64 warps per SM.
+CALL_UNIT = 1 << 16
 # The error word (int32): a mask of the ranks a wait gave up on, 1 + a row whose MoE index was outside
 # [-1, P), that index.
 ERROR_MISSING, ERROR_MOE_ROW, ERROR_MOE_INDEX = range(3)

@@ -28,7 +28,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from cute_kernels import ptx
 from cute_kernels.allreduce.peer import PeerReduce
-from cute_kernels.allreduce.protocol import STATE_DONE, STATE_EPOCH, STATE_RANK, STATE_TIMEOUT_US
+from cute_kernels.allreduce.protocol import STATE_RANK, STATE_TIMEOUT_US
 from cute_kernels.boundary.config import VEC, BoundaryConfig
 from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.loads import Ctx, RowLoads, RowRegs, row_major
@@ -61,11 +61,23 @@ class FusedBoundaryKernel:
         self.vpt = config.vecs_per_thread(H)
         # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
         self.tail = self.vpt * self.threads != self.vecs
-        self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
         self.epilogue = Epilogue(H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux)
-        # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots.
-        self.allreduce = PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n) if world_size > 1 else None
+        self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
+        # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots. A call of
+        # several rows per cluster is staged (allreduce.peer) when the partial is a ready x: a MoE partial
+        # would be combined twice.
+        self.allreduce = None
+        if world_size > 1:
+            staging = y_source == "x"
+            self.attach_allreduce(PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n, staging=staging))
         self.moe = y_source == "moe"
+
+    def attach_allreduce(self, allreduce: PeerReduce) -> None:
+        """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
+        self.allreduce = allreduce
+        allreduce.loads = self.loads  # the staged phases load partials
+        staged_y = allreduce.staging and allreduce.protocol == "twoshot"
+        self.loads.y_slot = allreduce if staged_y else None  # a staged two-shot row loads y from its slot
 
     @cute.jit
     def __call__(
@@ -87,7 +99,7 @@ class FusedBoundaryKernel:
         mAux: cute.Tensor | None,  # [T, H] bf16
         mSlots: cute.Tensor | None,  # W > 1: [generations, W + 1, max_rows, H] bf16, this rank's receive slots
         mPeers: cute.Tensor | None,  # W > 1: [W] int64, every rank's receive-slot base address
-        mState: cute.Tensor | None,  # W > 1: [4] int32: this call's generation, finished CTAs, rank, timeout (us)
+        mState: cute.Tensor | None,  # W > 1: [3] int32: the call counter, rank, timeout (us)
         mError: cute.Tensor | None,  # W > 1 or MoE: [4] int32 device error word
         eps: Float32,
         stream: cuda.CUstream,
@@ -194,17 +206,27 @@ class FusedBoundaryKernel:
             timeout_us = mState[STATE_TIMEOUT_US]
         cute.arch.griddepcontrol_wait()
         if const_expr(self.allreduce is not None):
-            gen = cute.arch.load(mState.iterator + STATE_EPOCH, Int32, sem="relaxed", scope="gpu")
+            gen = self.allreduce.call_generation(mState)
             deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
             deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
 
+        rows, clusters = mR.shape[0], cute.arch.grid_dim()[1]
+        staged, unstaged = None, None
+        if const_expr(self.allreduce is not None and self.allreduce.staging):
+            staged, unstaged = rows > clusters, rows <= clusters
         ctx = Ctx(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
-            mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=mR.shape[0], cta=cta,
+            mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
-            mError=mError, rank=rank, gen=gen, deadline=deadline, deadline_y=deadline_y,
+            mError=mError, rank=rank, gen=gen, deadline=deadline, deadline_y=deadline_y, staged=staged,
+            unstaged=unstaged,
         )  # fmt: skip
-        rows, clusters = ctx.rows, cute.arch.grid_dim()[1]
+        if const_expr(self.allreduce is not None and self.allreduce.staging):
+            # Several rows per cluster: every partial (and two-shot, every owned y) goes out before the row loop.
+            if staged:
+                self.allreduce.push_rows(ctx, first_row, clusters)
+                if const_expr(self.allreduce.protocol == "twoshot"):
+                    self.allreduce.reduce_owned(ctx, first_row, clusters)
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
         # while it is reduced and stored.
         regs = RowRegs(self.loads)
@@ -224,8 +246,6 @@ class FusedBoundaryKernel:
             if row + clusters < rows:
                 self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase, clusters)
             row, phase = row + 2 * clusters, phase ^ 1
-        if const_expr(self.allreduce is not None):
-            self.count_call(mState, gen)
 
     @cute.jit
     def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
@@ -234,7 +254,7 @@ class FusedBoundaryKernel:
         post, comb, pre = self.loads.coefs(regs.coef)
         y = self.loads.partial(ctx, regs, row)
         if const_expr(self.allreduce is not None):
-            y = self.allreduce.reduce(ctx, y, row)
+            y = self.allreduce.reduce(ctx, y, row, regs.rSlot)
             if ahead >= ctx.rows:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
@@ -245,23 +265,3 @@ class FusedBoundaryKernel:
             self.loads.load_row(ctx, regs, ahead)
         if const_expr(self.pre):
             self.epilogue.finish_row(ctx, row, rC, sumsq, stage, phase)
-
-    @cute.jit
-    def count_call(self, mState: cute.Tensor, gen: Int32):
-        """The last CTA of the call to finish moves the generation on (the next call uses the other one; kept
-        in [0, generations), so it never overflows) and resets the count; every CTA read the generation
-        before it counted itself."""
-        tidx, _, _ = cute.arch.thread_idx()
-        cute.arch.barrier()
-        if tidx == 0:
-            grid = cute.arch.grid_dim()
-            done = cute.arch.atomic_add(mState.iterator + STATE_DONE, Int32(1), sem="acq_rel", scope="gpu")
-            if done == grid[0] * grid[1] - 1:
-                cute.arch.store(mState.iterator + STATE_DONE, Int32(0), sem="relaxed", scope="gpu")
-                nxt = gen + 1
-                cute.arch.store(
-                    mState.iterator + STATE_EPOCH,
-                    Int32(cutlass.select_(nxt == self.allreduce.generations, Int32(0), nxt)),
-                    sem="relaxed",
-                    scope="gpu",
-                )

@@ -7,7 +7,7 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
 from cute_kernels import ptx
 from cute_kernels.allreduce.protocol import ERROR_MOE_INDEX, ERROR_MOE_ROW
@@ -38,6 +38,8 @@ class RowRegs:
         self.rS = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16) if loads.shared else None
         # Lane i holds coefficient i (post, comb, pre), shuffled out when used.
         self.coef = cute.make_rmem_tensor((1,), Float32)
+        # A staged two-shot row's y, loaded from its slot with the row (see allreduce.peer).
+        self.rSlot = cute.make_rmem_tensor((vpt, 4), Uint32) if loads.y_slot is not None else None
 
 
 class RowLoads:
@@ -49,6 +51,8 @@ class RowLoads:
         self.y_source = y_source
         self.shared = shared
         self.pre = pre
+        # The two-shot peer role, when a staged call takes y from a slot instead of the partial (set by the kernel).
+        self.y_slot: Any = None
 
     @cute.jit
     def load_row(self, ctx: Ctx, regs: RowRegs, row: Int32):
@@ -59,6 +63,18 @@ class RowLoads:
         for v in cutlass.range_constexpr(vpt):
             for k in cutlass.range_constexpr(HC):
                 cute.copy(copy16, cute.local_tile(ctx.mR[row, k, None], (VEC,), (ctx.vcols[v],)), regs.rR[v, k, None])
+        if const_expr(self.y_slot is None):
+            self.load_partial(ctx, regs, row)
+        else:
+            self.y_slot.prefetch_y(ctx, regs.rSlot, row)
+            if ctx.unstaged:  # a staged row's partial went out before the row loop; its y comes from the slot
+                self.load_partial(ctx, regs, row)
+
+    @cute.jit
+    def load_partial(self, ctx: Ctx, regs: RowRegs, row: Int32):
+        """Issue the loads of one row's partial (x and the addend; the MoE gathers are issued when combined)."""
+        vpt = const_expr(self.vpt)
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         if const_expr(self.shared):
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(ctx.mShared[row, None], (VEC,), (ctx.vcols[v],)), regs.rS[v, None])
