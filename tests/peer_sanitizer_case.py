@@ -13,13 +13,18 @@ import torch
 import boundary.all_reduce as all_reduce_module
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
+from cute_kernels.boundary import api
+from cute_kernels.compile import warmup
 
 
 def main() -> int:
     hidden = 2560
     for world in (2, 4):
         ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=256, device="cuda", timeout_us=5_000_000)
-        ranks[0].warmup(max_rows=256, progress=False)
+        jobs = api.warmup_jobs(
+            hidden, arch=ranks[0].arch, world_size=world, ranks_per_device=world, variants=[api.BoundaryVariant()]
+        )  # the one variant launched here, both protocols
+        warmup(jobs, progress=False)
         # Each protocol inline (5 rows: one per cluster) and staged (250 rows: several per cluster).
         for protocol, protocol_rows in (("oneshot", 5), ("twoshot", 5), ("oneshot", 250), ("twoshot", 250)):
             all_reduce_module.protocol_for = lambda world, hidden, rows, protocol=protocol: protocol

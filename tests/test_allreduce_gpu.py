@@ -8,9 +8,11 @@ error naming it, and the race test must fail with one buffer generation fewer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import cutlass
@@ -19,6 +21,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import boundary.all_reduce as all_reduce_module
 from boundary import BoundaryAllReduce, empty_quantized_layer_input
 from boundary import reference as ref
 from cute_kernels.allreduce.peer import PeerReduce
@@ -40,10 +43,25 @@ WORLDS = (2, 4, 8)
 HIDDEN = (2560, 4096, 5120, 7168)
 
 
+MAX_ROWS = 512  # the simulated ranks' capacity
+
+
 def protocol_rows(world: int, hidden: int) -> dict[str, int]:
-    """A row count that takes each protocol at (W, H), and the largest one-shot row count."""
+    """Per protocol, the row count nearest the switch at (W, H) that the switch sends to it, within MAX_ROWS
+    (where it sends none there, the largest: tests that name a protocol force it, `forcing`)."""
     limit = oneshot_max_rows(world, hidden)
-    return {"oneshot": max(1, limit), "twoshot": limit + 1}
+    return {"oneshot": max(1, min(limit, MAX_ROWS)), "twoshot": min(limit + 1, MAX_ROWS)}
+
+
+@contextlib.contextmanager
+def forcing(protocol: str) -> Iterator[None]:
+    """Every boundary call in the block takes `protocol`, whatever the switch would pick."""
+    saved = all_reduce_module.protocol_for
+    all_reduce_module.protocol_for = lambda world, hidden, rows: protocol
+    try:
+        yield
+    finally:
+        all_reduce_module.protocol_for = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,12 +94,13 @@ def simulated(world: int, hidden: int) -> list[BoundaryAllReduce]:
     """The simulated ranks of (W, H), made once (their workspaces carry their call counters on)."""
     key = (world, hidden)
     if key not in _RANKS:
-        ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=512, device="cuda", timeout_us=TIMEOUT_US)
+        ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=MAX_ROWS, device="cuda", timeout_us=TIMEOUT_US)
         # Every kernel these tests launch runs once first, all ranks joined: a rank that loads a kernel (or
         # compiles it) on its first launch while its peers already wait delays them (CONTRACT §7, warm-up).
         for mode in MODES:
-            for rows in protocol_rows(world, hidden).values():
-                run(ranks, make_inputs(world, rows, hidden, mode, seed=0), mode)
+            for protocol, rows in protocol_rows(world, hidden).items():
+                with forcing(protocol):
+                    run(ranks, make_inputs(world, rows, hidden, mode, seed=0), mode)
         torch.cuda.synchronize()
         no_errors(ranks)
         _RANKS[key] = ranks
@@ -235,12 +254,11 @@ def no_errors(ranks: list[BoundaryAllReduce]) -> None:
 def test_matches_the_reference_on_every_rank(world: int, hidden: int, protocol: str) -> None:
     ranks = simulated(world, hidden)
     assert all(ar.path == "peer" and ar.simulated_ranks for ar in ranks)
-    for rows in sorted({1, protocol_rows(world, hidden)[protocol], 37 if protocol == "twoshot" else 1}):
-        if (protocol == "twoshot") != (rows > oneshot_max_rows(world, hidden)):
-            continue
+    for rows in sorted({1, 37, protocol_rows(world, hidden)[protocol], MAX_ROWS}):
         for mode in ("partial", "moe"):
             inputs = make_inputs(world, rows, hidden, mode, seed=rows * 31 + world)
-            check(run(ranks, inputs, mode), inputs, mode)
+            with forcing(protocol):
+                check(run(ranks, inputs, mode), inputs, mode)
     no_errors(ranks)
 
 
@@ -286,29 +304,30 @@ def assert_y(outputs: list[RankOutputs], inputs: list[RankInputs]) -> None:
         assert bitwise_equal(res.residual, outputs[0].residual)
 
 
-@pytest.mark.parametrize("rows_of", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_sums_exact_in_any_order(world: int, rows_of: str) -> None:
+def test_sums_exact_in_any_order(world: int, protocol: str) -> None:
     """Small integers: every order gives the same sum, so this checks the values alone (nccl-tests' idea)."""
     hidden = 5120
     ranks = simulated(world, hidden)
-    rows = protocol_rows(world, hidden)[rows_of]
+    rows = protocol_rows(world, hidden)[protocol]
     inputs = make_inputs(world, rows, hidden, "partial", seed=3)
     gen = torch.Generator(device="cuda").manual_seed(5)
     for inp in inputs:
         inp.x = torch.randint(-64, 65, (rows, hidden), generator=gen, device="cuda").to(BF16)
     _y_visible(inputs)
-    assert_y(run(ranks, inputs, "partial"), inputs)
+    with forcing(protocol):
+        assert_y(run(ranks, inputs, "partial"), inputs)
 
 
-@pytest.mark.parametrize("rows_of", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", (4, 8))
-def test_order_sensitive_sums(world: int, rows_of: str) -> None:
+def test_order_sensitive_sums(world: int, protocol: str) -> None:
     """2^24, 1, -2^24, 1, ... rotated over the columns: fp32 gives a different sum for each order, and only
     rank order 0..W-1 matches the reference (the 1 after 2^24 is lost, the last one is not)."""
     hidden = 4096
     ranks = simulated(world, hidden)
-    rows = protocol_rows(world, hidden)[rows_of]
+    rows = protocol_rows(world, hidden)[protocol]
     inputs = make_inputs(world, rows, hidden, "partial", seed=4)
     pattern = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0] + [0.5] * (world - 4), device="cuda")
     cols = torch.arange(hidden, device="cuda")
@@ -317,17 +336,18 @@ def test_order_sensitive_sums(world: int, rows_of: str) -> None:
     _y_visible(inputs)
     y = expected_y(inputs)
     assert bool((y.float().abs() < 2.0**23).any()), "the inputs must cancel somewhere to be order-sensitive"
-    assert_y(run(ranks, inputs, "partial"), inputs)
+    with forcing(protocol):
+        assert_y(run(ranks, inputs, "partial"), inputs)
 
 
-@pytest.mark.parametrize("rows_of", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_negative_zero_and_sentinel_valued_partials(world: int, rows_of: str) -> None:
+def test_negative_zero_and_sentinel_valued_partials(world: int, protocol: str) -> None:
     """Partials that hold -0.0, and the sentinel's very bit pattern (a +0.0 beside a -0.0) in every word, from
     a tensor and through the mailbox: the sums stay exact and every rank gets the same bits."""
     hidden = 4096
     ranks = simulated(world, hidden)
-    rows = max(protocol_rows(world, hidden)[rows_of], 4)
+    rows = max(protocol_rows(world, hidden)[protocol], 4)
     for mode in ("partial", "mailbox"):
         inputs = make_inputs(world, rows, hidden, mode, seed=6)
         sentinel = torch.full((rows, hidden // 2), SENTINEL_WORD - (1 << 32), dtype=torch.int32, device="cuda")
@@ -343,7 +363,8 @@ def test_negative_zero_and_sentinel_valued_partials(world: int, rows_of: str) ->
             inp.x[3] = sentinel[3].view(BF16) if r == 0 else other.view(BF16)
         inputs[0].residual[3] = -0.0
         _y_visible(inputs)
-        assert_y(run(ranks, inputs, mode), inputs)
+        with forcing(protocol):
+            assert_y(run(ranks, inputs, mode), inputs)
     no_errors(ranks)
 
 
@@ -409,12 +430,12 @@ def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
 # Skew: late ranks change no bit; a missing rank is an error naming it; one generation fewer fails.
 
 
-@pytest.mark.parametrize("rows_of", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", (2, 4))
-def test_a_rank_delayed_on_the_device_before_its_push(world: int, rows_of: str) -> None:
+def test_a_rank_delayed_on_the_device_before_its_push(world: int, protocol: str) -> None:
     hidden = 4096
     ranks = simulated(world, hidden)
-    rows = protocol_rows(world, hidden)[rows_of]
+    rows = protocol_rows(world, hidden)[protocol]
     for late in range(world):
         inputs = make_inputs(world, rows, hidden, "partial", seed=late)
 
@@ -423,7 +444,8 @@ def test_a_rank_delayed_on_the_device_before_its_push(world: int, rows_of: str) 
                 torch.cuda._sleep(2_000_000)  # ~1 ms of device time before its boundary starts
             return call(ar, inputs[ar.rank], "partial")
 
-        check(BoundaryAllReduce.run_simulated(ranks, [delayed] * world), inputs, "partial")
+        with forcing(protocol):
+            check(BoundaryAllReduce.run_simulated(ranks, [delayed] * world), inputs, "partial")
     no_errors(ranks)
 
 

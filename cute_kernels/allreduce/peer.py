@@ -106,9 +106,7 @@ class PeerReduce:
 
     def words(self, y: cute.Tensor) -> list:
         """This thread's vectors of a partial as canonical bf16-pair words, [vpt][4]."""
-        return [
-            [canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)] for v in range(self.vpt)
-        ]
+        return [[canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)] for v in range(self.vpt)]
 
     @cute.jit
     def inline(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):

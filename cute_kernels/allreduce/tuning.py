@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 
 # Calls of at most this many rows take the one-shot protocol, per (world size, H); other H: the
-# nearest measured H of that world size.
+# nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md): at W 2
+# one-shot is as fast or faster at every one (the two move the same bytes; one-shot has one hop less),
+# at W 4 up to 64 rows, at W 8 up to 4.
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
-    (2, 4096): 64, (2, 5120): 64, (2, 7168): 64,
-    (4, 4096): 16, (4, 5120): 16, (4, 7168): 16,
+    (2, 4096): 512, (2, 5120): 512, (2, 7168): 512,
+    (4, 4096): 64, (4, 5120): 64, (4, 7168): 64,
     (8, 4096): 4, (8, 5120): 4, (8, 7168): 4,
 }  # fmt: skip
 
