@@ -3,6 +3,8 @@ the protocol switch and the slot layout (the peer kernels themselves: tests/test
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
 from cute_kernels.allreduce import protocol
 from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for
+from cute_kernels.boundary.config import default_config, row_split
+from cute_kernels.boundary.kernel import FusedBoundaryKernel
 
 BF16 = torch.bfloat16
 
@@ -101,3 +105,28 @@ def test_the_slot_layout() -> None:
     owners = [protocol.segment_owner(t, c, 7, 8) for t in range(8) for c in range(7)]
     assert sorted(set(owners)) == list(range(8))  # every rank owns segments
     assert max(owners.count(r) for r in range(8)) - min(owners.count(r) for r in range(8)) <= 1  # balanced
+
+
+def test_segments_depend_on_h_alone() -> None:
+    """Which columns a segment holds, and so its two-shot owner, must be the same in every kernel that may run on
+    one workspace (every world size, simulated or not): a staged two-shot owner keeps y in its own slot, which
+    only the owner itself ever reads (CONTRACT §7)."""
+    for arch in ("sm_90a", "sm_100a"):
+        for hidden in (2560, 4096, 4352, 5120, 7168):
+            shapes = {
+                (c.cluster_n, c.threads)
+                for world in range(1, 9)
+                for ranks_per_device in {1, world}
+                for c in [default_config(hidden, arch, ranks_per_device, world)]
+            }
+            assert shapes == {row_split(hidden)}, (arch, hidden, shapes)
+
+
+def test_the_call_counter_bounds_the_warps_per_launch() -> None:
+    config = default_config(7168, "sm_90a", 1, 2)
+    warps = config.max_clusters * config.cluster_n * config.threads // 32
+    assert warps < protocol.CALL_UNIT  # the shipped launch fits the counter's shares
+    wide = dataclasses.replace(config, max_clusters=protocol.CALL_UNIT)
+    with pytest.raises(ValueError, match="peer call counter"):
+        FusedBoundaryKernel(7168, wide, world_size=2)
+    FusedBoundaryKernel(7168, wide, world_size=1)  # no peers, no counter

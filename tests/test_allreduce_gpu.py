@@ -41,6 +41,7 @@ TIMEOUT_US = 2_000_000  # a failing wait surfaces in 2 s, far above any skew the
 MODES = ("partial", "shared", "moe", "residual-only", "mxfp8", "aux", "mailbox")
 WORLDS = (2, 4, 8)
 HIDDEN = (2560, 4096, 5120, 7168)
+TAIL_HIDDEN = 4352  # 2 CTAs of 288 threads for 272 vectors: 16 threads hold a clamped duplicate
 
 
 MAX_ROWS = 512  # the simulated ranks' capacity
@@ -54,8 +55,11 @@ def protocol_rows(world: int, hidden: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def forcing(protocol: str) -> Iterator[None]:
-    """Every boundary call in the block takes `protocol`, whatever the switch would pick."""
+def forcing(protocol: str | None) -> Iterator[None]:
+    """Every boundary call in the block takes `protocol`, whatever the switch would pick (None: the switch's)."""
+    if protocol is None:
+        yield
+        return
     saved = all_reduce_module.protocol_for
     all_reduce_module.protocol_for = lambda world, hidden, rows: protocol
     try:
@@ -83,6 +87,8 @@ def _compiled() -> None:
     for world in WORLDS:
         for hidden in HIDDEN:
             jobs += api.warmup_jobs(hidden, arch=arch, world_size=world, ranks_per_device=world, variants=variants)
+    for world in (2, 4):
+        jobs += api.warmup_jobs(TAIL_HIDDEN, arch=arch, world_size=world, ranks_per_device=world, variants=variants)
     jobs += api.warmup_jobs(5120, arch=arch, variants=[_variant("moe")])
     warmup(jobs, workers=os.cpu_count() or 1, desc="peer boundary kernels")
 
@@ -283,6 +289,24 @@ def test_every_row_count_up_to_512(world: int) -> None:
     no_errors(ranks)
 
 
+@pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("world", (2, 4))
+def test_threads_past_the_chunk_push_and_store_nothing(world: int, protocol: str) -> None:
+    """H 4352: the last vector of some threads is a clamped duplicate of a real one; it must never be pushed,
+    polled, re-armed or stored, inline or staged."""
+    ranks = simulated(world, TAIL_HIDDEN)
+    config = default_config(TAIL_HIDDEN, ranks[0].arch, world, world)
+    assert config.threads * config.cluster_n * 8 > TAIL_HIDDEN, "the shape must have threads past the chunk"
+    staged = 2 * config.max_clusters + 1
+    assert config.clusters(staged) < staged and config.clusters(8) == 8
+    for rows in (1, 8, staged):
+        for mode in ("partial", "mxfp8"):
+            inputs = make_inputs(world, rows, TAIL_HIDDEN, mode, seed=rows + 17)
+            with forcing(protocol):
+                check(run(ranks, inputs, mode), inputs, mode)
+    no_errors(ranks)
+
+
 # ---------------------------------------------------------------------------------------------
 # y exactly: with post = 1 and comb = 0 every new stream is y itself.
 
@@ -375,15 +399,21 @@ def test_negative_zero_and_sentinel_valued_partials(world: int, protocol: str) -
 @pytest.mark.parametrize("world", WORLDS)
 def test_consecutive_boundaries_without_host_sync(world: int) -> None:
     """40 boundaries back to back on every rank's stream (each rank runs ahead as far as its peers let it),
-    switching protocols, modes and row counts, then one check of them all."""
+    switching protocols (the switch's choice, and each forced in turn), modes and row counts, inline and
+    staged, then one check of them all."""
     hidden = 5120
     ranks = simulated(world, hidden)
     plan = [(rows, mode) for rows in (1, 16, 129, 512, 3) for mode in ("partial", "moe", "residual-only", "shared")]
     plan = (plan * 2)[:40]
+    protocols = [(None, "twoshot", "oneshot")[k % 3] for k in range(len(plan))]
     sets = [make_inputs(world, rows, hidden, mode, seed=100 + k) for k, (rows, mode) in enumerate(plan)]
 
+    def one(ar: BoundaryAllReduce, k: int) -> RankOutputs:
+        with forcing(protocols[k]):
+            return call(ar, sets[k][ar.rank], plan[k][1])
+
     def many(ar: BoundaryAllReduce) -> list[RankOutputs]:
-        return [call(ar, sets[k][ar.rank], mode) for k, (_, mode) in enumerate(plan)]
+        return [one(ar, k) for k in range(len(plan))]
 
     results = BoundaryAllReduce.run_simulated(ranks, [many] * world)
     torch.cuda.synchronize()
@@ -402,7 +432,8 @@ def test_consecutive_boundaries_without_host_sync(world: int) -> None:
 def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
     world, hidden = 4, 7168
     ranks = simulated(world, hidden)
-    for rows in (protocol_rows(world, hidden)["oneshot"], 64):
+    # 16 rows: one-shot, one row per cluster (inline); the first two-shot row count: staged.
+    for rows in (16, protocol_rows(world, hidden)["twoshot"]):
         inputs = make_inputs(world, rows, hidden, "mxfp8", seed=11)
         run(ranks, inputs, "mxfp8")  # outside the capture: allocations settle
         torch.cuda.synchronize()
@@ -435,8 +466,10 @@ def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
 def test_a_rank_delayed_on_the_device_before_its_push(world: int, protocol: str) -> None:
     hidden = 4096
     ranks = simulated(world, hidden)
-    rows = protocol_rows(world, hidden)[protocol]
-    for late in range(world):
+    plan = [
+        (rows, late) for rows in (8, protocol_rows(world, hidden)[protocol]) for late in range(world)
+    ]  # inline, staged
+    for rows, late in plan:
         inputs = make_inputs(world, rows, hidden, "partial", seed=late)
 
         def delayed(ar: BoundaryAllReduce, late: int = late, inputs: list = inputs) -> RankOutputs:

@@ -33,7 +33,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from cute_kernels import ptx
-from cute_kernels.allreduce.protocol import CALL_UNIT, ERROR_MISSING, GENERATIONS, PROTOCOLS, SENTINEL_WORD, STATE_CALLS
+from cute_kernels.allreduce.protocol import (
+    CALL_SHIFT,
+    CALL_UNIT,
+    ERROR_MISSING,
+    GENERATIONS,
+    PROTOCOLS,
+    SENTINEL_WORD,
+    STATE_CALLS,
+)
 from cute_kernels.boundary.config import VEC
 from cute_kernels.boundary.loads import RowRegs
 
@@ -73,7 +81,7 @@ class PeerReduce:
             cute.arch.atomic_add(counter, share, sem="relaxed", scope="gpu")
         gen = Int32(0)
         if const_expr(self.generations == 2):
-            gen = (calls >> 16) & 1  # the call index's parity (the counter may wrap: 2^16 calls is even)
+            gen = (calls >> CALL_SHIFT) & 1  # the call index's parity (the counter may wrap: 2^16 calls is even)
         return gen
 
     @cute.jit

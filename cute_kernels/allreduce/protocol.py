@@ -20,8 +20,10 @@ PROTOCOLS = ("oneshot", "twoshot")
 # counter // CALL_UNIT counts the calls (modulo 2^16: only its parity is used) for any reader of the call.
 STATE_CALLS, STATE_RANK, STATE_TIMEOUT_US = range(3)
 STATE_WORDS = 3
-# More than the warps of any peer launch: its grid is resident at once, at most 64 warps per SM.
-CALL_UNIT = 1 << 16
+# More than the warps of any peer launch (its grid is resident at once: at most 64 warps per SM; the kernel
+# checks its own bound).
+CALL_SHIFT = 16
+CALL_UNIT = 1 << CALL_SHIFT
 # The error word (int32): a mask of the ranks a wait gave up on, 1 + a row whose MoE index was outside
 # [-1, P), that index.
 ERROR_MISSING, ERROR_MOE_ROW, ERROR_MOE_INDEX = range(3)
