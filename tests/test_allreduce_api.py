@@ -130,3 +130,12 @@ def test_the_call_counter_bounds_the_warps_per_launch() -> None:
     with pytest.raises(ValueError, match="peer call counter"):
         FusedBoundaryKernel(7168, wide, world_size=2)
     FusedBoundaryKernel(7168, wide, world_size=1)  # no peers, no counter
+
+
+def test_the_peer_trace_experiment_compiles() -> None:
+    """bench/experiments/peer_trace.py builds the shipped peer kernel with stamps (run on a GPU, not here)."""
+    from bench.experiments.peer_trace import traced_kernel
+
+    for protocol in ("oneshot", "twoshot"):
+        fn, config = traced_kernel(4096, 2, protocol, "sm_90a", base=1 << 40)
+        assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)
