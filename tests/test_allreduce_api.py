@@ -136,6 +136,6 @@ def test_the_peer_trace_experiment_compiles() -> None:
     """bench/experiments/peer_trace.py builds the shipped peer kernel with stamps (run on a GPU, not here)."""
     from bench.experiments.peer_trace import traced_kernel
 
-    for protocol in ("oneshot", "twoshot"):
-        fn, config = traced_kernel(4096, 2, protocol, "sm_90a", base=1 << 40)
+    for name in ("oneshot", "twoshot"):
+        fn, config = traced_kernel(4096, 2, name, "sm_90a", base=1 << 40)
         assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)

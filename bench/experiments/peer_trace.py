@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
