@@ -46,15 +46,20 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
         assert ar.path == "peer", f"expected the peer path, got {ar.path}"
         ar.warmup(progress=False)
         if scenario == "modes":
-            for rows in (1, 2, 7, 16, 17, 64, 65, 129, 300, 512):
+            # The switch's choice at every row count, and each protocol forced at a few (W 2 never takes two-shot
+            # through the switch within 512 rows).
+            plan = [(rows, None) for rows in (1, 2, 7, 16, 17, 64, 65, 129, 300, 512)]
+            plan += [(rows, protocol) for rows in (3, 200) for protocol in ("oneshot", "twoshot")]
+            for rows, protocol in plan:
                 for mode in MODES:
                     inputs = sim.make_inputs(world, rows, hidden, mode, seed=rows)  # the same on every rank
-                    res = sim.call(ar, inputs[rank], mode)
+                    with sim.forcing(protocol):
+                        res = sim.call(ar, inputs[rank], mode)
                     torch.cuda.synchronize()
                     mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in res.tensors()])
                     everyone = [torch.empty_like(mine) for _ in range(world)]
                     dist.all_gather(everyone, mine)
-                    assert all(torch.equal(e, mine) for e in everyone), f"rows {rows} {mode}: ranks differ"
+                    assert all(torch.equal(e, mine) for e in everyone), f"rows {rows} {mode} {protocol}: ranks differ"
                     sim.check([res], inputs, mode)
             ar.check()
         elif scenario == "stall":
