@@ -8,11 +8,9 @@ error naming it, and the race test must fail with one buffer generation fewer.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import cutlass
@@ -21,7 +19,7 @@ import pytest
 import torch
 from torch import Tensor
 
-import boundary.all_reduce as all_reduce_module
+from bench.allreduce import forced_protocol
 from boundary import BoundaryAllReduce, empty_quantized_layer_input
 from boundary import reference as ref
 from cute_kernels.allreduce.peer import PeerReduce
@@ -54,18 +52,8 @@ def protocol_rows(world: int, hidden: int) -> dict[str, int]:
     return {"oneshot": max(1, min(limit, MAX_ROWS)), "twoshot": min(limit + 1, MAX_ROWS)}
 
 
-@contextlib.contextmanager
-def forcing(protocol: str | None) -> Iterator[None]:
-    """Every boundary call in the block takes `protocol`, whatever the switch would pick (None: the switch's)."""
-    if protocol is None:
-        yield
-        return
-    saved = all_reduce_module.protocol_for
-    all_reduce_module.protocol_for = lambda world, hidden, rows: protocol
-    try:
-        yield
-    finally:
-        all_reduce_module.protocol_for = saved
+# Every boundary call in the block takes the protocol named, whatever the switch would pick (None: the switch's).
+forcing = forced_protocol
 
 
 # ---------------------------------------------------------------------------------------------

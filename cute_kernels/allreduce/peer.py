@@ -138,16 +138,10 @@ class PeerReduce:
             if ahead < ctx.rows:
                 self.loads.load_partial(ctx, regs, ahead)
             if const_expr(self.protocol == "oneshot"):
-                for v in cutlass.range_constexpr(self.vpt):
-                    mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
-                    for p in cutlass.range_constexpr(self.W):
-                        self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+                self.push_partial(ctx, words, row)
             else:
                 owner = (row * self.cluster_n + ctx.cta) % self.W
-                peer = ctx.mPeers[owner]
-                for v in cutlass.range_constexpr(self.vpt):
-                    mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
-                    self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.rank))
+                self.push_partial(ctx, words, row, owner, owned_here=True)
             row = ahead
 
     @cute.jit
@@ -171,13 +165,7 @@ class PeerReduce:
         sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, self.words(self.loads.partial(ctx, regs, row)), rIn, rY)
-        base = ctx.mSlots.iterator.toint()
-        for v in cutlass.range_constexpr(self.vpt):
-            y_words = [canonical(rY[v, k]) for k in range(4)]
-            reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
-            for p in cutlass.range_constexpr(self.W):
-                self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
-            ptx.st_global_v4_pred(base + reduced, *y_words, self.real(ctx, v))
+        self.send_y(ctx, rY, row, keep=True)
         self.rearm(ctx, row, sources)
 
     @cute.jit
@@ -222,10 +210,7 @@ class PeerReduce:
     @cute.jit
     def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Push this rank's vectors into slot `rank` of every peer, wait for the W - 1 others, sum them all."""
-        for v in cutlass.range_constexpr(self.vpt):
-            mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
-            for p in cutlass.range_constexpr(self.W):
-                self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+        self.push_partial(ctx, words, row)
         sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
@@ -243,10 +228,7 @@ class PeerReduce:
     @cute.jit
     def send_and_wait(self, ctx, words: list, row: Int32, owner: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Two-shot, not the owner: this rank's partial into the owner's slot `rank`, then y from slot W."""
-        peer = ctx.mPeers[owner]
-        for v in cutlass.range_constexpr(self.vpt):
-            mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
-            self.push(ctx, peer + mine, words[v], self.real(ctx, v))
+        self.push_partial(ctx, words, row, owner)
         sources = [(self.W, owner, None)]
         self.wait(ctx, rIn, row, sources, ctx.deadline_y)
         for v in cutlass.range_constexpr(self.vpt):
@@ -260,15 +242,36 @@ class PeerReduce:
         sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
+        self.send_y(ctx, rY, row, keep=False)
+        self.rearm(ctx, row, sources)
+
+    @cute.jit
+    def push_partial(self, ctx, words: list, row: Int32, owner: Int32 | None = None, owned_here: bool = False):
+        """This rank's vectors of `row` into slot `rank` of every other rank (one-shot: `owner` None) or of the
+        segment's owner (two-shot; `owned_here`: the owner may be this rank, which then pushes nothing)."""
+        peer = None if const_expr(owner is None) else ctx.mPeers[owner]
         for v in cutlass.range_constexpr(self.vpt):
-            # y travels (and is used here) in canonical words, so that every rank has the same zero signs.
+            mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+            if const_expr(owner is None):
+                for p in cutlass.range_constexpr(self.W):
+                    self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+            else:
+                self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.rank if owned_here else None))
+
+    @cute.jit
+    def send_y(self, ctx, rY: cute.Tensor, row: Int32, keep: bool):
+        """The owner's y into slot W of every other rank and, with `keep` (staged), of its own, which this same
+        thread reads back. y travels (and is used) in canonical words, so that every rank has the same zero signs."""
+        base = ctx.mSlots.iterator.toint() if const_expr(keep) else None
+        for v in cutlass.range_constexpr(self.vpt):
             y_words = [canonical(rY[v, k]) for k in range(4)]
             for k in cutlass.range_constexpr(4):
                 rY[v, k] = y_words[k]
             reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
             for p in cutlass.range_constexpr(self.W):
                 self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
-        self.rearm(ctx, row, sources)
+            if const_expr(keep):
+                ptx.st_global_v4_pred(base + reduced, *y_words, self.real(ctx, v))
 
     def real(self, ctx, v: int, needed: cutlass.Boolean | None = None) -> cutlass.Boolean | None:
         """Whether this thread's vector v is a real one (threads past the chunk hold a clamped duplicate)
