@@ -162,7 +162,7 @@ class PeerReduce:
     @cute.jit
     def reduce_segment(self, ctx, regs, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """reduce_owned's work on one owned segment whose partial loads are in flight."""
-        sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        sources = self.partial_sources(ctx)
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, self.words(self.loads.partial(ctx, regs, row)), rIn, rY)
         self.send_y(ctx, rY, row, keep=True)
@@ -183,7 +183,7 @@ class PeerReduce:
         """A row of the staged row loop. One-shot: the slots are full (or nearly), wait, sum and re-arm. Two-shot:
         y as loaded with the row (the owner's own, or a peer's once it has landed), the peer's slot re-armed."""
         if const_expr(self.protocol == "oneshot"):
-            sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+            sources = self.partial_sources(ctx)
             self.wait(ctx, rIn, row, sources, ctx.deadline)
             self.rank_sum(ctx, words, rIn, rY)
             self.rearm(ctx, row, sources)
@@ -199,19 +199,15 @@ class PeerReduce:
                     for k in cutlass.range_constexpr(4):
                         miss = rSlot[v, k] == Uint32(SENTINEL_WORD)
                         late = late | (miss if const_expr(want is None) else miss & want)
-                sources = [(self.W, owner, None)]
                 if late:
-                    self.wait(ctx, rIn, row, sources, ctx.deadline_y)
-                    for v in cutlass.range_constexpr(self.vpt):
-                        for k in cutlass.range_constexpr(4):
-                            rY[v, k] = rIn[0, v, k]
-                self.rearm(ctx, row, sources)
+                    self.wait_y(ctx, row, owner, rIn, rY)
+                self.rearm(ctx, row, [(self.W, owner, None)])
 
     @cute.jit
     def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Push this rank's vectors into slot `rank` of every peer, wait for the W - 1 others, sum them all."""
         self.push_partial(ctx, words, row)
-        sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        sources = self.partial_sources(ctx)
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         self.rearm(ctx, row, sources)
@@ -229,21 +225,29 @@ class PeerReduce:
     def send_and_wait(self, ctx, words: list, row: Int32, owner: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Two-shot, not the owner: this rank's partial into the owner's slot `rank`, then y from slot W."""
         self.push_partial(ctx, words, row, owner)
-        sources = [(self.W, owner, None)]
-        self.wait(ctx, rIn, row, sources, ctx.deadline_y)
-        for v in cutlass.range_constexpr(self.vpt):
-            for k in cutlass.range_constexpr(4):
-                rY[v, k] = rIn[0, v, k]
-        self.rearm(ctx, row, sources)
+        self.wait_y(ctx, row, owner, rIn, rY)
+        self.rearm(ctx, row, [(self.W, owner, None)])
 
     @cute.jit
     def reduce_and_send(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Two-shot, the owner: the W - 1 other partials, the rank-order sum, y into slot W of every peer."""
-        sources = [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        sources = self.partial_sources(ctx)
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         self.send_y(ctx, rY, row, keep=False)
         self.rearm(ctx, row, sources)
+
+    def partial_sources(self, ctx) -> list:
+        """The wait sources of every rank's partial of a row: (slot, rank it comes from, needed: not this rank's)."""
+        return [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+
+    @cute.jit
+    def wait_y(self, ctx, row: Int32, owner: Int32, rIn: cute.Tensor, rY: cute.Tensor):
+        """Two-shot, not the owner: wait for the owner's y in slot W of `row` and take it into rY."""
+        self.wait(ctx, rIn, row, [(self.W, owner, None)], ctx.deadline_y)
+        for v in cutlass.range_constexpr(self.vpt):
+            for k in cutlass.range_constexpr(4):
+                rY[v, k] = rIn[0, v, k]
 
     @cute.jit
     def push_partial(self, ctx, words: list, row: Int32, owner: Int32 | None = None, owned_here: bool = False):
