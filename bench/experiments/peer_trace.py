@@ -56,8 +56,8 @@ def traced_kernel(hidden: int, world: int, protocol: str, arch: str, base: int):
 
     class TracedPeer(PeerReduce):
         @cute.jit
-        def call_generation(self, mState: cute.Tensor) -> Int32:
-            gen = PeerReduce.call_generation(self, mState)
+        def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
+            gen = PeerReduce.call_generation(self, mState, calls)
             stamps.stamp(mState[STATE_RANK], 0)
             return gen
 

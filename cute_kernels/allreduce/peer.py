@@ -62,8 +62,17 @@ class PeerReduce:
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
 
     @cute.jit
-    def call_generation(self, mState: cute.Tensor) -> Int32:
-        """This call's slot generation, from the call counter, whose share for this warp goes in at once."""
+    def read_counter(self, mState: cute.Tensor) -> Int32:
+        """Lane 0's read of the call counter (0 on the other lanes); nothing waits for it here."""
+        calls = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            calls = cute.arch.load(mState.iterator + STATE_CALLS, Int32, sem="relaxed", scope="gpu")
+        return calls
+
+    @cute.jit
+    def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
+        """This call's slot generation from lane 0's read of the call counter, whose share for this warp goes in
+        at once."""
         lane = cute.arch.lane_idx()
         counter = mState.iterator + STATE_CALLS
         # Warp-uniform values first: warp_idx() is a whole-warp shuffle, which must not run in a one-lane branch.
@@ -73,9 +82,6 @@ class PeerReduce:
         warps = gx * gy * (tx // 32)
         first = (bx == 0) & (by == 0) & (cute.arch.warp_idx() == 0)
         share = Int32(cutlass.select_(first, Int32(CALL_UNIT) - (warps - 1), Int32(1)))
-        calls = Int32(0)
-        if lane == 0:
-            calls = cute.arch.load(counter, Int32, sem="relaxed", scope="gpu")
         calls = cute.arch.shuffle_sync(calls, 0)
         if lane == 0:
             cute.arch.atomic_add(counter, share, sem="relaxed", scope="gpu")

@@ -205,14 +205,14 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
-        rank, timeout_us, gen, deadline, deadline_y = None, None, None, None, None
+        rank, timeout_us, calls, deadline, deadline_y = None, None, None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants; the call counter is written by the previous call, so after the wait.
             rank = mState[STATE_RANK]
             timeout_us = mState[STATE_TIMEOUT_US]
         cute.arch.griddepcontrol_wait()
         if const_expr(self.allreduce is not None):
-            gen = self.allreduce.call_generation(mState)
+            calls = self.allreduce.read_counter(mState)  # in flight with the first row's loads below
             deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
             deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
 
@@ -220,23 +220,29 @@ class FusedBoundaryKernel:
         staged, unstaged = None, None
         if const_expr(self.allreduce is not None and self.allreduce.staging):
             staged, unstaged = rows > clusters, rows <= clusters
-        ctx = Ctx(
+        fields = dict(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
-            mError=mError, rank=rank, gen=gen, deadline=deadline, deadline_y=deadline_y, staged=staged,
-            unstaged=unstaged,
+            mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y, staged=staged, unstaged=unstaged,
         )  # fmt: skip
+        # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
+        # while it is reduced and stored. The first row's loads go out before the call's generation is
+        # known (they need none of it; a staged two-shot row's y slot is loaded again below).
+        regs = RowRegs(self.loads)
+        self.loads.load_row(Ctx(**fields, gen=None), regs, first_row)
+        gen = None
+        if const_expr(self.allreduce is not None):
+            gen = self.allreduce.call_generation(mState, calls)
+        ctx = Ctx(**fields, gen=gen)
         if const_expr(self.allreduce is not None and self.allreduce.staging):
-            # Several rows per cluster: every partial (and two-shot, every owned y) goes out before the row loop.
+            # Several rows per cluster: every partial (and two-shot, every owned y) goes out before the row loop,
+            # then the first row's loads again (its y slot is filled now).
             if staged:
                 self.allreduce.push_rows(ctx, first_row, clusters)
                 if const_expr(self.allreduce.protocol == "twoshot"):
                     self.allreduce.reduce_owned(ctx, first_row, clusters)
-        # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
-        # while it is reduced and stored.
-        regs = RowRegs(self.loads)
-        self.loads.load_row(ctx, regs, first_row)
+                self.loads.load_row(ctx, regs, first_row)
         if const_expr(self.allreduce is None):
             cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.mxfp8):

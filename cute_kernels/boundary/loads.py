@@ -66,7 +66,8 @@ class RowLoads:
         if const_expr(self.y_slot is None):
             self.load_partial(ctx, regs, row)
         else:
-            self.y_slot.prefetch_y(ctx, regs.rSlot, row)
+            if const_expr(ctx.gen is not None):  # without the call's generation (the first row's first loads): none
+                self.y_slot.prefetch_y(ctx, regs.rSlot, row)
             if ctx.unstaged:  # a staged row's partial went out before the row loop; its y comes from the slot
                 self.load_partial(ctx, regs, row)
 
