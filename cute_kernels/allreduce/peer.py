@@ -136,19 +136,29 @@ class PeerReduce:
     def push_rows(self, ctx, first_row: Int32, clusters: Int32):
         """Push the partial of each of this cluster's rows to whoever sums it, the next row's loads in flight."""
         regs = RowRegs(self.loads)
-        self.loads.load_partial(ctx, regs, first_row)
+        if self.sends_partial(ctx, first_row):
+            self.loads.load_partial(ctx, regs, first_row)
         row = first_row
         while row < ctx.rows:
             words = self.words(self.loads.partial(ctx, regs, row))
             ahead = row + clusters
             if ahead < ctx.rows:
-                self.loads.load_partial(ctx, regs, ahead)
+                if self.sends_partial(ctx, ahead):  # a two-shot owner's own partial is loaded when it sums
+                    self.loads.load_partial(ctx, regs, ahead)
             if const_expr(self.protocol == "oneshot"):
                 self.push_partial(ctx, words, row)
             else:
                 owner = (row * self.cluster_n + ctx.cta) % self.W
                 self.push_partial(ctx, words, row, owner, owned_here=True)
             row = ahead
+
+    @cute.jit
+    def sends_partial(self, ctx, row: Int32) -> cutlass.Boolean:
+        """Whether this rank pushes its partial of `row` in a staged call (two-shot: unless it owns the segment)."""
+        sends = cutlass.Boolean(True)
+        if const_expr(self.protocol == "twoshot"):
+            sends = (row * self.cluster_n + ctx.cta) % self.W != ctx.rank
+        return sends
 
     @cute.jit
     def reduce_owned(self, ctx, first_row: Int32, clusters: Int32):
