@@ -137,5 +137,6 @@ def test_the_peer_trace_experiment_compiles() -> None:
     from bench.experiments.peer_trace import traced_kernel
 
     for name in ("oneshot", "twoshot"):
-        fn, config = traced_kernel(4096, 2, name, "sm_90a", base=1 << 40)
-        assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)
+        for staged in (False, True):
+            fn, config = traced_kernel(4096, 2, name, staged, "sm_90a", base=1 << 40)
+            assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)

@@ -91,10 +91,13 @@ def simulated(world: int, hidden: int) -> list[BoundaryAllReduce]:
         ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=MAX_ROWS, device="cuda", timeout_us=TIMEOUT_US)
         # Every kernel these tests launch runs once first, all ranks joined: a rank that loads a kernel (or
         # compiles it) on its first launch while its peers already wait delays them (CONTRACT §7, warm-up).
+        # Each protocol inline (1 row) and at its row count nearest the switch (staged where that takes
+        # several rows per cluster), and staged at the largest count.
         for mode in MODES:
             for protocol, rows in protocol_rows(world, hidden).items():
-                with forcing(protocol):
-                    run(ranks, make_inputs(world, rows, hidden, mode, seed=0), mode)
+                for count in sorted({1, rows, MAX_ROWS}):
+                    with forcing(protocol):
+                        run(ranks, make_inputs(world, count, hidden, mode, seed=0), mode)
         torch.cuda.synchronize()
         no_errors(ranks)
         _RANKS[key] = ranks
@@ -536,11 +539,11 @@ class _OneGeneration(_Stalled):
     generations = 1
 
 
-def _stalled_kernel(role: type, hidden: int, world: int, protocol: str, arch: str):
+def _stalled_kernel(role: type, hidden: int, world: int, protocol: str, staged: bool, arch: str):
     variant = api.BoundaryVariant("x", False, True, False, False)
     config = default_config(hidden, arch, world, world)
-    kernel = FusedBoundaryKernel(hidden, config, world_size=world, protocol=protocol)
-    kernel.attach_allreduce(role(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staging=True))
+    kernel = FusedBoundaryKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
+    kernel.attach_allreduce(role(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch)
 
 
@@ -548,7 +551,8 @@ def _race(role: type, protocol: str, rows: int) -> tuple[int, bool]:
     """20 stalled boundaries back to back on 2 fresh ranks: (wrong calls, whether a wait gave up)."""
     world, hidden, calls = 2, 4096, 20
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=256, device="cuda", timeout_us=50_000)
-    fn = _stalled_kernel(role, hidden, world, protocol, ranks[0].arch)
+    staged = default_config(hidden, ranks[0].arch, world, world).clusters(rows) < rows
+    fn = _stalled_kernel(role, hidden, world, protocol, staged, ranks[0].arch)
     sets = [make_inputs(world, rows, hidden, "partial", seed=500 + k) for k in range(calls)]
 
     def many(ar: BoundaryAllReduce) -> list[Tensor]:

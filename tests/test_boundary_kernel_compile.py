@@ -82,7 +82,9 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert all(j.args[0] == 5120 and j.args[6:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
                for j in jobs)  # fmt: skip
     peer = api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)
-    assert len(peer) == 48 and {j.args[8] for j in peer} == {"oneshot", "twoshot"}  # both protocols of every variant
+    # Both protocols of every variant, each inline, and staged too for the 12 variants with a ready partial x.
+    assert len(peer) == 24 * 2 + 12 * 2 and {j.args[8] for j in peer} == {"oneshot", "twoshot"}
+    assert {(j.args[1], j.args[9]) for j in peer} == {("x", False), ("x", True), ("moe", False)}
     assert all(j.args[7] == 4 and j.args[6] == default_config(5120, "sm_90a", 4, 4) for j in peer)
 
 

@@ -50,8 +50,8 @@ class Stamps:
             ptx.st_global_v2_b32(addr, Uint32(t & 0xFFFFFFFF), Uint32(t >> 32))
 
 
-def traced_kernel(hidden: int, world: int, protocol: str, arch: str, base: int):
-    """The shipped peer kernel (bf16 partial in, bf16 out) with the stamps of `Stamps` at `base`."""
+def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int):
+    """The shipped peer kernel (bf16 partial in, bf16 out; inline or staged) with the stamps of `Stamps` at `base`."""
     stamps = Stamps(base)
 
     class TracedPeer(PeerReduce):
@@ -79,8 +79,8 @@ def traced_kernel(hidden: int, world: int, protocol: str, arch: str, base: int):
             stamps.stamp(ctx.rank, 4)
 
     config = default_config(hidden, arch, world, world)
-    kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol)
-    kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staging=True))
+    kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
+    kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     variant = api.BoundaryVariant("x", False, True, False, False)
     return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch), config
 
@@ -140,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         for hidden in args.hidden:
             ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
             for protocol in args.protocol:
-                fn, config = traced_kernel(hidden, world, protocol, arch, trace.data_ptr())
                 with forced_protocol(protocol):
                     for rows in args.rows:
+                        config = default_config(hidden, arch, world, world)
+                        staged = config.clusters(rows) < rows
+                        fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr())
                         ctas = config.cluster_n * config.clusters(rows)
                         steps = summarize(trace_point(ranks, fn, trace, rows, args.calls), ctas)
                         cells = "  ".join(f"{k} {v:6.2f}" for k, v in steps.items())

@@ -11,10 +11,11 @@ Two-shot: the owner of a segment (row, CTA column chunk) receives the W - 1 othe
 pushes y to every other rank; the others wait for y. Half the bytes of one-shot for W > 2, one more hop.
 
 A call whose clusters each take one row runs the exchange inline, row by row. A call whose clusters
-take several rows (with a ready partial x) is staged, so that no row waits for a push its peer has
-not issued yet: first every row's partial goes out, then (two-shot) each owner waits for, sums and
-sends y of all its segments, and only then the row loop runs the epilogue, y loaded with the row's
-other loads (one-shot: summed there from the slots, already full).
+take several rows (with a ready partial x) takes the staged kernel (its own variant, so that each
+path has its own register allocation; the host knows the rows and the clusters), so that no row
+waits for a push its peer has not issued yet: first every row's partial goes out, then (two-shot)
+each owner waits for, sums and sends y of all its segments, and only then the row loop runs the
+epilogue, y loaded with the row's other loads (one-shot: summed there from the slots, already full).
 
 The slot generation of a call comes from the rank's call counter (protocol.CALL_UNIT): each warp reads
 it and adds its share at once, so no CTA counts itself at its end.
@@ -51,14 +52,14 @@ class PeerReduce:
 
     generations = GENERATIONS  # a class attribute, so that a test can build the one-generation control
 
-    def __init__(self, H: int, world_size: int, protocol: str, vpt: int, cluster_n: int, *, staging: bool) -> None:
+    def __init__(self, H: int, world_size: int, protocol: str, vpt: int, cluster_n: int, *, staged: bool) -> None:
         assert world_size > 1 and protocol in PROTOCOLS and self.generations in (1, 2)
         self.H = H
         self.W = world_size
         self.protocol = protocol
         self.vpt = vpt
         self.cluster_n = cluster_n
-        self.staging = staging  # calls of several rows per cluster may be staged (a ready partial x)
+        self.staged = staged  # every row's exchange goes out before the row loop (a ready partial x)
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
 
     @cute.jit
@@ -105,13 +106,10 @@ class PeerReduce:
         words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
-        if const_expr(not self.staging):
-            self.inline(ctx, words, row, rIn, rY)
+        if const_expr(self.staged):
+            self.staged_row(ctx, words, row, rIn, rY, rSlot)
         else:
-            if ctx.staged:
-                self.staged_row(ctx, words, row, rIn, rY, rSlot)
-            else:
-                self.inline(ctx, words, row, rIn, rY)
+            self.inline(ctx, words, row, rIn, rY)
         out = cute.make_rmem_tensor(y.layout, Float32)
         for v in cutlass.range_constexpr(vpt):
             for e in cutlass.range_constexpr(VEC):
@@ -186,11 +184,12 @@ class PeerReduce:
 
     @cute.jit
     def prefetch_y(self, ctx, rSlot: cute.Tensor, row: Int32):
-        """Issue the load of a staged two-shot row's y slot with the row's other loads (nothing when unstaged)."""
+        """Issue the load of a staged two-shot row's y slot with the row's other loads."""
         base = ctx.mSlots.iterator.toint()
         for v in cutlass.range_constexpr(self.vpt):
             addr = base + self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
-            w = ptx.ld_sys_v4_pred(addr, self.real(ctx, v, ctx.staged))
+            want = self.real(ctx, v)
+            w = ptx.ld_sys_v4_pred(addr, cutlass.Boolean(True) if want is None else want)
             for k in cutlass.range_constexpr(4):
                 rSlot[v, k] = w[k]
 

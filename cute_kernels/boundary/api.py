@@ -87,24 +87,34 @@ def compile_boundary_kernel(kernel: FusedBoundaryKernel, H: int, variant: Bounda
 @jit_cache
 def compile_fused_boundary(
     H: int, y_source: str, shared: bool, pre: bool, mxfp8: bool, aux: bool, config: BoundaryConfig,
-    world_size: int, protocol: str, *, arch: str,
+    world_size: int, protocol: str, staged: bool = False, *, arch: str,
 ) -> Callable[..., Any]:  # fmt: skip
-    """Compile one fused-boundary variant: the flags, the launch shape, the world size and the protocol."""
+    """Compile one fused-boundary variant: the flags, the launch shape, the world size, the protocol and whether
+    the exchange is staged."""
     variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux)
     kernel = FusedBoundaryKernel(
         H, config, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux, world_size=world_size,
-        protocol=protocol,
+        protocol=protocol, staged=staged,
     )  # fmt: skip
     return compile_boundary_kernel(kernel, H, variant, world_size, arch=arch)
 
 
 def compiled_boundary(
     H: int, variant: BoundaryVariant, *, arch: str, world_size: int = 1, protocol: str = "oneshot",
-    ranks_per_device: int = 1,
+    ranks_per_device: int = 1, rows: int = 1,
 ) -> Callable[..., Any]:  # fmt: skip
-    """The compiled kernel of one variant at the shipped launch shape (compiled or loaded on first use)."""
+    """The compiled kernel of one variant at the shipped launch shape for a call of `rows` rows (compiled or loaded
+    on first use): with peers, staged when the clusters take several rows each and the partial is a ready x."""
     config = default_config(H, arch, ranks_per_device, world_size)
-    return compile_fused_boundary(H, *variant, config, world_size, protocol if world_size > 1 else "oneshot", arch=arch)
+    if world_size == 1:
+        return compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
+    staged = staged_call(variant, config, rows)
+    return compile_fused_boundary(H, *variant, config, world_size, protocol, staged, arch=arch)
+
+
+def staged_call(variant: BoundaryVariant, config: BoundaryConfig, rows: int) -> bool:
+    """Whether a W > 1 call of `rows` rows takes the staged kernel (allreduce.peer)."""
+    return variant.y_source == "x" and config.clusters(rows) < rows
 
 
 def variant_name(v: BoundaryVariant) -> str:
@@ -119,18 +129,29 @@ def warmup_jobs(
     H: int, *, arch: str, world_size: int = 1, ranks_per_device: int = 1,
     variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS,
 ) -> list[WarmupJob]:  # fmt: skip
-    """One warmup job per variant (and, with W > 1, per protocol) an engine may launch at hidden size H."""
+    """One warmup job per variant (and, with W > 1, per protocol, inline and, for a ready partial, staged) an engine
+    may launch at hidden size H."""
     config = default_config(H, arch, ranks_per_device, world_size)
-    protocols = PROTOCOLS if world_size > 1 else ("oneshot",)
+    if world_size == 1:
+        return [
+            WarmupJob(
+                f"boundary H={H} {variant_name(v)}",
+                compile_fused_boundary,
+                (H, *v, config, 1, "oneshot"),
+                (("arch", arch),),
+            )  # fmt: skip
+            for v in variants
+        ]
     return [
         WarmupJob(
-            name=f"boundary H={H} {variant_name(v)}" + (f" W={world_size} {p}" if world_size > 1 else ""),
+            name=f"boundary H={H} {variant_name(v)} W={world_size} {p}" + (" staged" if staged else ""),
             compile_fn=compile_fused_boundary,
-            args=(H, *v, config, world_size, p),
+            args=(H, *v, config, world_size, p, staged),
             kwargs=(("arch", arch),),
         )
         for v in variants
-        for p in protocols
+        for p in PROTOCOLS
+        for staged in ((False, True) if v.y_source == "x" else (False,))
     ]
 
 
@@ -185,7 +206,7 @@ def fused_boundary(
         slots = peers = state = None
     else:
         fn = compiled_boundary(H, variant, arch=arch, world_size=peer.world_size, protocol=peer.protocol,
-                               ranks_per_device=peer.ranks_per_device)  # fmt: skip
+                               ranks_per_device=peer.ranks_per_device, rows=rows)  # fmt: skip
         slots, peers, state = peer.slots, peer.peers, peer.state
     fn(
         residual, post.view(rows, HC), comb, pre, norm_weight if pre is not None else None, x, shared, g, ew, idx,

@@ -49,6 +49,7 @@ class FusedBoundaryKernel:
         aux: bool = False,
         world_size: int = 1,
         protocol: str = "oneshot",
+        staged: bool = False,
     ) -> None:
         self.H = H
         self.pre = pre
@@ -63,9 +64,11 @@ class FusedBoundaryKernel:
         self.tail = self.vpt * self.threads != self.vecs
         self.epilogue = Epilogue(H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux)
         self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
-        # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots. A call of
-        # several rows per cluster is staged (allreduce.peer) when the partial is a ready x: a MoE partial
-        # would be combined twice.
+        # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots. `staged`:
+        # the exchange of every row goes out before the row loop (allreduce.peer; the host takes it for calls
+        # of several rows per cluster); only a ready partial x is staged (a MoE partial would be combined twice).
+        if staged and (world_size == 1 or y_source != "x"):
+            raise ValueError("only the peer exchange of a ready partial x is staged")
         self.allreduce = None
         if world_size > 1:
             # The call counter's shares (allreduce.protocol) need fewer warps per launch than CALL_UNIT.
@@ -74,15 +77,14 @@ class FusedBoundaryKernel:
                 raise ValueError(
                     f"{config} launches up to {max_warps} warps; the peer call counter counts < {CALL_UNIT}"
                 )
-            staging = y_source == "x"
-            self.attach_allreduce(PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n, staging=staging))
+            self.attach_allreduce(PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n, staged=staged))
         self.moe = y_source == "moe"
 
     def attach_allreduce(self, allreduce: PeerReduce) -> None:
         """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
         self.allreduce = allreduce
         allreduce.loads = self.loads  # the staged phases load partials
-        staged_y = allreduce.staging and allreduce.protocol == "twoshot"
+        staged_y = allreduce.staged and allreduce.protocol == "twoshot"
         self.loads.y_slot = allreduce if staged_y else None  # a staged two-shot row loads y from its slot
 
     @cute.jit
@@ -217,32 +219,29 @@ class FusedBoundaryKernel:
             deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
 
         rows, clusters = mR.shape[0], cute.arch.grid_dim()[1]
-        staged, unstaged = None, None
-        if const_expr(self.allreduce is not None and self.allreduce.staging):
-            staged, unstaged = rows > clusters, rows <= clusters
         fields = dict(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
-            mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y, staged=staged, unstaged=unstaged,
+            mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
-        # while it is reduced and stored. The first row's loads go out before the call's generation is
-        # known (they need none of it; a staged two-shot row's y slot is loaded again below).
+        # while it is reduced and stored. Unstaged, the first row's loads go out before the call's
+        # generation is known (they need none of it).
+        staged = self.allreduce is not None and self.allreduce.staged
         regs = RowRegs(self.loads)
-        self.loads.load_row(Ctx(**fields, gen=None), regs, first_row)
+        if const_expr(not staged):
+            self.loads.load_row(Ctx(**fields, gen=None), regs, first_row)
         gen = None
         if const_expr(self.allreduce is not None):
             gen = self.allreduce.call_generation(mState, calls)
         ctx = Ctx(**fields, gen=gen)
-        if const_expr(self.allreduce is not None and self.allreduce.staging):
-            # Several rows per cluster: every partial (and two-shot, every owned y) goes out before the row loop,
-            # then the first row's loads again (its y slot is filled now).
-            if staged:
-                self.allreduce.push_rows(ctx, first_row, clusters)
-                if const_expr(self.allreduce.protocol == "twoshot"):
-                    self.allreduce.reduce_owned(ctx, first_row, clusters)
-                self.loads.load_row(ctx, regs, first_row)
+        if const_expr(staged):
+            # Every partial (and two-shot, every owned y) goes out before the row loop.
+            self.allreduce.push_rows(ctx, first_row, clusters)
+            if const_expr(self.allreduce.protocol == "twoshot"):
+                self.allreduce.reduce_owned(ctx, first_row, clusters)
+            self.loads.load_row(ctx, regs, first_row)
         if const_expr(self.allreduce is None):
             cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.mxfp8):

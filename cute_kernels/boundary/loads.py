@@ -51,7 +51,8 @@ class RowLoads:
         self.y_source = y_source
         self.shared = shared
         self.pre = pre
-        # The two-shot peer role, when a staged call takes y from a slot instead of the partial (set by the kernel).
+        # The two-shot peer role of a staged kernel, whose rows take y from a slot instead of the partial (set by the
+        # kernel).
         self.y_slot: Any = None
 
     @cute.jit
@@ -65,11 +66,8 @@ class RowLoads:
                 cute.copy(copy16, cute.local_tile(ctx.mR[row, k, None], (VEC,), (ctx.vcols[v],)), regs.rR[v, k, None])
         if const_expr(self.y_slot is None):
             self.load_partial(ctx, regs, row)
-        else:
-            if const_expr(ctx.gen is not None):  # without the call's generation (the first row's first loads): none
-                self.y_slot.prefetch_y(ctx, regs.rSlot, row)
-            if ctx.unstaged:  # a staged row's partial went out before the row loop; its y comes from the slot
-                self.load_partial(ctx, regs, row)
+        else:  # a staged two-shot row: its partial went out before the row loop, its y comes from its slot
+            self.y_slot.prefetch_y(ctx, regs.rSlot, row)
 
     @cute.jit
     def load_partial(self, ctx: Ctx, regs: RowRegs, row: Int32):
