@@ -29,7 +29,10 @@ from boundary import BoundaryAllReduce
 from boundary import reference as ref
 from cute_kernels.allreduce.tuning import protocol_for
 
+# Calls per rank in the short graph and in the long one; the headline per-call time is the marginal between them
+# (a decode graph holds two boundaries per layer, 100 or more), the short graph's per-call time is kept beside it.
 CALLS_PER_GRAPH = 10
+CALLS_PER_LONG_GRAPH = 40
 
 
 def boundary_bytes(rows: int, hidden: int) -> int:
@@ -155,19 +158,26 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
     singles = {h: BoundaryAllReduce(h, max_rows=max(args.rows), device=device) for h in args.hidden}
     for world, hidden, rows in tqdm(points, desc="allreduce (simulated ranks)", unit="shape"):
         ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
-        sets = rank_sets(world, rows, hidden, CALLS_PER_GRAPH, device)
+        sets = rank_sets(world, rows, hidden, CALLS_PER_LONG_GRAPH, device)
         row: dict[str, Any] = {"W": world, "H": hidden, "rows": rows, "simulated": True}
         row["shipped_protocol"] = protocol_for(world, hidden, rows)
+        single, streams = singles[hidden], [ar.stream for ar in ranks]
+
+        def timed(key: str, sequence: Callable[[list], Callable[[], Any]]) -> None:
+            steady, short = timer.steady_per_call_us(
+                lambda n: [sequence(sets[:n])], CALLS_PER_GRAPH, CALLS_PER_LONG_GRAPH
+            )
+            row[f"{key}_us"], row[f"{key}_short_us"] = steady, short
+
         for protocol in ("oneshot", "twoshot"):
             with forced_protocol(protocol):
-                row[f"{protocol}_us"] = timer.per_call_us([simulated_sequence(ranks, sets)], len(sets))
+                timed(protocol, lambda ss: simulated_sequence(ranks, ss))
             total = world * boundary_bytes(rows, hidden) + exchange_bytes(world, rows, hidden, protocol)
             row[f"{protocol}_bytes"] = total
         row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
-        single, streams = singles[hidden], [ar.stream for ar in ranks]
-        row["one_rank_forked_us"] = timer.per_call_us([one_rank_sequence([side], single, sets)], len(sets))
-        row["w_one_rank_forked_us"] = timer.per_call_us([one_rank_sequence(streams, single, sets)], len(sets))
-        row["gather_us"] = timer.per_call_us([gather_sequence(ranks, single, sets)], len(sets))
+        timed("one_rank_forked", lambda ss: one_rank_sequence([side], single, ss))
+        timed("w_one_rank_forked", lambda ss: one_rank_sequence(streams, single, ss))
+        timed("gather", lambda ss: gather_sequence(ranks, single, ss))
         for protocol in ("oneshot", "twoshot"):
             extra = (row[f"{protocol}_bytes"] - boundary_bytes(rows, hidden)) / copy_bw * 1e6
             row[f"{protocol}_budget_us"] = row["one_rank_forked_us"] + extra
@@ -183,8 +193,8 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
 
 def print_allreduce(rows: list[dict], copy_bw: float) -> None:
     """The simulated multi-rank table and the one-shot / two-shot switch it suggests per (W, H)."""
-    print(f"\nmulti-rank boundary, SIMULATED ranks (W kernels on one GPU, not NVLink), GPU us per call; "
-          f"copy {copy_bw / 1e12:.2f} TB/s")  # fmt: skip
+    print(f"\nmulti-rank boundary, SIMULATED ranks (W kernels on one GPU, not NVLink), GPU us per call in a long graph "
+          f"(marginal, {CALLS_PER_GRAPH} -> {CALLS_PER_LONG_GRAPH} calls per rank); copy {copy_bw / 1e12:.2f} TB/s")  # fmt: skip
     head = (f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} {'ships':>7} | {'1 rank':>7} {'W x 1':>7} "
             f"{'gather':>7} | {'1s-bud':>7} {'2s-bud':>7} | {'1s-Wx1':>7} {'2s-Wx1':>7} | {'1s xB':>6} {'2s xB':>6}")  # fmt: skip
     print(head)
@@ -198,6 +208,13 @@ def print_allreduce(rows: list[dict], copy_bw: float) -> None:
     print("(1 rank: the one-rank boundary on one forked stream; W x 1: W of them, one per rank stream, no exchange; "
           "1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; 1s-Wx1 / 2s-Wx1: us "
           "above W x 1; xB: time over all ranks' bytes at copy bandwidth)")  # fmt: skip
+    print(f"\nthe same, us per call of a {CALLS_PER_GRAPH}-call graph (its launch, fork and first call included)")
+    head = f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} | {'1 rank':>7} {'W x 1':>7} {'gather':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_short_us']:7.2f} {r['twoshot_short_us']:7.2f} | "
+              f"{r['one_rank_forked_short_us']:7.2f} {r['w_one_rank_forked_short_us']:7.2f} {r['gather_short_us']:7.2f}")  # fmt: skip
     for key in sorted({(r["W"], r["H"]) for r in rows}):
         sel = sorted((r for r in rows if (r["W"], r["H"]) == key), key=lambda r: r["rows"])
         oneshot = [r["rows"] for r in sel if r["oneshot_us"] <= r["twoshot_us"]]

@@ -43,6 +43,15 @@ class GraphTimer:
         del graph
         return statistics.median(samples[1:])
 
+    def steady_per_call_us(self, make: Callable[[int], Sequence[Callable[[], object]]], short: int, long: int
+                           ) -> tuple[float, float]:  # fmt: skip
+        """(marginal us per call from a `short`- to a `long`-call graph, us per call of the `short` graph): `make(n)`
+        gives closures making n calls in all. The marginal leaves out what a graph costs once (its launch, the
+        fork into rank streams, the first call after the L2 flush), as a model-length decode graph would."""
+        t_short = self.per_call_us(make(short), short)
+        t_long = self.per_call_us(make(long), long)
+        return (t_long * long - t_short * short) / (long - short), t_short
+
     def copy_bandwidth(self, nbytes: int = 2 << 30) -> float:
         """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 10."""
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=self.device).random_()

@@ -12,7 +12,7 @@ from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
 from cute_kernels.allreduce import protocol
 from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for
-from cute_kernels.boundary.config import default_config, row_split
+from cute_kernels.boundary.config import default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 
 BF16 = torch.bfloat16
@@ -102,24 +102,25 @@ def test_the_slot_layout() -> None:
     bits = torch.tensor([protocol.SENTINEL_INT32], dtype=torch.int32).view(BF16)
     assert bits[0].item() == 0.0 and not torch.signbit(bits[0]) and torch.signbit(bits[1])  # +0.0 low, -0.0 high
     assert protocol.slot_elements(4, 512, 7168) == protocol.GENERATIONS * 5 * 512 * 7168
-    owners = [protocol.segment_owner(t, c, 7, 8) for t in range(8) for c in range(7)]
-    assert sorted(set(owners)) == list(range(8))  # every rank owns segments
-    assert max(owners.count(r) for r in range(8)) - min(owners.count(r) for r in range(8)) <= 1  # balanced
 
 
-def test_segments_depend_on_h_alone() -> None:
-    """Which columns a segment holds, and so its two-shot owner, must be the same in every kernel that may run on
-    one workspace (every world size, simulated or not): a staged two-shot owner keeps y in its own slot, which
-    only the owner itself ever reads (CONTRACT §7)."""
-    for arch in ("sm_90a", "sm_100a"):
-        for hidden in (2560, 4096, 4352, 5120, 7168):
-            shapes = {
-                (c.cluster_n, c.threads)
-                for world in range(1, 9)
-                for ranks_per_device in {1, world}
-                for c in [default_config(hidden, arch, ranks_per_device, world)]
-            }
-            assert shapes == {row_split(hidden)}, (arch, hidden, shapes)
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("ctas_per_row", [4, 5, 7])
+def test_two_shot_owners_cycle_through_the_ranks(world: int, ctas_per_row: int) -> None:
+    """Every CTA's successive rows, and a row's successive chunks, have successive owners, whatever the launch's
+    cluster count (an owner sums W partials: a CTA that owned every one of its rows would do all its rank's work)."""
+    for clusters in (1, 2, 3, 4, 8, 9, 16, 33):
+        rows = 4 * clusters
+        for first in range(clusters):
+            for cta in range(ctas_per_row):
+                owners = [protocol.segment_owner(r, cta, ctas_per_row, clusters, world) for r in range(first, rows, clusters)]
+                assert owners == [(owners[0] + i) % world for i in range(len(owners))]
+        for row in range(rows):
+            chunks = [protocol.segment_owner(row, c, ctas_per_row, clusters, world) for c in range(ctas_per_row)]
+            assert chunks == [(chunks[0] + c) % world for c in range(ctas_per_row)]
+        owned = [protocol.segment_owner(r, c, ctas_per_row, clusters, world) for r in range(rows) for c in range(ctas_per_row)]
+        counts = [owned.count(rank) for rank in range(world)]
+        assert max(counts) - min(counts) <= rows // clusters  # balanced: within one per row of a cluster
 
 
 def test_the_call_counter_bounds_the_warps_per_launch() -> None:

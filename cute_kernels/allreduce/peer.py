@@ -92,6 +92,12 @@ class PeerReduce:
         return gen
 
     @cute.jit
+    def owner(self, ctx, row: Int32) -> Int32:
+        """The rank that reduces segment (row, this CTA's column chunk) in the two-shot protocol
+        (protocol.segment_owner; the same for every thread of the CTA)."""
+        return ((row % ctx.clusters) * self.cluster_n + ctx.cta + row // ctx.clusters) % self.W
+
+    @cute.jit
     def offset(self, mSlots: cute.Tensor, gen: Int32, slot, row: Int32, vcol: Int32) -> Int64:
         """Byte offset of vector `vcol` of (generation, slot, row) in a rank's receive slots."""
         max_rows = mSlots.shape[2]
@@ -146,8 +152,7 @@ class PeerReduce:
             if const_expr(self.protocol == "oneshot"):
                 self.push_partial(ctx, words, row)
             else:
-                owner = (row * self.cluster_n + ctx.cta) % self.W
-                self.push_partial(ctx, words, row, owner, owned_here=True)
+                self.push_partial(ctx, words, row, self.owner(ctx, row), owned_here=True)
             row = ahead
 
     @cute.jit
@@ -155,20 +160,21 @@ class PeerReduce:
         """Whether this rank pushes its partial of `row` in a staged call (two-shot: unless it owns the segment)."""
         sends = cutlass.Boolean(True)
         if const_expr(self.protocol == "twoshot"):
-            sends = (row * self.cluster_n + ctx.cta) % self.W != ctx.rank
+            sends = self.owner(ctx, row) != ctx.rank
         return sends
 
     @cute.jit
     def reduce_owned(self, ctx, first_row: Int32, clusters: Int32):
         """Two-shot: for each of this cluster's rows whose segment this rank owns, wait for the other partials,
-        sum, and push y to every peer and into this rank's own y slot (read back by this same thread)."""
+        sum, and push y to every peer and into this rank's own y slot (read back and re-armed by this same thread
+        in the row loop)."""
         vpt = const_expr(self.vpt)
         regs = RowRegs(self.loads)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
         row = first_row
         while row < ctx.rows:
-            if (row * self.cluster_n + ctx.cta) % self.W == ctx.rank:
+            if self.owner(ctx, row) == ctx.rank:
                 self.loads.load_partial(ctx, regs, row)  # in flight during the poll
                 self.reduce_segment(ctx, regs, row, rIn, rY)
             row = row + clusters
@@ -196,14 +202,14 @@ class PeerReduce:
     @cute.jit
     def staged_row(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor, rSlot: cute.Tensor | None):
         """A row of the staged row loop. One-shot: the slots are full (or nearly), wait, sum and re-arm. Two-shot:
-        y as loaded with the row (the owner's own, or a peer's once it has landed), the peer's slot re-armed."""
+        y as loaded with the row (the owner's own, or a peer's once it has landed), its slot re-armed."""
         if const_expr(self.protocol == "oneshot"):
             sources = self.partial_sources(ctx)
             self.wait(ctx, rIn, row, sources, ctx.deadline)
             self.rank_sum(ctx, words, rIn, rY)
             self.rearm(ctx, row, sources)
         else:
-            owner = (row * self.cluster_n + ctx.cta) % self.W
+            owner = self.owner(ctx, row)
             for v in cutlass.range_constexpr(self.vpt):
                 for k in cutlass.range_constexpr(4):
                     rY[v, k] = rSlot[v, k]
@@ -216,7 +222,7 @@ class PeerReduce:
                         late = late | (miss if const_expr(want is None) else miss & want)
                 if late:
                     self.wait_y(ctx, row, owner, rIn, rY)
-                self.rearm(ctx, row, [(self.W, owner, None)])
+            self.rearm(ctx, row, [(self.W, owner, None)])  # the owner's own copy too
 
     @cute.jit
     def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
@@ -230,7 +236,7 @@ class PeerReduce:
     @cute.jit
     def twoshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Push to the segment's owner and wait for its y, or, as the owner, sum and push y to every peer."""
-        owner = (row * self.cluster_n + ctx.cta) % self.W  # the same for every thread of the CTA
+        owner = self.owner(ctx, row)
         if owner != ctx.rank:
             self.send_and_wait(ctx, words, row, owner, rIn, rY)
         else:

@@ -30,9 +30,10 @@ ERROR_MISSING, ERROR_MOE_ROW, ERROR_MOE_INDEX = range(3)
 ERROR_WORDS = 4
 
 
-def segment_owner(row: int, cta: int, ctas_per_row: int, world_size: int) -> int:
-    """The rank that reduces segment (row, CTA column chunk) in the two-shot protocol."""
-    return (row * ctas_per_row + cta) % world_size
+def segment_owner(row: int, cta: int, ctas_per_row: int, clusters: int, world_size: int) -> int:
+    """The rank that reduces segment (row, CTA column chunk) in the two-shot protocol of a launch of `clusters`
+    clusters: a row's chunks, and each CTA's rows (row, row + clusters, ...), have successive owners."""
+    return ((row % clusters) * ctas_per_row + cta + row // clusters) % world_size
 
 
 def slot_elements(world_size: int, max_rows: int, hidden: int) -> int:

@@ -223,7 +223,7 @@ class FusedBoundaryKernel:
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
-            mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y,
+            mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y, clusters=clusters,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
         # while it is reduced and stored. Unstaged, the first row's loads go out before the call's
