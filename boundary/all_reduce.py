@@ -362,11 +362,9 @@ class BoundaryAllReduce:
             peer = self._peer_args.get(protocol)
             if peer is None:  # made once per protocol: this runs ~100 times per decode step
                 ws = self.workspace
-                peer = boundary_api.PeerArgs(
+                peer = self._peer_args[protocol] = boundary_api.PeerArgs(
                     ws.slots, ws.peers, ws.state, self.world_size, protocol, ws.ranks_per_device
                 )
-                boundary_api.check_counters(peer, self.hidden_size, self.arch)
-                self._peer_args[protocol] = peer
         boundary_api.fused_boundary(
             residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,
             shared=shared, moe=moe, new_residual=new_residual, out=out,

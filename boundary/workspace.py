@@ -21,10 +21,11 @@ from cute_kernels.allreduce.protocol import (
     ERROR_WORDS,
     GENERATIONS,
     SENTINEL_INT32,
+    STATE_CALLS,
     STATE_RANK,
     STATE_TIMEOUT_US,
+    STATE_WORDS,
     slot_elements,
-    state_words,
 )
 
 log = logging.getLogger("boundary")
@@ -42,7 +43,7 @@ class Workspace:
     timeout_us: int = 0
     slots: Tensor | None = None  # [generations, W + 1, max_rows, H] bf16: what the peers push into
     peers: Tensor | None = None  # [W] int64: every rank's slot base address (this rank's included)
-    state: Tensor | None = None  # int32: rank, timeout (us), a call counter per CTA (protocol.state_words)
+    state: Tensor | None = None  # [3] int32: call counter, rank, timeout (us)
     ranks_per_device: int = 1  # > 1: simulated ranks sharing one GPU
 
     def __post_init__(self) -> None:
@@ -51,14 +52,15 @@ class Workspace:
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=self.device)
 
     def arm(self) -> None:
-        """Put every slot back to the sentinel and the call counters to 0 (this rank's part of a reset)."""
+        """Put every slot back to the sentinel and the call counter to 0 (this rank's part of a reset)."""
         if self.slots is not None:
             self.slots.view(torch.int32).fill_(SENTINEL_INT32)
             self.state.copy_(self._initial_state())
         self.error.zero_()
 
     def _initial_state(self) -> Tensor:
-        state = torch.zeros(self.state.numel(), dtype=torch.int32)
+        state = torch.zeros(STATE_WORDS, dtype=torch.int32)
+        state[STATE_CALLS] = 0
         state[STATE_RANK] = self.rank
         state[STATE_TIMEOUT_US] = self.timeout_us
         return state.to(self.device)
@@ -66,8 +68,7 @@ class Workspace:
     def _attach(self, slots: Tensor, peers: list[int]) -> None:
         self.slots = slots.view(GENERATIONS, self.world_size + 1, self.max_rows, self.hidden_size)
         self.peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.state = torch.empty(state_words(sms), dtype=torch.int32, device=self.device)
+        self.state = torch.empty(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.arm()
 
     @classmethod

@@ -277,25 +277,6 @@ def opaque_u32(x: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def ld_relaxed_gpu_s32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """A 32-bit word that other CTAs of the GPU update (ld.relaxed.gpu: never a stale L1 line)."""
-    res = inline_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
-                     side_effects=True, loc=loc, ip=ip)  # fmt: skip
-    return Int32(res)
-
-
-@dsl_user_op
-def red_relaxed_gpu_add_s32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
-    """Add `value` to a 32-bit global word, without waiting for the old value (red.relaxed.gpu)."""
-    cute.arch.inline_ptx(
-        "red.relaxed.gpu.global.add.s32 [{$r0}], {$r1};",
-        read_only_args=[Int64(addr), Int32(value)],
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> Int64:
     """The GPU's global nanosecond timer (comparable across SMs)."""
     return Int64(inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip))

@@ -3,7 +3,7 @@ the protocol switch and the slot layout (the peer kernels themselves: tests/test
 
 from __future__ import annotations
 
-import random
+import dataclasses
 
 import pytest
 import torch
@@ -12,8 +12,8 @@ from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
 from cute_kernels.allreduce import protocol
 from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for
-from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
+from cute_kernels.boundary.kernel import FusedBoundaryKernel
 
 BF16 = torch.bfloat16
 
@@ -113,54 +113,24 @@ def test_two_shot_owners_cycle_through_the_ranks(world: int, ctas_per_row: int) 
         rows = 4 * clusters
         for first in range(clusters):
             for cta in range(ctas_per_row):
-                owners = [
-                    protocol.segment_owner(r, cta, ctas_per_row, clusters, world) for r in range(first, rows, clusters)
-                ]
+                owners = [protocol.segment_owner(r, cta, ctas_per_row, clusters, world) for r in range(first, rows, clusters)]
                 assert owners == [(owners[0] + i) % world for i in range(len(owners))]
         for row in range(rows):
             chunks = [protocol.segment_owner(row, c, ctas_per_row, clusters, world) for c in range(ctas_per_row)]
             assert chunks == [(chunks[0] + c) % world for c in range(ctas_per_row)]
-        owned = [
-            protocol.segment_owner(r, c, ctas_per_row, clusters, world)
-            for r in range(rows)
-            for c in range(ctas_per_row)
-        ]
+        owned = [protocol.segment_owner(r, c, ctas_per_row, clusters, world) for r in range(rows) for c in range(ctas_per_row)]
         counts = [owned.count(rank) for rank in range(world)]
         assert max(counts) - min(counts) <= rows // clusters  # balanced: within one per row of a cluster
 
 
-def test_every_cta_of_every_call_reads_the_call_index() -> None:
-    """The per-CTA call counters (protocol.STATE_COUNTERS), played out for launches of changing size and warps
-    interleaved in any order: every warp of call k reads k, whatever the grids of the calls before."""
-    counters, warps = 64, 4
-    words = [0] * counters
-    rng = random.Random(0)
-    for k in range(200):
-        ctas = rng.choice([1, 5, 7, 28, 63, 64])
-        steps = [(c, w) for c in range(ctas) for w in range(warps)]
-        rng.shuffle(steps)  # warps of different CTAs, and of one CTA, in any order
-        for c, w in steps:
-            assert words[c] >> protocol.CALL_SHIFT == k, (k, c, w)  # the read
-            words[c] += protocol.CALL_UNIT - (warps - 1) if w == 0 else 1  # the share, at once
-            if w == 0:  # the rest of the CTA's work: a whole call into the counters no CTA of this launch reads
-                for extra in range(c + ctas, counters, ctas):
-                    words[extra] += protocol.CALL_UNIT
-    assert all(w == 200 * protocol.CALL_UNIT for w in words)
-
-
-def test_the_peer_state_holds_a_counter_for_every_cta() -> None:
-    """The workspace's counters (COUNTERS_PER_SM per SM) cover the largest launch of every shipped shape on an H200
-    and a B200; a state too small is refused before any launch."""
-    for arch, sms in (("sm_90a", 132), ("sm_100a", 148)):
-        for hidden in (2560, 4096, 5120, 7168):
-            for world in (2, 4, 8):
-                for ranks_per_device in (1, world):
-                    state = torch.zeros(protocol.state_words(sms), dtype=torch.int32)
-                    peer = api.PeerArgs(None, None, state, world, "oneshot", ranks_per_device)
-                    api.check_counters(peer, hidden, arch)
-    small = api.PeerArgs(None, None, torch.zeros(protocol.STATE_COUNTERS + 8, dtype=torch.int32), 2, "oneshot", 1)
-    with pytest.raises(ValueError, match="call counters"):
-        api.check_counters(small, 7168, "sm_90a")
+def test_the_call_counter_bounds_the_warps_per_launch() -> None:
+    config = default_config(7168, "sm_90a", 1, 2)
+    warps = config.max_clusters * config.cluster_n * config.threads // 32
+    assert warps < protocol.CALL_UNIT  # the shipped launch fits the counter's shares
+    wide = dataclasses.replace(config, max_clusters=protocol.CALL_UNIT)
+    with pytest.raises(ValueError, match="peer call counter"):
+        FusedBoundaryKernel(7168, wide, world_size=2)
+    FusedBoundaryKernel(7168, wide, world_size=1)  # no peers, no counter
 
 
 def test_the_peer_trace_experiment_compiles() -> None:

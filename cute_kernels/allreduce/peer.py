@@ -17,8 +17,8 @@ waits for a push its peer has not issued yet: first every row's partial goes out
 each owner waits for, sums and sends y of all its segments, and only then the row loop runs the
 epilogue, y loaded with the row's other loads (one-shot: summed there from the slots, already full).
 
-The slot generation of a call comes from the CTA's own call counter (protocol.STATE_COUNTERS): each warp
-reads it and adds its share at once, so no CTA counts itself at its end and no two CTAs touch one word.
+The slot generation of a call comes from the rank's call counter (protocol.CALL_UNIT): each warp reads
+it and adds its share at once, so no CTA counts itself at its end.
 
 Every wait has a deadline (the call's start + the workspace's timeout; a two-shot wait for y, half a
 timeout more, so that an owner stuck on a missing rank gives up, and names it, first): past it, the
@@ -41,7 +41,7 @@ from cute_kernels.allreduce.protocol import (
     GENERATIONS,
     PROTOCOLS,
     SENTINEL_WORD,
-    STATE_COUNTERS,
+    STATE_CALLS,
 )
 from cute_kernels.boundary.config import VEC
 from cute_kernels.boundary.loads import RowRegs
@@ -63,41 +63,29 @@ class PeerReduce:
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
 
     @cute.jit
-    def counter(self, mState: cute.Tensor) -> Int64:
-        """The address of this CTA's call counter."""
-        bx, by, _ = cute.arch.block_idx()
-        gx, _, _ = cute.arch.grid_dim()
-        return mState.iterator.toint() + (Int64(STATE_COUNTERS) + Int64(by) * Int64(gx) + Int64(bx)) * 4
-
-    @cute.jit
     def read_counter(self, mState: cute.Tensor) -> Int32:
-        """Lane 0's read of this CTA's call counter (0 on the other lanes); nothing waits for it here."""
+        """Lane 0's read of the call counter (0 on the other lanes); nothing waits for it here."""
         calls = Int32(0)
         if cute.arch.lane_idx() == 0:
-            calls = ptx.ld_relaxed_gpu_s32(self.counter(mState))
+            calls = cute.arch.load(mState.iterator + STATE_CALLS, Int32, sem="relaxed", scope="gpu")
         return calls
 
     @cute.jit
     def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
-        """This call's slot generation from lane 0's read of the CTA's counter; this warp's share goes in at once,
-        and the CTA's threads add a whole call to the counters past the launch's CTAs."""
+        """This call's slot generation from lane 0's read of the call counter, whose share for this warp goes in
+        at once."""
         lane = cute.arch.lane_idx()
+        counter = mState.iterator + STATE_CALLS
         # Warp-uniform values first: warp_idx() is a whole-warp shuffle, which must not run in a one-lane branch.
-        tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         gx, gy, _ = cute.arch.grid_dim()
         tx, _, _ = cute.arch.block_dim()
-        share = Int32(cutlass.select_(cute.arch.warp_idx() == 0, Int32(CALL_UNIT) - (tx // 32 - 1), Int32(1)))
+        warps = gx * gy * (tx // 32)
+        first = (bx == 0) & (by == 0) & (cute.arch.warp_idx() == 0)
+        share = Int32(cutlass.select_(first, Int32(CALL_UNIT) - (warps - 1), Int32(1)))
         calls = cute.arch.shuffle_sync(calls, 0)
         if lane == 0:
-            ptx.red_relaxed_gpu_add_s32(self.counter(mState), share)
-        ctas = gx * gy
-        counters = mState.shape[0] - STATE_COUNTERS
-        c = by * gx + bx + ctas * (1 + tidx)
-        while c < counters:
-            ptx.red_relaxed_gpu_add_s32(mState.iterator.toint() + (Int64(STATE_COUNTERS) + Int64(c)) * 4,
-                                        Int32(CALL_UNIT))  # fmt: skip
-            c = c + ctas * tx
+            cute.arch.atomic_add(counter, share, sem="relaxed", scope="gpu")
         gen = Int32(0)
         if const_expr(self.generations == 2):
             gen = (calls >> CALL_SHIFT) & 1  # the call index's parity (the counter may wrap: 2^16 calls is even)

@@ -13,24 +13,17 @@ SENTINEL_INT32 = -(1 << 31)  # the same bits as a signed int32 (torch fill value
 GENERATIONS = 2  # call k uses generation k % 2 (why two suffice: CONTRACT §7)
 MAX_WORLD = 32  # the error word's mask of missing ranks has 32 bits
 PROTOCOLS = ("oneshot", "twoshot")
-# The per-rank device state (int32): this rank, the bounded wait in microseconds, then one call counter per CTA
-# of a launch (COUNTERS_PER_SM per SM: more than any launch whose CTAs are all resident at once). CTA c of a
-# launch of G CTAs reads counter c: its warps each read it and add a share at once (the first warp CALL_UNIT -
-# (warps - 1), every other warp 1), so it reaches the next multiple of CALL_UNIT only once every warp of the
-# CTA has read it; the same CTA adds CALL_UNIT to counters c + G, c + 2G, ..., which no CTA of this launch
-# reads. So every call adds CALL_UNIT to every counter, and counter // CALL_UNIT counts the calls (modulo 2^16:
-# only its parity is used) for every CTA of every launch, with no two CTAs on one word.
-STATE_RANK, STATE_TIMEOUT_US, STATE_COUNTERS = range(3)
-COUNTERS_PER_SM = 32  # the most resident CTAs per SM on sm_90 / sm_100
+# The per-rank device state (int32): the call counter, this rank, the bounded wait in microseconds. Every
+# call adds exactly CALL_UNIT to the counter, in shares, one per warp, each added right after that warp
+# read it: the first warp of the first CTA adds CALL_UNIT - (warps - 1), every other warp 1, so the
+# counter crosses the next multiple of CALL_UNIT only once every warp of the call has read it, and
+# counter // CALL_UNIT counts the calls (modulo 2^16: only its parity is used) for any reader of the call.
+STATE_CALLS, STATE_RANK, STATE_TIMEOUT_US = range(3)
+STATE_WORDS = 3
+# More than the warps of any peer launch (its grid is resident at once: at most 64 warps per SM; the kernel
+# checks its own bound).
 CALL_SHIFT = 16
 CALL_UNIT = 1 << CALL_SHIFT
-
-
-def state_words(sms: int) -> int:
-    """int32 words of a rank's device state on a GPU of `sms` SMs."""
-    return STATE_COUNTERS + COUNTERS_PER_SM * sms
-
-
 # The error word (int32): a mask of the ranks a wait gave up on, 1 + a row whose MoE index was outside
 # [-1, P), that index.
 ERROR_MISSING, ERROR_MOE_ROW, ERROR_MOE_INDEX = range(3)

@@ -14,7 +14,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from cute_kernels.allreduce.protocol import ERROR_WORDS, GENERATIONS, PROTOCOLS, STATE_COUNTERS
+from cute_kernels.allreduce.protocol import ERROR_WORDS, GENERATIONS, PROTOCOLS, STATE_WORDS
 from cute_kernels.boundary.config import HC, BoundaryConfig, default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
@@ -72,7 +72,7 @@ def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
         bf16((T, H)) if aux else None,
         bf16((GENERATIONS, world_size + 1, cute.sym_int(), H)) if peers else None,  # receive slots
         fake_tensor(Int64, (world_size,), divisibility=1) if peers else None,  # peer slot addresses
-        fake_tensor(Int32, (cute.sym_int(),), divisibility=1) if peers else None,  # rank state, call counters
+        fake_tensor(Int32, (STATE_WORDS,), divisibility=1) if peers else None,  # call state
         fake_tensor(Int32, (ERROR_WORDS,), divisibility=1) if peers or moe else None,  # error word
         Float32(0.0),  # norm eps
     )
@@ -165,15 +165,6 @@ class PeerArgs:
     world_size: int
     protocol: str
     ranks_per_device: int
-
-
-def check_counters(peer: PeerArgs, H: int, arch: str) -> None:
-    """Raise unless the rank state holds a call counter for every CTA of the largest launch `peer` may make."""
-    config = default_config(H, arch, peer.ranks_per_device, peer.world_size)
-    ctas = config.max_clusters * config.cluster_n
-    counters = peer.state.numel() - STATE_COUNTERS
-    if counters < ctas:
-        raise ValueError(f"the peer state holds {counters} call counters; launches at H {H} take up to {ctas} CTAs")
 
 
 def fused_boundary(

@@ -28,7 +28,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from cute_kernels import ptx
 from cute_kernels.allreduce.peer import PeerReduce
-from cute_kernels.allreduce.protocol import STATE_RANK, STATE_TIMEOUT_US
+from cute_kernels.allreduce.protocol import CALL_UNIT, STATE_RANK, STATE_TIMEOUT_US
 from cute_kernels.boundary.config import VEC, BoundaryConfig
 from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.loads import Ctx, RowLoads, RowRegs, row_major
@@ -71,6 +71,12 @@ class FusedBoundaryKernel:
             raise ValueError("only the peer exchange of a ready partial x is staged")
         self.allreduce = None
         if world_size > 1:
+            # The call counter's shares (allreduce.protocol) need fewer warps per launch than CALL_UNIT.
+            max_warps = config.max_clusters * config.cluster_n * (config.threads // 32)
+            if max_warps >= CALL_UNIT:
+                raise ValueError(
+                    f"{config} launches up to {max_warps} warps; the peer call counter counts < {CALL_UNIT}"
+                )
             self.attach_allreduce(PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n, staged=staged))
         self.moe = y_source == "moe"
 
