@@ -145,7 +145,7 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
     from cute_kernels.compile import warmup
 
     device = timer.device
-    out = []
+    out: list[dict] = []
     points = [(w, h, r) for w in args.world for h in args.hidden for r in sorted(args.rows)]
     side = torch.cuda.Stream(device)
     # The one variant timed here (bf16 partial in, bf16 out), every world size and protocol, compiled in parallel.
@@ -157,38 +157,40 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
     warmup(jobs, workers=os.cpu_count() or 1, desc="allreduce bench kernels")
     singles = {h: BoundaryAllReduce(h, max_rows=max(args.rows), device=device) for h in args.hidden}
     for world, hidden, rows in tqdm(points, desc="allreduce (simulated ranks)", unit="shape"):
-        ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
-        sets = rank_sets(world, rows, hidden, CALLS_PER_LONG_GRAPH, device)
-        row: dict[str, Any] = {"W": world, "H": hidden, "rows": rows, "simulated": True}
-        row["shipped_protocol"] = protocol_for(world, hidden, rows)
-        single, streams = singles[hidden], [ar.stream for ar in ranks]
-
-        def timed(key: str, sequence: Callable[[list], Callable[[], Any]]) -> None:
-            steady, short = timer.steady_per_call_us(
-                lambda n: [sequence(sets[:n])], CALLS_PER_GRAPH, CALLS_PER_LONG_GRAPH
-            )
-            row[f"{key}_us"], row[f"{key}_short_us"] = steady, short
-
-        for protocol in ("oneshot", "twoshot"):
-            with forced_protocol(protocol):
-                timed(protocol, lambda ss: simulated_sequence(ranks, ss))
-            total = world * boundary_bytes(rows, hidden) + exchange_bytes(world, rows, hidden, protocol)
-            row[f"{protocol}_bytes"] = total
-        row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
-        timed("one_rank_forked", lambda ss: one_rank_sequence([side], single, ss))
-        timed("w_one_rank_forked", lambda ss: one_rank_sequence(streams, single, ss))
-        timed("gather", lambda ss: gather_sequence(ranks, single, ss))
-        for protocol in ("oneshot", "twoshot"):
-            extra = (row[f"{protocol}_bytes"] - boundary_bytes(rows, hidden)) / copy_bw * 1e6
-            row[f"{protocol}_budget_us"] = row["one_rank_forked_us"] + extra
-            row[f"{protocol}_over_budget_us"] = row[f"{protocol}_us"] - row[f"{protocol}_budget_us"]
-            row[f"{protocol}_x_bytes"] = row[f"{protocol}_us"] / (row[f"{protocol}_bytes"] / copy_bw * 1e6)
-            row[f"{protocol}_over_w_one_rank_us"] = row[f"{protocol}_us"] - row["w_one_rank_forked_us"]
-        row["best"] = min(("oneshot", "twoshot"), key=lambda p: row[f"{p}_us"])
-        out.append(row)
-        del sets, ranks
+        out.append(bench_point(world, hidden, rows, max(args.rows), singles[hidden], side, timer, copy_bw))
         torch.cuda.empty_cache()
     return out
+
+
+def bench_point(world: int, hidden: int, rows: int, max_rows: int, single: BoundaryAllReduce,
+                side: torch.cuda.Stream, timer: GraphTimer, copy_bw: float) -> dict[str, Any]:  # fmt: skip
+    """One (W, H, rows) point of bench_allreduce: every time steady (long graph) and short (CALLS_PER_GRAPH)."""
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max_rows, device=timer.device)
+    sets = rank_sets(world, rows, hidden, CALLS_PER_LONG_GRAPH, timer.device)
+    row: dict[str, Any] = {"W": world, "H": hidden, "rows": rows, "simulated": True}
+    row["shipped_protocol"] = protocol_for(world, hidden, rows)
+    streams = [ar.stream for ar in ranks]
+
+    def timed(key: str, sequence: Callable[[list], Callable[[], Any]]) -> None:
+        steady, short = timer.steady_per_call_us(lambda n: [sequence(sets[:n])], CALLS_PER_GRAPH, CALLS_PER_LONG_GRAPH)
+        row[f"{key}_us"], row[f"{key}_short_us"] = steady, short
+
+    for protocol in ("oneshot", "twoshot"):
+        with forced_protocol(protocol):
+            timed(protocol, lambda ss: simulated_sequence(ranks, ss))
+        row[f"{protocol}_bytes"] = world * boundary_bytes(rows, hidden) + exchange_bytes(world, rows, hidden, protocol)
+    row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
+    timed("one_rank_forked", lambda ss: one_rank_sequence([side], single, ss))
+    timed("w_one_rank_forked", lambda ss: one_rank_sequence(streams, single, ss))
+    timed("gather", lambda ss: gather_sequence(ranks, single, ss))
+    for protocol in ("oneshot", "twoshot"):
+        extra = (row[f"{protocol}_bytes"] - boundary_bytes(rows, hidden)) / copy_bw * 1e6
+        row[f"{protocol}_budget_us"] = row["one_rank_forked_us"] + extra
+        row[f"{protocol}_over_budget_us"] = row[f"{protocol}_us"] - row[f"{protocol}_budget_us"]
+        row[f"{protocol}_x_bytes"] = row[f"{protocol}_us"] / (row[f"{protocol}_bytes"] / copy_bw * 1e6)
+        row[f"{protocol}_over_w_one_rank_us"] = row[f"{protocol}_us"] - row["w_one_rank_forked_us"]
+    row["best"] = min(("oneshot", "twoshot"), key=lambda p: row[f"{p}_us"])
+    return row
 
 
 def print_allreduce(rows: list[dict], copy_bw: float) -> None:

@@ -113,12 +113,18 @@ def test_two_shot_owners_cycle_through_the_ranks(world: int, ctas_per_row: int) 
         rows = 4 * clusters
         for first in range(clusters):
             for cta in range(ctas_per_row):
-                owners = [protocol.segment_owner(r, cta, ctas_per_row, clusters, world) for r in range(first, rows, clusters)]
+                owners = [
+                    protocol.segment_owner(r, cta, ctas_per_row, clusters, world) for r in range(first, rows, clusters)
+                ]
                 assert owners == [(owners[0] + i) % world for i in range(len(owners))]
         for row in range(rows):
             chunks = [protocol.segment_owner(row, c, ctas_per_row, clusters, world) for c in range(ctas_per_row)]
             assert chunks == [(chunks[0] + c) % world for c in range(ctas_per_row)]
-        owned = [protocol.segment_owner(r, c, ctas_per_row, clusters, world) for r in range(rows) for c in range(ctas_per_row)]
+        owned = [
+            protocol.segment_owner(r, c, ctas_per_row, clusters, world)
+            for r in range(rows)
+            for c in range(ctas_per_row)
+        ]
         counts = [owned.count(rank) for rank in range(world)]
         assert max(counts) - min(counts) <= rows // clusters  # balanced: within one per row of a cluster
 

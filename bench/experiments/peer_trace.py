@@ -15,7 +15,6 @@ Simulated ranks share one GPU: these are not NVLink numbers.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import cutlass.cute as cute
 import torch
@@ -32,7 +31,7 @@ from cute_kernels.boundary.kernel import FusedBoundaryKernel
 
 EVENTS = ("released", "gen", "pushed", "arrived", "rearmed", "row done")
 MAX_CTAS = 4096
-RING = 8  # the stamps of the last RING calls are kept (slot: call index % RING)
+RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
 
 
 class Stamps:
@@ -146,7 +145,9 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str) -> dict[str, float
     steps["released->row done"] = float((c[..., last] - c[..., 0]).median()) * ns_per_cycle
     release = t[..., 0].min(dim=2).values  # [W, RING]: each rank's first CTA of each call
     ordered = release.sort(dim=1).values
-    steps["call period"] = float((ordered[:, 1:] - ordered[:, :-1]).median())
+    periods = ordered[:, 1:] - ordered[:, :-1]
+    steps["call period"] = float(periods.median())
+    steps["mean period"] = float(periods.mean())
     steps["rank spread"] = float((ordered.max(dim=0).values - ordered.min(dim=0).values).median())
     steps["CTA spread"] = float((t[..., 0].max(dim=2).values - release).median())
     if protocol == "oneshot":
@@ -164,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     p.add_argument("--protocol", nargs="+", default=["oneshot", "twoshot"])
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--dump", type=str, default=None, help="save every point's raw stamps (torch.save) here")
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_for_device(device)
+    raw = {}
     print(f"SIMULATED ranks on one GPU (not NVLink): medians over ranks, the last {RING} calls and CTAs, us")
     for world in args.world:
         trace = torch.zeros(world, RING, MAX_CTAS, len(EVENTS), 2, dtype=torch.int64, device=device)
@@ -180,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                         staged = config.clusters(rows) < rows
                         fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr())
                         ctas = config.cluster_n * config.clusters(rows)
-                        steps = summarize(trace_point(ranks, fn, trace, rows, args.calls), ctas, protocol)
+                        stamps = trace_point(ranks, fn, trace, rows, args.calls)
+                        raw[(world, hidden, rows, protocol)] = stamps[:, :, :ctas].cpu()
+                        steps = summarize(stamps, ctas, protocol)
                         cells = "  ".join(f"{k} {v:5.2f}" for k, v in steps.items())
                         print(f"W={world} H={hidden} rows={rows:4d} {protocol:7s}  {cells}", flush=True)
+    if args.dump:
+        torch.save({"events": EVENTS, "stamps": raw}, args.dump)
     return 0
 
 

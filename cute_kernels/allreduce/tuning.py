@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 
 # Calls of at most this many rows take the one-shot protocol, per (world size, H); other H: the
-# nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md): at W 2
-# one-shot is as fast or faster at every one (the two move the same bytes; one-shot has one hop less),
-# at W 4 up to 64 rows, at W 8 up to 4.
+# nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md, per call in a
+# long graph): at W 2 one-shot is as fast or faster up to 256 rows (64 at H 7168, where 256 rows tie) and the
+# two-shot faster at 512, at W 4 one-shot up to 64 (at 16 rows the two-shot is 2-5 % faster, at 64 one-shot
+# 8-10 %: one threshold cannot have both), at W 8 one-shot up to 4 rows at H 4096 and at one row else.
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
-    (2, 4096): 512, (2, 5120): 512, (2, 7168): 512,
+    (2, 4096): 256, (2, 5120): 256, (2, 7168): 64,
     (4, 4096): 64, (4, 5120): 64, (4, 7168): 64,
-    (8, 4096): 4, (8, 5120): 4, (8, 7168): 4,
+    (8, 4096): 4, (8, 5120): 1, (8, 7168): 1,
 }  # fmt: skip
 
 
