@@ -13,8 +13,8 @@ import functools
 # Calls of at most this many rows take the one-shot protocol, per (world size, H); other H: the
 # nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md, per call in a
 # long graph): at W 2 one-shot is as fast or faster up to 256 rows (64 at H 7168, where 256 rows tie) and the
-# two-shot faster at 512, at W 4 one-shot up to 64 (at 16 rows the two-shot is 2-5 % faster, at 64 one-shot
-# 8-10 %: one threshold cannot have both), at W 8 one-shot up to 4 rows at H 4096 and at one row else.
+# two-shot faster at 512, at W 4 one-shot up to 64 (at 16 rows the two-shot is 2-6 % faster, at 64 one-shot
+# 7-12 %: one threshold cannot have both), at W 8 one-shot up to 4 rows at H 4096 and at one row else.
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
     (2, 4096): 256, (2, 5120): 256, (2, 7168): 64,
     (4, 4096): 64, (4, 5120): 64, (4, 7168): 64,
