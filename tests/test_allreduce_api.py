@@ -140,10 +140,13 @@ def test_the_call_counter_bounds_the_warps_per_launch() -> None:
 
 
 def test_the_peer_trace_experiment_compiles() -> None:
-    """bench/experiments/peer_trace.py builds the shipped peer kernel with stamps (run on a GPU, not here)."""
+    """bench/experiments/peer_trace.py builds the shipped one-rank and peer kernels with stamps (run on a GPU, not
+    here)."""
     from bench.experiments.peer_trace import traced_kernel
 
+    fn, config = traced_kernel(4096, 1, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41)
+    assert callable(fn) and config == default_config(4096, "sm_90a", 1, 1)
     for name in ("oneshot", "twoshot"):
         for staged in (False, True):
-            fn, config = traced_kernel(4096, 2, name, staged, "sm_90a", base=1 << 40)
+            fn, config = traced_kernel(4096, 2, name, staged, "sm_90a", base=1 << 40, calls=1 << 41)
             assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)

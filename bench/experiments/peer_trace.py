@@ -1,15 +1,16 @@
-"""Where a peer boundary's time goes: %globaltimer and %clock64 stamps per CTA on simulated ranks (an
-experiment; the shipped kernels carry no trace).
+"""Where a boundary's time goes: %globaltimer and %clock64 stamps per CTA, one rank alone or simulated ranks
+(an experiment; the shipped kernels carry no trace).
 
-`python -m bench.experiments.peer_trace --world 2 --hidden 7168 --rows 1 16` builds the shipped peer kernel
-with a traced peer role: thread 0 of every CTA stamps its release (right after griddepcontrol.wait), the
-call's generation known (the counter read back), the end of its pushes (a wait's entry), the arrival of the
-last word it waits for (the wait's exit), the end of the re-arm, and the end of each row (a staged call keeps
-its last row's). Every rank runs `--calls` boundaries back to back on its own stream inside one CUDA graph, as
-the simulated bench does; the stamps of the last RING calls are kept. The table gives, per (W, H, rows,
-protocol), the median step times (clock64, scaled to ns by the run's own globaltimer), the call period, the
-spread of the ranks' releases of a call, and, one-shot, how long after the last peer's push the wait ends.
-Simulated ranks share one GPU: these are not NVLink numbers.
+`python -m bench.experiments.peer_trace --world 1 2 --hidden 7168 --rows 1 16` builds the shipped kernel
+(W = 1: the one-rank kernel; W > 1: the peer kernel) with traced roles: thread 0 of every CTA stamps its
+release (right after griddepcontrol.wait), W > 1: the call's generation known (the counter read back), the
+row's partial loaded (timed after a store that needs the loaded value), W > 1: the end of its pushes (a
+wait's entry), the arrival of the last word it waits for (the wait's exit), the end of the re-arm, and the
+end of each row (a staged call keeps its last row's). Every rank runs `--calls` boundaries back to back on its
+own stream inside one CUDA graph, as the bench does; the stamps of the last RING calls are kept. The table
+gives, per (W, H, rows, protocol), the median step times (clock64, scaled to ns by the run's own
+globaltimer), the call period, the spread of the ranks' releases of a call, and, one-shot, how long after the
+last peer's push the wait ends. Simulated ranks share one GPU: these are not NVLink numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import argparse
 
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from bench.allreduce import forced_protocol, rank_sets
 from boundary import BoundaryAllReduce
@@ -28,39 +29,88 @@ from cute_kernels.allreduce.protocol import CALL_SHIFT, STATE_RANK
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
+from cute_kernels.boundary.loads import RowLoads
 
-EVENTS = ("released", "gen", "pushed", "arrived", "rearmed", "row done")
+EVENTS = ("released", "gen", "loaded", "pushed", "arrived", "rearmed", "row done")
+ONE_RANK_EVENTS = ("released", "loaded", "row done")  # what a W = 1 kernel stamps
 MAX_CTAS = 4096
 RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
 
 
 class Stamps:
     """Writes (%globaltimer, %clock64) per (rank, call % RING, CTA, event) into a device buffer whose address is
-    compiled in; thread 0 of each CTA stamps."""
+    compiled in; thread 0 of each CTA stamps. W = 1 counts its calls itself, in one word per CTA at `calls`."""
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, calls: int) -> None:
         self.base = base
-        self.call = None  # this call's ring slot, from thread 0's counter read (every later stamp uses it)
+        self.calls = calls  # W = 1: int32 [MAX_CTAS] call counts (W > 1 takes the slot from the peer counter)
+        self.call = None  # this call's ring slot, known to thread 0 (every later stamp uses it)
         self.released = None  # the times taken right after griddepcontrol.wait, written once the slot is known
+        self.begun = False  # trace time: whether the kernel's first row load has been traced
+
+    @cute.jit
+    def cta(self) -> Int64:
+        bx, by, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        return Int64(by) * Int64(gx) + Int64(bx)
+
+    @cute.jit
+    def count_call(self):
+        """W = 1: this call's ring slot from the CTA's own call count (thread 0; its value is first used much later)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        slot = Int32(0)
+        if tidx == 0:
+            word = cute.make_ptr(Int32, self.calls + self.cta() * 4, cute.AddressSpace.gmem)
+            slot = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
+        self.call = slot & (RING - 1)
 
     @cute.jit
     def stamp(self, rank: Int32, event: int, taken: tuple | None = None):
         """Stamp `event` now, or with the (globaltimer, clock64) pair `taken` earlier."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            bx, by, _ = cute.arch.block_idx()
-            gx, _, _ = cute.arch.grid_dim()
-            cta = Int64(by) * Int64(gx) + Int64(bx)
-            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + cta) * len(EVENTS) + event
+            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + event
             t, c = (ptx.globaltimer(), ptx.clock64()) if taken is None else taken
             addr = Int64(self.base) + cell * 16
             ptx.st_global_v2_b32(addr, Uint32(t & 0xFFFFFFFF), Uint32(t >> 32))
             ptx.st_global_v2_b32(addr + 8, Uint32(c & 0xFFFFFFFF), Uint32(c >> 32))
 
+    @cute.jit
+    def stamp_after(self, rank: Int32, event: int, value: Float32):
+        """Stamp `event` once `value` (a loaded row's first element) is in: a store of its bits goes first (into the
+        event's own cell, overwritten by the stamp), and the timer reads are not moved above a store."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + event
+            bits = ptx.f32_bits(value)
+            ptx.st_global_v2_b32(Int64(self.base) + cell * 16, bits, bits)
+        self.stamp(rank, event)
 
-def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int):
-    """The shipped peer kernel (bf16 partial in, bf16 out; inline or staged) with the stamps of `Stamps` at `base`."""
-    stamps = Stamps(base)
+
+def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int, calls: int):
+    """The shipped kernel (bf16 partial in, bf16 out; W > 1: the peer kernel, inline or staged) with the stamps of
+    `Stamps` at `base`."""
+    stamps = Stamps(base, calls)
+
+    def rank_of(ctx) -> Int32:
+        return Int32(0) if ctx.rank is None else ctx.rank
+
+    class TracedLoads(RowLoads):
+        @cute.jit
+        def load_row(self, ctx, regs, row: Int32):
+            if const_expr(world == 1 and not stamps.begun):  # the kernel's first load: right after the wait
+                stamps.begun = True
+                stamps.released = (ptx.globaltimer(), ptx.clock64())
+                stamps.count_call()
+            RowLoads.load_row(self, ctx, regs, row)
+
+        @cute.jit
+        def partial(self, ctx, regs, row: Int32) -> cute.Tensor:
+            y = RowLoads.partial(self, ctx, regs, row)
+            if const_expr(world == 1):
+                stamps.stamp(Int32(0), 0, stamps.released)
+            stamps.stamp_after(rank_of(ctx), 2, y[0, 0])
+            return y
 
     class TracedPeer(PeerReduce):
         @cute.jit
@@ -78,52 +128,64 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
 
         @cute.jit
         def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64):
-            stamps.stamp(ctx.rank, 2)
-            PeerReduce.wait(self, ctx, rIn, row, sources, deadline)
             stamps.stamp(ctx.rank, 3)
+            PeerReduce.wait(self, ctx, rIn, row, sources, deadline)
+            stamps.stamp(ctx.rank, 4)
 
         @cute.jit
         def rearm(self, ctx, row: Int32, sources: list):
             PeerReduce.rearm(self, ctx, row, sources)
-            stamps.stamp(ctx.rank, 4)
+            stamps.stamp(ctx.rank, 5)
 
     class TracedKernel(FusedBoundaryKernel):
         @cute.jit
         def process_row(self, ctx, regs, row: Int32, stage: int, phase: Int32, clusters: Int32):
             FusedBoundaryKernel.process_row(self, ctx, regs, row, stage, phase, clusters)
-            stamps.stamp(ctx.rank, 5)
+            stamps.stamp(rank_of(ctx), 6)
 
     config = default_config(hidden, arch, world, world)
     kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
-    kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
+    kernel.loads = TracedLoads(hidden, kernel.vpt, y_source="x", shared=False, pre=True)
+    if world > 1:
+        kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     variant = api.BoundaryVariant("x", False, True, False, False)
     return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch), config
 
 
-def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, rows: int, calls: int) -> torch.Tensor:
+def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int,
+                calls: int) -> torch.Tensor:  # fmt: skip
     """The stamps ([W, RING, CTAs, events, (ns, cycles)]) of the last RING of `calls` back-to-back boundaries on every
-    rank, from a CUDA graph replay, launched as the simulated bench launches them (a stream per rank)."""
-    world, hidden = len(ranks), ranks[0].hidden_size
-    sets = rank_sets(world, rows, hidden, calls, ranks[0].device)
+    rank (no `ranks`: one rank alone, W = 1), from a CUDA graph replay, launched as the bench launches them (a
+    stream per rank)."""
+    device = counts.device
+    world = max(1, len(ranks))
+    sets = rank_sets(world, rows, hidden, calls, device)
     outs = [[(torch.empty_like(s[r]["residual"]), torch.empty_like(s[r]["x"])) for s in sets] for r in range(world)]
 
-    def many(ar: BoundaryAllReduce) -> None:
-        ws = ar.workspace
-        for s, (new, out) in zip(sets, outs[ar.rank]):
-            x = s[ar.rank]
+    def one_rank(rank: int, ws) -> None:
+        peer = (None, None, None, None) if ws is None else (ws.slots, ws.peers, ws.state, ws.error)
+        for s, (new, out) in zip(sets, outs[rank]):
+            x = s[rank]
             fn(x["residual"], x["post"], x["comb"], x["pre"], x["w"], x["x"], None, None, None, None, new, out, None,
-               None, None, ws.slots, ws.peers, ws.state, ws.error, 1e-6)  # fmt: skip
+               None, None, *peer, 1e-6)  # fmt: skip
 
-    stream = torch.cuda.Stream(ranks[0].device)
+    def every_rank() -> None:
+        if ranks:
+            BoundaryAllReduce.run_simulated(ranks, [lambda ar: one_rank(ar.rank, ar.workspace)] * world)
+        else:
+            one_rank(0, None)
+
+    stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        BoundaryAllReduce.run_simulated(ranks, [many] * world)  # loads the kernel on every rank
+        every_rank()  # loads the kernel
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        BoundaryAllReduce.run_simulated(ranks, [many] * world)
+        every_rank()
     graph.replay()
     torch.cuda.synchronize()
     trace.zero_()
+    counts.zero_()
     graph.replay()
     torch.cuda.synchronize()
     for ar in ranks:
@@ -131,29 +193,34 @@ def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, rows: i
     return trace.clone()
 
 
-def summarize(stamps: torch.Tensor, ctas: int, protocol: str) -> dict[str, float]:
+def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str, float]:
     """Per step, the median over (rank, call, CTA) in ns (clock64 deltas scaled by the run's ns per cycle); the
     call period and the spread of the ranks' releases (globaltimer); one-shot, the wait's exit after the last
-    peer's push of the same CTA."""
+    peer's push of the same CTA. `protocol` None: one rank alone (its own events only)."""
+    events = ONE_RANK_EVENTS if protocol is None else EVENTS
+    at = [EVENTS.index(e) for e in events]
     t = stamps[:, :, :ctas, :, 0].double()  # [W, RING, CTAs, events] ns
     c = stamps[:, :, :ctas, :, 1].double()  # cycles
-    last = len(EVENTS) - 1
-    ns_per_cycle = float((t[..., last] - t[..., 0]).sum() / (c[..., last] - c[..., 0]).sum())
+    first, last = at[0], at[-1]
+    ns_per_cycle = float((t[..., last] - t[..., first]).sum() / (c[..., last] - c[..., first]).sum())
     steps = {}
-    for i in range(1, len(EVENTS)):
-        steps[f"{EVENTS[i - 1]}->{EVENTS[i]}"] = float((c[..., i] - c[..., i - 1]).median()) * ns_per_cycle
-    steps["released->row done"] = float((c[..., last] - c[..., 0]).median()) * ns_per_cycle
-    release = t[..., 0].min(dim=2).values  # [W, RING]: each rank's first CTA of each call
+    for i, j in zip(at, at[1:]):
+        steps[f"{EVENTS[i]}->{EVENTS[j]}"] = float((c[..., j] - c[..., i]).median()) * ns_per_cycle
+    steps["released->row done"] = float((c[..., last] - c[..., first]).median()) * ns_per_cycle
+    release = t[..., first].min(dim=2).values  # [W, RING]: each rank's first CTA of each call
     ordered = release.sort(dim=1).values
     periods = ordered[:, 1:] - ordered[:, :-1]
     steps["call period"] = float(periods.median())
     steps["mean period"] = float(periods.mean())
     steps["rank spread"] = float((ordered.max(dim=0).values - ordered.min(dim=0).values).median())
-    steps["CTA spread"] = float((t[..., 0].max(dim=2).values - release).median())
+    steps["CTA spread"] = float((t[..., first].max(dim=2).values - release).median())
     if protocol == "oneshot":
         world = t.shape[0]
-        later = torch.stack([t[[p for p in range(world) if p != r], :, :, 2].max(dim=0).values for r in range(world)])
-        steps["last push->arrived"] = float((t[..., 3] - later).median())
+        pushed, arrived = EVENTS.index("pushed"), EVENTS.index("arrived")
+        later = torch.stack(
+            [t[[p for p in range(world) if p != r], :, :, pushed].max(dim=0).values for r in range(world)]
+        )
+        steps["last push->arrived"] = float((t[..., arrived] - later).median())
     return {k: v / 1e3 for k, v in steps.items()}
 
 
@@ -161,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from cute_kernels.compile import arch_for_device
 
     p = argparse.ArgumentParser(prog="python -m bench.experiments.peer_trace", description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     p.add_argument("--protocol", nargs="+", default=["oneshot", "twoshot"])
@@ -171,23 +238,27 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_for_device(device)
     raw = {}
-    print(f"SIMULATED ranks on one GPU (not NVLink): medians over ranks, the last {RING} calls and CTAs, us")
+    print(f"W > 1: SIMULATED ranks on one GPU (not NVLink); medians over ranks, the last {RING} calls and CTAs, us")
     for world in args.world:
         trace = torch.zeros(world, RING, MAX_CTAS, len(EVENTS), 2, dtype=torch.int64, device=device)
+        counts = torch.zeros(MAX_CTAS, dtype=torch.int32, device=device)
         for hidden in args.hidden:
-            ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
-            for protocol in args.protocol:
+            ranks = [] if world == 1 else BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows),
+                                                                     device=device)  # fmt: skip
+            for protocol in ["oneshot"] if world == 1 else args.protocol:
                 with forced_protocol(protocol):
                     for rows in args.rows:
                         config = default_config(hidden, arch, world, world)
-                        staged = config.clusters(rows) < rows
-                        fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr())
+                        staged = world > 1 and config.clusters(rows) < rows
+                        fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr(),
+                                              counts.data_ptr())  # fmt: skip
                         ctas = config.cluster_n * config.clusters(rows)
-                        stamps = trace_point(ranks, fn, trace, rows, args.calls)
-                        raw[(world, hidden, rows, protocol)] = stamps[:, :, :ctas].cpu()
-                        steps = summarize(stamps, ctas, protocol)
+                        stamps = trace_point(ranks, fn, trace, counts, hidden, rows, args.calls)
+                        name = "one rank" if world == 1 else protocol
+                        raw[(world, hidden, rows, name)] = stamps[:, :, :ctas].cpu()
+                        steps = summarize(stamps, ctas, None if world == 1 else protocol)
                         cells = "  ".join(f"{k} {v:5.2f}" for k, v in steps.items())
-                        print(f"W={world} H={hidden} rows={rows:4d} {protocol:7s}  {cells}", flush=True)
+                        print(f"W={world} H={hidden} rows={rows:4d} {name:8s}  {cells}", flush=True)
     if args.dump:
         torch.save({"events": EVENTS, "stamps": raw}, args.dump)
     return 0
