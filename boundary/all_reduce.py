@@ -16,6 +16,7 @@ from boundary.workspace import Workspace, peers_can_map
 from cute_kernels.allreduce.protocol import ERROR_MISSING, ERROR_MOE_INDEX, ERROR_MOE_ROW, MAX_WORLD
 from cute_kernels.allreduce.tuning import protocol_for
 from cute_kernels.boundary import api as boundary_api
+from cute_kernels.boundary.config import default_config
 from cute_kernels.compile import arch_for_device, warmup
 
 log = logging.getLogger("boundary")
@@ -71,7 +72,9 @@ class BoundaryAllReduce:
             mappable, why = peers_can_map(group, self.device)
             if mappable:
                 self.path = "peer"
-                self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us)
+                config = default_config(hidden_size, self.arch, 1, self.world_size)
+                launch = (config.cluster_n, config.threads, config.max_clusters)
+                self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us, launch)
             else:
                 self.path = "nccl+kernel"
                 self.workspace = Workspace(hidden_size, max_rows, self.device)

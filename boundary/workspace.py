@@ -27,6 +27,7 @@ from cute_kernels.allreduce.protocol import (
     STATE_WORDS,
     slot_elements,
 )
+from cute_kernels.hardware import SM_COUNT_ENV
 
 log = logging.getLogger("boundary")
 
@@ -87,18 +88,22 @@ class Workspace:
         return spaces
 
     @classmethod
-    def symmetric(cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int) -> Workspace:
-        """This rank's buffers in symmetric memory of the TP group (unicast only): collective."""
+    def symmetric(cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int,
+                  launch: tuple[int, ...]) -> Workspace:  # fmt: skip
+        """This rank's buffers in symmetric memory of the TP group (unicast only): collective. `launch`: the
+        kernel's launch shape (CTAs per row, threads, cluster cap), which every rank must share (a call's
+        cluster count decides the two-shot owners)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         # The slots are written with plain peer stores: no multicast object may be made for them.
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         shapes: list[Any] = [None] * world
-        dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us), group=group)
+        dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us, tuple(launch)), group=group)
         if len(set(shapes)) > 1:
             raise ValueError(f"every rank must build its BoundaryAllReduce with the same hidden_size, max_rows and "
-                             f"timeout_us; the ranks gave {shapes}")  # fmt: skip
+                             f"timeout_us, on GPUs with the same launch shape (CTAs per row, threads, cluster cap: "
+                             f"the SM count, or ${SM_COUNT_ENV}); the ranks gave {shapes}")  # fmt: skip
         buf = symm_mem.empty(slot_elements(world, max_rows, hidden_size), dtype=torch.bfloat16, device=device)
         handle = symm_mem.rendezvous(buf, group)
         # Where this tensor starts in its symmetric allocation; a pooling allocator may differ by rank.

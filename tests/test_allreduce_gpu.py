@@ -547,20 +547,24 @@ def _stalled_kernel(role: type, hidden: int, world: int, protocol: str, staged: 
     return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch)
 
 
-def _race(role: type, protocol: str, rows: int) -> tuple[int, bool]:
-    """20 stalled boundaries back to back on 2 fresh ranks: (wrong calls, whether a wait gave up)."""
-    world, hidden, calls = 2, 4096, 20
+def _race(role: type, protocol: str, rows: int | list[int], world: int = 2) -> tuple[int, bool]:
+    """20 stalled boundaries back to back on `world` fresh ranks, call k of rows[k % len(rows)] rows (one
+    kernel: every count must be staged, or none): (wrong calls, whether a wait gave up)."""
+    hidden, calls = 4096, 20
+    counts = rows if isinstance(rows, list) else [rows]
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=256, device="cuda", timeout_us=50_000)
-    staged = default_config(hidden, ranks[0].arch, world, world).clusters(rows) < rows
-    fn = _stalled_kernel(role, hidden, world, protocol, staged, ranks[0].arch)
-    sets = [make_inputs(world, rows, hidden, "partial", seed=500 + k) for k in range(calls)]
+    config = default_config(hidden, ranks[0].arch, world, world)
+    staged = {config.clusters(n) < n for n in counts}
+    assert len(staged) == 1, "one kernel: every row count staged, or none"
+    fn = _stalled_kernel(role, hidden, world, protocol, staged.pop(), ranks[0].arch)
+    sets = [make_inputs(world, counts[k % len(counts)], hidden, "partial", seed=500 + k) for k in range(calls)]
 
     def many(ar: BoundaryAllReduce) -> list[Tensor]:
         ws, outs = ar.workspace, []
         for k in range(calls):
             inp = sets[k][ar.rank]
             new = torch.empty_like(inp.residual)
-            out = torch.empty(rows, hidden, dtype=BF16, device="cuda")
+            out = torch.empty(inp.residual.shape[0], hidden, dtype=BF16, device="cuda")
             fn(inp.residual, inp.post, inp.comb, inp.pre, inp.w, inp.x, None, None, None, None, new, out, None, None,
                None, ws.slots, ws.peers, ws.state, ws.error, EPS)  # fmt: skip
             outs.append(new)
@@ -586,6 +590,18 @@ def test_the_race_test_passes_with_two_generations_and_fails_with_one(protocol: 
     wrong, gave_up = _race(_Stalled, protocol, rows)
     assert wrong == 0 and not gave_up, "two generations must survive a rank that runs a call ahead"
     wrong, gave_up = _race(_OneGeneration, protocol, rows)
+    assert wrong > 0 or gave_up, "the negative control did not fail: the race test cannot detect a lost generation"
+
+
+def test_the_race_test_with_two_shot_owners_moving_between_calls() -> None:
+    """W 4, staged two-shot, calls whose cluster counts differ, so that a segment's owner moves from call to call
+    (protocol.segment_owner) while rank 0 runs behind: two generations survive it, one does not."""
+    rows = [200, 150, 90, 60]
+    config = default_config(4096, arch_for_device(torch.device("cuda")), 4, 4)
+    assert len({config.clusters(n) for n in rows}) == len(rows), "the cluster counts must differ"
+    wrong, gave_up = _race(_Stalled, "twoshot", rows, world=4)
+    assert wrong == 0 and not gave_up, "two generations must survive owners that move while a rank runs behind"
+    wrong, gave_up = _race(_OneGeneration, "twoshot", rows, world=4)
     assert wrong > 0 or gave_up, "the negative control did not fail: the race test cannot detect a lost generation"
 
 

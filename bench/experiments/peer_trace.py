@@ -204,9 +204,16 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
     first, last = at[0], at[-1]
     ns_per_cycle = float((t[..., last] - t[..., first]).sum() / (c[..., last] - c[..., first]).sum())
     steps = {}
+
+    def step(i: int, j: int) -> float:
+        """Median of event j - event i (ns) over the cells that stamped both (a staged two-shot CTA that owns
+        every row never waits, so it stamps no wait)."""
+        both = (c[..., i] > 0) & (c[..., j] > 0)
+        return float((c[..., j] - c[..., i])[both].median()) * ns_per_cycle if both.any() else float("nan")
+
     for i, j in zip(at, at[1:]):
-        steps[f"{EVENTS[i]}->{EVENTS[j]}"] = float((c[..., j] - c[..., i]).median()) * ns_per_cycle
-    steps["released->row done"] = float((c[..., last] - c[..., first]).median()) * ns_per_cycle
+        steps[f"{EVENTS[i]}->{EVENTS[j]}"] = step(i, j)
+    steps["released->row done"] = step(first, last)
     release = t[..., first].min(dim=2).values  # [W, RING]: each rank's first CTA of each call
     ordered = release.sort(dim=1).values
     periods = ordered[:, 1:] - ordered[:, :-1]
@@ -235,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--dump", type=str, default=None, help="save every point's raw stamps (torch.save) here")
     args = p.parse_args(argv)
+    if args.calls < RING + 8:
+        p.error(f"--calls must be at least {RING + 8}: the last {RING} calls are kept, after 8 or more to settle")
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_for_device(device)
     raw = {}
