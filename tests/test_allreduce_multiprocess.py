@@ -46,8 +46,8 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
         assert ar.path == "peer", f"expected the peer path, got {ar.path}"
         ar.warmup(progress=False)
         if scenario == "modes":
-            # The switch's choice at every row count, and each protocol forced at a few (W 2 never takes two-shot
-            # through the switch within 512 rows).
+            # The switch's choice at every row count, and each protocol forced at a few (which side of the switch
+            # a row count falls on depends on W and H: tuning.py).
             plan = [(rows, None) for rows in (1, 2, 7, 16, 17, 64, 65, 129, 300, 512)]
             plan += [(rows, protocol) for rows in (3, 200) for protocol in ("oneshot", "twoshot")]
             for rows, protocol in plan:
