@@ -274,12 +274,12 @@ class PeerReduce:
     def push_partial(self, ctx, words: list, row: Int32, owner: Int32 | None = None, owned_here: bool = False):
         """This rank's vectors of `row` into slot `rank` of every other rank (one-shot: `owner` None) or of the
         segment's owner (two-shot; `owned_here`: the owner may be this rank, which then pushes nothing)."""
-        peer = None if const_expr(owner is None) else ctx.mPeers[owner]
+        peer = None if const_expr(owner is None) else self.peer_base(ctx, owner)
         for v in cutlass.range_constexpr(self.vpt):
             mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
             if const_expr(owner is None):
                 for p in cutlass.range_constexpr(self.W):
-                    self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+                    self.push(ctx, ctx.peers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
             else:
                 self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.rank if owned_here else None))
 
@@ -294,9 +294,16 @@ class PeerReduce:
                 rY[v, k] = y_words[k]
             reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
             for p in cutlass.range_constexpr(self.W):
-                self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
+                self.push(ctx, ctx.peers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
             if const_expr(keep):
                 ptx.st_global_v4_pred(base + reduced, *y_words, self.real(ctx, v))
+
+    def peer_base(self, ctx, rank: Int32) -> Int64:
+        """Rank `rank`'s receive-slot base address, from the peer table the kernel read at its start."""
+        base = ctx.peers[0]
+        for p in range(1, self.W):
+            base = Int64(cutlass.select_(rank == p, ctx.peers[p], base))
+        return base
 
     def real(self, ctx, v: int, needed: cutlass.Boolean | None = None) -> cutlass.Boolean | None:
         """Whether this thread's vector v is a real one (threads past the chunk hold a clamped duplicate)
