@@ -212,8 +212,10 @@ class FusedBoundaryKernel:
             # The workspace's constants; the call counter is written by the previous call, so after the wait.
             rank = mState[STATE_RANK]
             timeout_us = mState[STATE_TIMEOUT_US]
-            # The peer table is set when the workspace is made: read it here, so that no push waits for it.
-            peers = [mPeers[p] for p in range(self.allreduce.W)]
+            # The peer table is set when the workspace is made: read it here, so that no push waits for it (at
+            # W 8 and with a MoE partial, whose registers it would crowd, it is read, all at once, where pushed).
+            if const_expr(self.allreduce.W <= 4 and not self.moe):
+                peers = [mPeers[p] for p in range(self.allreduce.W)]
         cute.arch.griddepcontrol_wait()
         if const_expr(self.allreduce is not None):
             calls = self.allreduce.read_counter(mState)  # in flight with the first row's loads below
@@ -224,7 +226,7 @@ class FusedBoundaryKernel:
         fields = dict(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
-            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, peers=peers,
+            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
             mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y, clusters=clusters,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
