@@ -274,12 +274,13 @@ class PeerReduce:
     def push_partial(self, ctx, words: list, row: Int32, owner: Int32 | None = None, owned_here: bool = False):
         """This rank's vectors of `row` into slot `rank` of every other rank (one-shot: `owner` None) or of the
         segment's owner (two-shot; `owned_here`: the owner may be this rank, which then pushes nothing)."""
-        peer = None if const_expr(owner is None) else ctx.mPeers[owner]
+        peers = self.peer_table(ctx)
+        peer = None if const_expr(owner is None) else self.peer_base(peers, owner)
         for v in cutlass.range_constexpr(self.vpt):
             mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
             if const_expr(owner is None):
                 for p in cutlass.range_constexpr(self.W):
-                    self.push(ctx, ctx.mPeers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+                    self.push(ctx, peers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
             else:
                 self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.rank if owned_here else None))
 
@@ -288,15 +289,30 @@ class PeerReduce:
         """The owner's y into slot W of every other rank and, with `keep` (staged), of its own, which this same
         thread reads back. y travels (and is used) in canonical words, so that every rank has the same zero signs."""
         base = ctx.mSlots.iterator.toint() if const_expr(keep) else None
+        peers = self.peer_table(ctx)
         for v in cutlass.range_constexpr(self.vpt):
             y_words = [canonical(rY[v, k]) for k in range(4)]
             for k in cutlass.range_constexpr(4):
                 rY[v, k] = y_words[k]
             reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
             for p in cutlass.range_constexpr(self.W):
-                self.push(ctx, ctx.mPeers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
+                self.push(ctx, peers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
             if const_expr(keep):
                 ptx.st_global_v4_pred(base + reduced, *y_words, self.real(ctx, v))
+
+    def peer_table(self, ctx) -> list:
+        """Every rank's receive-slot base address: as the kernel read them at its start, or (ctx.peers None) loaded
+        here, all before any is used."""
+        if ctx.peers is not None:
+            return ctx.peers
+        return [ctx.mPeers[p] for p in range(self.W)]
+
+    def peer_base(self, peers: list, rank: Int32) -> Int64:
+        """Rank `rank`'s receive-slot base address from the table."""
+        base = peers[0]
+        for p in range(1, self.W):
+            base = Int64(cutlass.select_(rank == p, peers[p], base))
+        return base
 
     def real(self, ctx, v: int, needed: cutlass.Boolean | None = None) -> cutlass.Boolean | None:
         """Whether this thread's vector v is a real one (threads past the chunk hold a clamped duplicate)

@@ -207,11 +207,15 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
-        rank, timeout_us, calls, deadline, deadline_y = None, None, None, None, None
+        rank, timeout_us, calls, deadline, deadline_y, peers = None, None, None, None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants; the call counter is written by the previous call, so after the wait.
             rank = mState[STATE_RANK]
             timeout_us = mState[STATE_TIMEOUT_US]
+            # The peer table is set when the workspace is made: read it here, so that no push waits for it (at
+            # W 8 and with a MoE partial, whose registers it would crowd, it is read, all at once, where pushed).
+            if const_expr(self.allreduce.W <= 4 and not self.moe):
+                peers = [mPeers[p] for p in range(self.allreduce.W)]
         cute.arch.griddepcontrol_wait()
         if const_expr(self.allreduce is not None):
             calls = self.allreduce.read_counter(mState)  # in flight with the first row's loads below
@@ -222,7 +226,7 @@ class FusedBoundaryKernel:
         fields = dict(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
-            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers,
+            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
             mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y, clusters=clusters,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
