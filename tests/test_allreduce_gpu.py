@@ -523,9 +523,9 @@ class _Stalled(PeerReduce):
                 pass
 
     @cute.jit
-    def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list, deadline: cutlass.Int64):
+    def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list, deadline: cutlass.Int64, pending=None):
         self.stall(ctx)
-        PeerReduce.wait(self, ctx, rIn, row, sources, deadline)
+        PeerReduce.wait(self, ctx, rIn, row, sources, deadline, pending)
 
     @cute.jit
     def rearm(self, ctx, row: cutlass.Int32, sources: list):

@@ -127,9 +127,9 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             return gen
 
         @cute.jit
-        def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64):
+        def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64, pending=None):
             stamps.stamp(ctx.rank, 3)
-            PeerReduce.wait(self, ctx, rIn, row, sources, deadline)
+            PeerReduce.wait(self, ctx, rIn, row, sources, deadline, pending)
             stamps.stamp(ctx.rank, 4)
 
         @cute.jit

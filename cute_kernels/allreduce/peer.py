@@ -59,6 +59,10 @@ class PeerReduce:
         self.protocol = protocol
         self.vpt = vpt
         self.cluster_n = cluster_n
+        # Staged phases: rows of partial loads in flight while pushing, and owned rows whose loads and first polls
+        # go out together (a window's poll registers, W x vpt x 4 words each, stay within 32 per thread).
+        self.push_depth = max(1, 4 // vpt)
+        self.window = max(1, min(4, 8 // (world_size * vpt)))
         self.staged = staged  # every row's exchange goes out before the row loop (a ready partial x)
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
 
@@ -138,22 +142,29 @@ class PeerReduce:
 
     @cute.jit
     def push_rows(self, ctx, first_row: Int32, clusters: Int32):
-        """Push the partial of each of this cluster's rows to whoever sums it, the next row's loads in flight."""
-        regs = RowRegs(self.loads)
-        if self.sends_partial(ctx, first_row):
-            self.loads.load_partial(ctx, regs, first_row)
+        """Push the partial of each of this cluster's rows to whoever sums it, `push_depth` rows' loads in flight."""
+        depth = const_expr(self.push_depth)
+        bufs = [RowRegs(self.loads) for _ in range(depth)]
+        for d in cutlass.range_constexpr(depth):
+            r = first_row + d * clusters
+            if r < ctx.rows:
+                if self.sends_partial(ctx, r):  # a two-shot owner's own partial is loaded when it sums
+                    self.loads.load_partial(ctx, bufs[d], r)
         row = first_row
         while row < ctx.rows:
-            words = self.words(self.loads.partial(ctx, regs, row))
-            ahead = row + clusters
-            if ahead < ctx.rows:
-                if self.sends_partial(ctx, ahead):  # a two-shot owner's own partial is loaded when it sums
-                    self.loads.load_partial(ctx, regs, ahead)
-            if const_expr(self.protocol == "oneshot"):
-                self.push_partial(ctx, words, row)
-            else:
-                self.push_partial(ctx, words, row, self.owner(ctx, row), owned_here=True)
-            row = ahead
+            for d in cutlass.range_constexpr(depth):
+                r = row + d * clusters
+                if r < ctx.rows:
+                    words = self.words(self.loads.partial(ctx, bufs[d], r))
+                    ahead = r + depth * clusters
+                    if ahead < ctx.rows:
+                        if self.sends_partial(ctx, ahead):
+                            self.loads.load_partial(ctx, bufs[d], ahead)
+                    if const_expr(self.protocol == "oneshot"):
+                        self.push_partial(ctx, words, r)
+                    else:
+                        self.push_partial(ctx, words, r, self.owner(ctx, r), owned_here=True)
+            row = row + depth * clusters
 
     @cute.jit
     def sends_partial(self, ctx, row: Int32) -> cutlass.Boolean:
@@ -167,26 +178,31 @@ class PeerReduce:
     def reduce_owned(self, ctx, first_row: Int32, clusters: Int32):
         """Two-shot: for each of this cluster's rows whose segment this rank owns, wait for the other partials,
         sum, and push y to every peer and into this rank's own y slot (read back and re-armed by this same thread
-        in the row loop)."""
+        in the row loop). Rows go `window` at a time: the owned ones' partial loads and first polls all go out
+        before the first is checked."""
         vpt = const_expr(self.vpt)
-        regs = RowRegs(self.loads)
-        rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
+        window = const_expr(self.window)
+        bufs = [RowRegs(self.loads) for _ in range(window)]
+        rIns = [cute.make_rmem_tensor((self.W, vpt, 4), Uint32) for _ in range(window)]
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
+        sources = self.partial_sources(ctx)
         row = first_row
         while row < ctx.rows:
-            if self.owner(ctx, row) == ctx.rank:
-                self.loads.load_partial(ctx, regs, row)  # in flight during the poll
-                self.reduce_segment(ctx, regs, row, rIn, rY)
-            row = row + clusters
-
-    @cute.jit
-    def reduce_segment(self, ctx, regs, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
-        """reduce_owned's work on one owned segment whose partial loads are in flight."""
-        sources = self.partial_sources(ctx)
-        self.wait(ctx, rIn, row, sources, ctx.deadline)
-        self.rank_sum(ctx, self.words(self.loads.partial(ctx, regs, row)), rIn, rY)
-        self.send_y(ctx, rY, row, keep=True)
-        self.rearm(ctx, row, sources)
+            for d in cutlass.range_constexpr(window):
+                r = row + d * clusters
+                if r < ctx.rows:
+                    if self.owner(ctx, r) == ctx.rank:
+                        self.loads.load_partial(ctx, bufs[d], r)
+                        self.issue(ctx, rIns[d], r, sources)
+            for d in cutlass.range_constexpr(window):
+                r = row + d * clusters
+                if r < ctx.rows:
+                    if self.owner(ctx, r) == ctx.rank:
+                        self.wait(ctx, rIns[d], r, sources, ctx.deadline, self.missing(ctx, rIns[d], sources))
+                        self.rank_sum(ctx, self.words(self.loads.partial(ctx, bufs[d], r)), rIns[d], rY)
+                        self.send_y(ctx, rY, r, keep=True)
+                        self.rearm(ctx, r, sources)
+            row = row + window * clusters
 
     @cute.jit
     def prefetch_y(self, ctx, rSlot: cute.Tensor, row: Int32):
@@ -327,34 +343,50 @@ class PeerReduce:
         ptx.st_sys_v4_pred(addr, words[0], words[1], words[2], words[3], pred)
 
     @cute.jit
-    def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64):
-        """Load slots `sources` = [(slot, rank it comes from, needed)] of `row` into rIn[i] until no needed
-        word holds the sentinel, or `deadline` has passed (then the missing ranks go to the error word)."""
-        vpt = const_expr(self.vpt)
+    def issue(self, ctx, rIn: cute.Tensor, row: Int32, sources: list):
+        """One round of loads of slots `sources` = [(slot, rank it comes from, needed)] of `row` into rIn[i];
+        nothing waits for them here."""
         base = ctx.mSlots.iterator.toint()
-        pending = Int32(1)
+        for i in cutlass.range_constexpr(len(sources)):
+            slot, _, needed = sources[i]
+            for v in cutlass.range_constexpr(self.vpt):
+                want = self.real(ctx, v, needed)
+                addr = base + self.offset(ctx.mSlots, ctx.gen, slot, row, ctx.vcols[v])
+                w = ptx.ld_sys_v4_pred(addr, cutlass.Boolean(True) if want is None else want)
+                for k in cutlass.range_constexpr(4):
+                    rIn[i, v, k] = w[k]
+
+    @cute.jit
+    def missing(self, ctx, rIn: cute.Tensor, sources: list) -> Int32:
+        """The mask of the ranks whose needed words in rIn (as issued) still hold the sentinel."""
+        missing = Int32(0)
+        for i in cutlass.range_constexpr(len(sources)):
+            _, who, needed = sources[i]
+            for v in cutlass.range_constexpr(self.vpt):
+                want = self.real(ctx, v, needed)
+                late = rIn[i, v, 0] == Uint32(SENTINEL_WORD)
+                for k in cutlass.range_constexpr(1, 4):
+                    late = late | (rIn[i, v, k] == Uint32(SENTINEL_WORD))
+                if const_expr(want is not None):
+                    late = late & want
+                missing = missing | Int32(cutlass.select_(late, Int32(1) << who, Int32(0)))
+        return missing
+
+    @cute.jit
+    def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64, pending: Int32 | None = None):
+        """Load slots `sources` of `row` into rIn[i] until no needed word holds the sentinel, or `deadline` has
+        passed (then the missing ranks go to the error word). `pending`: a first round issued and checked already
+        (its mask)."""
+        if const_expr(pending is None):
+            self.issue(ctx, rIn, row, sources)  # every slot's loads are in flight before any is checked
+            pending = self.missing(ctx, rIn, sources)
         while pending != 0:
-            missing = Int32(0)
-            # Every slot's loads are in flight before any is checked.
-            for i in cutlass.range_constexpr(len(sources)):
-                slot, who, needed = sources[i]
-                for v in cutlass.range_constexpr(vpt):
-                    want = self.real(ctx, v, needed)
-                    addr = base + self.offset(ctx.mSlots, ctx.gen, slot, row, ctx.vcols[v])
-                    w = ptx.ld_sys_v4_pred(addr, cutlass.Boolean(True) if want is None else want)
-                    late = w[0] == Uint32(SENTINEL_WORD)
-                    for k in cutlass.range_constexpr(4):
-                        rIn[i, v, k] = w[k]
-                        if const_expr(k > 0):
-                            late = late | (w[k] == Uint32(SENTINEL_WORD))
-                    if const_expr(want is not None):
-                        late = late & want
-                    missing = missing | Int32(cutlass.select_(late, Int32(1) << who, Int32(0)))
-            pending = missing
-            if missing != 0:
-                if ptx.globaltimer() > deadline:
-                    cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, missing, sem="relaxed", scope="gpu")
-                    pending = Int32(0)
+            if ptx.globaltimer() > deadline:
+                cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, pending, sem="relaxed", scope="gpu")
+                pending = Int32(0)
+            else:
+                self.issue(ctx, rIn, row, sources)
+                pending = self.missing(ctx, rIn, sources)
 
     @cute.jit
     def rank_sum(self, ctx, words: list, rIn: cute.Tensor, rY: cute.Tensor):
