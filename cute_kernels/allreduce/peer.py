@@ -62,6 +62,9 @@ class PeerReduce:
         # Staged phases: rows of partial loads in flight while pushing, and owned rows whose loads and first polls
         # go out together (a window's poll registers, W x vpt x 4 words each, stay within 32 per thread).
         self.push_depth = max(1, 4 // vpt)
+        # Staged rows load their slot words with their other loads: two-shot y, one-shot (up to W 4: W x vpt x 4
+        # words live across a row) every partial.
+        self.slots_with_row = staged and (protocol == "twoshot" or world_size <= 4)
         self.window = max(1, min(4, 8 // (world_size * vpt)))
         self.staged = staged  # every row's exchange goes out before the row loop (a ready partial x)
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
@@ -114,7 +117,7 @@ class PeerReduce:
     @cute.jit
     def reduce(self, ctx, y: cute.Tensor, row: Int32, rSlot: cute.Tensor | None) -> cute.Tensor:
         """y of `row` (fp32 holding bf16 values, (vpt, 8)) from this rank's partial `y` and every peer's; `rSlot`:
-        the row's y slot as loaded with the row (staged two-shot)."""
+        the row's slot words as loaded with the row (staged: row_slot_shape)."""
         vpt = const_expr(self.vpt)
         words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
@@ -207,6 +210,18 @@ class PeerReduce:
                         self.rearm(ctx, r, sources)
             row = row + window * clusters
 
+    def row_slot_shape(self) -> tuple:
+        """The words a staged row loads from its slots with its other loads: two-shot y, one-shot every partial."""
+        return (self.vpt, 4) if self.protocol == "twoshot" else (self.W, self.vpt, 4)
+
+    @cute.jit
+    def prefetch_slots(self, ctx, rSlot: cute.Tensor, row: Int32):
+        """Issue a staged row's slot loads with the row's other loads (nothing waits for them here)."""
+        if const_expr(self.protocol == "twoshot"):
+            self.prefetch_y(ctx, rSlot, row)
+        else:
+            self.issue(ctx, rSlot, row, self.partial_sources(ctx))
+
     @cute.jit
     def prefetch_y(self, ctx, rSlot: cute.Tensor, row: Int32):
         """Issue the load of a staged two-shot row's y slot with the row's other loads."""
@@ -220,11 +235,16 @@ class PeerReduce:
 
     @cute.jit
     def staged_row(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor, rSlot: cute.Tensor | None):
-        """A row of the staged row loop. One-shot: the slots are full (or nearly), wait, sum and re-arm. Two-shot:
+        """A row of the staged row loop. One-shot: the slots as loaded with the row (full, or nearly), polled on
+        where not, summed and re-armed. Two-shot:
         y as loaded with the row (the owner's own, or a peer's once it has landed), its slot re-armed."""
         if const_expr(self.protocol == "oneshot"):
             sources = self.partial_sources(ctx)
-            self.wait(ctx, rIn, row, sources, ctx.deadline)
+            if const_expr(self.slots_with_row):
+                rIn = rSlot
+                self.wait(ctx, rIn, row, sources, ctx.deadline, self.missing(ctx, rIn, sources))
+            else:
+                self.wait(ctx, rIn, row, sources, ctx.deadline)
             self.rank_sum(ctx, words, rIn, rY)
             self.rearm(ctx, row, sources)
         else:

@@ -84,8 +84,7 @@ class FusedBoundaryKernel:
         """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
         self.allreduce = allreduce
         allreduce.loads = self.loads  # the staged phases load partials
-        staged_y = allreduce.staged and allreduce.protocol == "twoshot"
-        self.loads.y_slot = allreduce if staged_y else None  # a staged two-shot row loads y from its slot
+        self.loads.slots = allreduce if allreduce.slots_with_row else None  # a staged row loads its slots with it
 
     @cute.jit
     def __call__(

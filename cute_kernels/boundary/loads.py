@@ -38,8 +38,8 @@ class RowRegs:
         self.rS = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16) if loads.shared else None
         # Lane i holds coefficient i (post, comb, pre), shuffled out when used.
         self.coef = cute.make_rmem_tensor((1,), Float32)
-        # A staged two-shot row's y, loaded from its slot with the row (see allreduce.peer).
-        self.rSlot = cute.make_rmem_tensor((vpt, 4), Uint32) if loads.y_slot is not None else None
+        # A staged row's slot words, loaded with the row (allreduce.peer: two-shot its y, one-shot every partial).
+        self.rSlot = None if loads.slots is None else cute.make_rmem_tensor(loads.slots.row_slot_shape(), Uint32)
 
 
 class RowLoads:
@@ -51,9 +51,9 @@ class RowLoads:
         self.y_source = y_source
         self.shared = shared
         self.pre = pre
-        # The two-shot peer role of a staged kernel, whose rows take y from a slot instead of the partial (set by the
-        # kernel).
-        self.y_slot: Any = None
+        # The peer role of a staged kernel, whose rows load their slot words with their other loads (set by the
+        # kernel); a two-shot row takes y from its slot instead of the partial.
+        self.slots: Any = None
 
     @cute.jit
     def load_row(self, ctx: Ctx, regs: RowRegs, row: Int32):
@@ -64,10 +64,10 @@ class RowLoads:
         for v in cutlass.range_constexpr(vpt):
             for k in cutlass.range_constexpr(HC):
                 cute.copy(copy16, cute.local_tile(ctx.mR[row, k, None], (VEC,), (ctx.vcols[v],)), regs.rR[v, k, None])
-        if const_expr(self.y_slot is None):
+        if const_expr(self.slots is None or self.slots.protocol == "oneshot"):
             self.load_partial(ctx, regs, row)
-        else:  # a staged two-shot row: its partial went out before the row loop, its y comes from its slot
-            self.y_slot.prefetch_y(ctx, regs.rSlot, row)
+        if const_expr(self.slots is not None):
+            self.slots.prefetch_slots(ctx, regs.rSlot, row)
 
     @cute.jit
     def load_partial(self, ctx: Ctx, regs: RowRegs, row: Int32):
