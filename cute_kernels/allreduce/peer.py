@@ -137,7 +137,7 @@ class PeerReduce:
     # -- a staged call: every partial out first, then (two-shot) every owned y, then the row loop.
 
     @cute.jit
-    def push_rows(self, ctx, first_row: Int32, clusters: Int32):
+    def push_rows(self, ctx, first_row: Int32):
         """Push the partial of each of this cluster's rows to whoever sums it, the next row's loads in flight."""
         regs = RowRegs(self.loads)
         if self.sends_partial(ctx, first_row):
@@ -145,7 +145,7 @@ class PeerReduce:
         row = first_row
         while row < ctx.rows:
             words = self.words(self.loads.partial(ctx, regs, row))
-            ahead = row + clusters
+            ahead = row + ctx.clusters
             if ahead < ctx.rows:
                 if self.sends_partial(ctx, ahead):  # a two-shot owner's own partial is loaded when it sums
                     self.loads.load_partial(ctx, regs, ahead)
@@ -164,7 +164,7 @@ class PeerReduce:
         return sends
 
     @cute.jit
-    def reduce_owned(self, ctx, first_row: Int32, clusters: Int32):
+    def reduce_owned(self, ctx, first_row: Int32):
         """Two-shot: for each of this cluster's rows whose segment this rank owns, wait for the other partials,
         sum, and push y to every peer and into this rank's own y slot (read back and re-armed by this same thread
         in the row loop)."""
@@ -177,7 +177,7 @@ class PeerReduce:
             if self.owner(ctx, row) == ctx.rank:
                 self.loads.load_partial(ctx, regs, row)  # in flight during the poll
                 self.reduce_segment(ctx, regs, row, rIn, rY)
-            row = row + clusters
+            row = row + ctx.clusters
 
     @cute.jit
     def reduce_segment(self, ctx, regs, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
