@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 import boundary.all_reduce as all_reduce_module
-from bench.timing import GraphTimer
+from bench.timing import GraphTimer, marginal_us
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
 from cute_kernels.allreduce.tuning import protocol_for
@@ -351,8 +351,7 @@ def _max_over_ranks(call: Any, device: torch.device) -> tuple[float, float]:
     graph), each the median over samples of the slowest rank, as the simulated table is timed."""
     short = _slowest_rank_us(call, device, CALLS_PER_GRAPH)
     long = _slowest_rank_us(call, device, CALLS_PER_LONG_GRAPH)
-    marginal = (long * CALLS_PER_LONG_GRAPH - short * CALLS_PER_GRAPH) / (CALLS_PER_LONG_GRAPH - CALLS_PER_GRAPH)
-    return marginal, short
+    return marginal_us(short, CALLS_PER_GRAPH, long, CALLS_PER_LONG_GRAPH), short
 
 
 def _slowest_rank_us(call: Any, device: torch.device, calls: int, samples: int = 15) -> float:

@@ -11,6 +11,11 @@ import torch
 L2_FLUSH_BYTES = 256 << 20  # several times the H100/H200/B200 L2
 
 
+def marginal_us(t_short: float, short: int, t_long: float, long: int) -> float:
+    """us per call added by each call beyond `short`: from per-call times of a `short`- and a `long`-call graph."""
+    return (t_long * long - t_short * short) / (long - short)
+
+
 class GraphTimer:
     """Times closures as GPU time per call: one graph of back-to-back calls, replayed after an L2 flush."""
 
@@ -50,7 +55,7 @@ class GraphTimer:
         fork into rank streams, the first call after the L2 flush), as a model-length decode graph would."""
         t_short = self.per_call_us(make(short), short)
         t_long = self.per_call_us(make(long), long)
-        return (t_long * long - t_short * short) / (long - short), t_short
+        return marginal_us(t_short, short, t_long, long), t_short
 
     def copy_bandwidth(self, nbytes: int = 2 << 30) -> float:
         """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 10."""

@@ -147,22 +147,22 @@ class PeerReduce:
     # -- a staged call: every partial out first, then (two-shot) every owned y, then the row loop.
 
     @cute.jit
-    def push_rows(self, ctx, first_row: Int32, clusters: Int32):
+    def push_rows(self, ctx, first_row: Int32):
         """Push the partial of each of this cluster's rows to whoever sums it, `push_depth` rows' loads in flight."""
         depth = const_expr(self.push_depth)
         bufs = [RowRegs(self.loads) for _ in range(depth)]
         for d in cutlass.range_constexpr(depth):
-            r = first_row + d * clusters
+            r = first_row + d * ctx.clusters
             if r < ctx.rows:
                 if self.sends_partial(ctx, r):  # a two-shot owner's own partial is loaded when it sums
                     self.loads.load_partial(ctx, bufs[d], r)
         row = first_row
         while row < ctx.rows:
             for d in cutlass.range_constexpr(depth):
-                r = row + d * clusters
+                r = row + d * ctx.clusters
                 if r < ctx.rows:
                     words = self.words(self.loads.partial(ctx, bufs[d], r))
-                    ahead = r + depth * clusters
+                    ahead = r + depth * ctx.clusters
                     if ahead < ctx.rows:
                         if self.sends_partial(ctx, ahead):
                             self.loads.load_partial(ctx, bufs[d], ahead)
@@ -170,7 +170,7 @@ class PeerReduce:
                         self.push_partial(ctx, words, r)
                     else:
                         self.push_partial(ctx, words, r, self.owner(ctx, r), owned_here=True)
-            row = row + depth * clusters
+            row = row + depth * ctx.clusters
 
     @cute.jit
     def sends_partial(self, ctx, row: Int32) -> cutlass.Boolean:
@@ -181,7 +181,7 @@ class PeerReduce:
         return sends
 
     @cute.jit
-    def reduce_owned(self, ctx, first_row: Int32, clusters: Int32):
+    def reduce_owned(self, ctx, first_row: Int32):
         """Two-shot: for each of this cluster's rows whose segment this rank owns, wait for the other partials,
         sum, and push y to every peer and into this rank's own y slot (read back and re-armed by this same thread
         in the row loop). Rows go `window` at a time: the owned ones' partial loads and first polls all go out
@@ -195,20 +195,20 @@ class PeerReduce:
         row = first_row
         while row < ctx.rows:
             for d in cutlass.range_constexpr(window):
-                r = row + d * clusters
+                r = row + d * ctx.clusters
                 if r < ctx.rows:
                     if self.owner(ctx, r) == ctx.rank:
                         self.loads.load_partial(ctx, bufs[d], r)
                         self.issue(ctx, rIns[d], r, sources)
             for d in cutlass.range_constexpr(window):
-                r = row + d * clusters
+                r = row + d * ctx.clusters
                 if r < ctx.rows:
                     if self.owner(ctx, r) == ctx.rank:
                         self.wait(ctx, rIns[d], r, sources, ctx.deadline, self.missing(ctx, rIns[d], sources))
                         self.rank_sum(ctx, self.words(self.loads.partial(ctx, bufs[d], r)), rIns[d], rY)
                         self.send_y(ctx, rY, r, keep=True)
                         self.rearm(ctx, r, sources)
-            row = row + window * clusters
+            row = row + window * ctx.clusters
 
     def row_slot_shape(self) -> tuple:
         """The words a staged row loads from its slots with its other loads: two-shot y, one-shot every partial."""

@@ -241,9 +241,9 @@ class FusedBoundaryKernel:
         ctx = Ctx(**fields, gen=gen)
         if const_expr(staged):
             # Every partial (and two-shot, every owned y) goes out before the row loop.
-            self.allreduce.push_rows(ctx, first_row, clusters)
+            self.allreduce.push_rows(ctx, first_row)
             if const_expr(self.allreduce.protocol == "twoshot"):
-                self.allreduce.reduce_owned(ctx, first_row, clusters)
+                self.allreduce.reduce_owned(ctx, first_row)
             self.loads.load_row(ctx, regs, first_row)
         if const_expr(self.allreduce is None):
             cute.arch.griddepcontrol_launch_dependents()
