@@ -265,7 +265,9 @@ class FusedBoundaryKernel:
     def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
         """A loaded row: y, the new streams (and aux), then its norm; the next row's loads go out in between."""
         ahead = row + clusters
-        post, comb, pre = self.loads.coefs(regs.coef)
+        post, comb, pre = None, None, None
+        if const_expr(self.allreduce is None):
+            post, comb, pre = self.loads.coefs(regs.coef)
         y = self.loads.partial(ctx, regs, row)
         if const_expr(self.allreduce is not None):
             y = self.allreduce.reduce(ctx, y, row, regs.rSlot)
@@ -273,6 +275,8 @@ class FusedBoundaryKernel:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
                 cute.arch.griddepcontrol_launch_dependents()
+            # The coefficients' shuffles wait for their load: after the exchange, so that no push waits for them.
+            post, comb, pre = self.loads.coefs(regs.coef)
         rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
