@@ -402,11 +402,15 @@ class PeerReduce:
     @cute.jit
     def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64, pending: Int32 | None = None):
         """Load slots `sources` of `row` into rIn[i] until no needed word holds the sentinel, or `deadline` has
-        passed (then the missing ranks go to the error word). `pending`: a first round issued and checked already
-        (its mask)."""
+        passed (then the missing ranks go to the error word). `pending`: the mask of a round issued and checked
+        already (earlier, with the row's loads): nothing more when it is 0, else the wait starts afresh."""
         if const_expr(pending is None):
             self.issue(ctx, rIn, row, sources)  # every slot's loads are in flight before any is checked
             pending = self.missing(ctx, rIn, sources)
+        else:
+            if pending != 0:  # that look may predate the deadline: a fresh one decides
+                self.issue(ctx, rIn, row, sources)
+                pending = self.missing(ctx, rIn, sources)
         while pending != 0:
             if ptx.globaltimer() > deadline:
                 cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, pending, sem="relaxed", scope="gpu")
