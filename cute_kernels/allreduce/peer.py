@@ -29,6 +29,9 @@ look.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
@@ -115,36 +118,35 @@ class PeerReduce:
         return (cell * self.H + Int64(vcol * VEC)) * 2
 
     @cute.jit
-    def reduce(self, ctx, y: cute.Tensor, row: Int32, rSlot: cute.Tensor | None) -> cute.Tensor:
-        """y of `row` (fp32 holding bf16 values, (vpt, 8)) from this rank's partial `y` and every peer's; `rSlot`:
+    def reduce(self, ctx, y: cute.Tensor, row: Int32, rSlot: cute.Tensor | None, later: Callable[[], Any]) -> tuple:
+        """(y of `row`, fp32 holding bf16 values, (vpt, 8), from this rank's partial `y` and every peer's; what
+        `later` returns). `later` is the row's other work that waits on a load (its coefficient shuffles), done
+        where no push waits for it: after an inline one-shot row's pushes, after an inline two-shot row's exchange,
+        before a staged row's (whose pushes went out before the row loop). `rSlot`:
         the row's slot words as loaded with the row (staged: row_slot_shape)."""
         vpt = const_expr(self.vpt)
         words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
+        taken = None
         if const_expr(self.staged):
+            taken = later()  # the exchange went out before the row loop: nothing to wait for here
             self.staged_row(ctx, words, row, rIn, rY, rSlot)
+        elif const_expr(self.protocol == "oneshot"):
+            taken = self.oneshot(ctx, words, row, rIn, rY, later)
         else:
-            self.inline(ctx, words, row, rIn, rY)
+            self.twoshot(ctx, words, row, rIn, rY)
+        if const_expr(taken is None):
+            taken = later()
         out = cute.make_rmem_tensor(y.layout, Float32)
         for v in cutlass.range_constexpr(vpt):
             for e in cutlass.range_constexpr(VEC):
                 out[v, e] = ptx.bf16_lo(rY[v, e // 2]) if e % 2 == 0 else ptx.bf16_hi(rY[v, e // 2])
-        return out
+        return out, taken
 
     def words(self, y: cute.Tensor) -> list:
         """This thread's vectors of a partial as canonical bf16-pair words, [vpt][4]."""
         return [[canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)] for v in range(self.vpt)]
-
-    @cute.jit
-    def inline(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
-        """The whole exchange of one row, here: push, wait, sum (and, two-shot, the owner's y out)."""
-        if const_expr(self.protocol == "oneshot"):
-            self.oneshot(ctx, words, row, rIn, rY)
-        else:
-            self.twoshot(ctx, words, row, rIn, rY)
-
-    # -- a staged call: every partial out first, then (two-shot) every owned y, then the row loop.
 
     @cute.jit
     def push_rows(self, ctx, first_row: Int32):
@@ -268,13 +270,16 @@ class PeerReduce:
                 self.rearm(ctx, row, [(self.W, owner, None)])
 
     @cute.jit
-    def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
-        """Push this rank's vectors into slot `rank` of every peer, wait for the W - 1 others, sum them all."""
+    def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor, later: Callable[[], Any]):
+        """Push this rank's vectors into slot `rank` of every peer, do `later` (returned), wait for the W - 1
+        others, sum them all."""
         self.push_partial(ctx, words, row)
+        taken = later()
         sources = self.partial_sources(ctx)
         self.wait(ctx, rIn, row, sources, ctx.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         self.rearm(ctx, row, sources)
+        return taken
 
     @cute.jit
     def twoshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
@@ -404,20 +409,37 @@ class PeerReduce:
         """Load slots `sources` of `row` into rIn[i] until no needed word holds the sentinel, or `deadline` has
         passed (then the missing ranks go to the error word). `pending`: the mask of a round issued and checked
         already (earlier, with the row's loads): nothing more when it is 0, else the wait starts afresh."""
-        if const_expr(pending is None):
-            self.issue(ctx, rIn, row, sources)  # every slot's loads are in flight before any is checked
-            pending = self.missing(ctx, rIn, sources)
+        if const_expr(pending is None and self.W <= 4):
+            # A loop whose first look is its own body: measured faster at W 2 and 4 than the form below, which
+            # is faster at W 8 (docs/perf-log.md v15).
+            pending = Int32(1)
+            while pending != 0:
+                self.issue(ctx, rIn, row, sources)  # every slot's loads are in flight before any is checked
+                pending = self.missing(ctx, rIn, sources)
+                if pending != 0:
+                    if ptx.globaltimer() > deadline:
+                        self.report_missing(ctx, pending)
+                        pending = Int32(0)
         else:
-            if pending != 0:  # that look may predate the deadline: a fresh one decides
+            if const_expr(pending is None):
                 self.issue(ctx, rIn, row, sources)
                 pending = self.missing(ctx, rIn, sources)
-        while pending != 0:
-            if ptx.globaltimer() > deadline:
-                cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, pending, sem="relaxed", scope="gpu")
-                pending = Int32(0)
             else:
-                self.issue(ctx, rIn, row, sources)
-                pending = self.missing(ctx, rIn, sources)
+                if pending != 0:  # that look may predate the deadline: a fresh one decides
+                    self.issue(ctx, rIn, row, sources)
+                    pending = self.missing(ctx, rIn, sources)
+            while pending != 0:
+                if ptx.globaltimer() > deadline:
+                    self.report_missing(ctx, pending)
+                    pending = Int32(0)
+                else:
+                    self.issue(ctx, rIn, row, sources)
+                    pending = self.missing(ctx, rIn, sources)
+
+    @cute.jit
+    def report_missing(self, ctx, missing: Int32):
+        """The ranks of mask `missing` into the error word (a wait's deadline has passed)."""
+        cute.arch.atomic_or(ctx.mError.iterator + ERROR_MISSING, missing, sem="relaxed", scope="gpu")
 
     @cute.jit
     def rank_sum(self, ctx, words: list, rIn: cute.Tensor, rY: cute.Tensor):

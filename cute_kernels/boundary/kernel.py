@@ -265,21 +265,17 @@ class FusedBoundaryKernel:
     def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
         """A loaded row: y, the new streams (and aux), then its norm; the next row's loads go out in between."""
         ahead = row + clusters
-        # Inline peer rows take the coefficients after the exchange (below), so that no push waits for their
-        # shuffles (which wait for their load); a staged row's exchange went out before the row loop.
-        late_coefs = self.allreduce is not None and not self.allreduce.staged
-        post, comb, pre = None, None, None
-        if const_expr(not late_coefs):
+        if const_expr(self.allreduce is None):
             post, comb, pre = self.loads.coefs(regs.coef)
-        y = self.loads.partial(ctx, regs, row)
-        if const_expr(self.allreduce is not None):
-            y = self.allreduce.reduce(ctx, y, row, regs.rSlot)
+            y = self.loads.partial(ctx, regs, row)
+        else:
+            y = self.loads.partial(ctx, regs, row)
+            # The coefficient shuffles wait for their load: the peer role does them where no push waits for them.
+            y, (post, comb, pre) = self.allreduce.reduce(ctx, y, row, regs.rSlot, lambda: self.loads.coefs(regs.coef))
             if ahead >= ctx.rows:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
                 cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(late_coefs):
-            post, comb, pre = self.loads.coefs(regs.coef)
         rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
