@@ -211,12 +211,9 @@ def print_allreduce(rows: list[dict], copy_bw: float) -> None:
           "1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; 1s-Wx1 / 2s-Wx1: us "
           "above W x 1; xB: time over all ranks' bytes at copy bandwidth)")  # fmt: skip
     print(f"\nthe same, us per call of a {CALLS_PER_GRAPH}-call graph (its launch, fork and first call included)")
-    head = f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} | {'1 rank':>7} {'W x 1':>7} {'gather':>7}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_short_us']:7.2f} {r['twoshot_short_us']:7.2f} | "
-              f"{r['one_rank_forked_short_us']:7.2f} {r['w_one_rank_forked_short_us']:7.2f} {r['gather_short_us']:7.2f}")  # fmt: skip
+    print_us_table(rows, [("1-shot", "oneshot_short_us"), ("2-shot", "twoshot_short_us")],
+                   [("1 rank", "one_rank_forked_short_us"), ("W x 1", "w_one_rank_forked_short_us"),
+                    ("gather", "gather_short_us")])  # fmt: skip
     for key in sorted({(r["W"], r["H"]) for r in rows}):
         sel = sorted((r for r in rows if (r["W"], r["H"]) == key), key=lambda r: r["rows"])
         oneshot = [r["rows"] for r in sel if r["oneshot_us"] <= r["twoshot_us"]]
@@ -230,12 +227,20 @@ def print_multi_gpu(rows: list[dict]) -> None:
         "\nmulti-rank boundary, one process per GPU (NVLink, multicast off), GPU us per call in a long graph "
         f"(marginal, {CALLS_PER_GRAPH} -> {CALLS_PER_LONG_GRAPH} calls), slowest rank"
     )
-    head = f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} | {'NCCL+k':>7} {'symm1+k':>7} {'symm2+k':>7}"
+    print_us_table(rows, [("1-shot", "oneshot_us"), ("2-shot", "twoshot_us")],
+                   [("NCCL+k", "nccl_kernel_us"), ("symm1+k", "symm_oneshot_kernel_us"),
+                    ("symm2+k", "symm_twoshot_kernel_us")])  # fmt: skip
+
+
+def print_us_table(rows: list[dict], fused: list[tuple[str, str]], baselines: list[tuple[str, str]]) -> None:
+    """A table of (W, H, rows) | the fused columns | the baseline columns, each (header, row key), in us."""
+    head = (f"{'W':>2} {'H':>5} {'rows':>4} | " + " ".join(f"{label:>7}" for label, _ in fused) + " | "
+            + " ".join(f"{label:>7}" for label, _ in baselines))  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_us']:7.2f} {r['twoshot_us']:7.2f} | "
-              f"{r['nccl_kernel_us']:7.2f} {r['symm_oneshot_kernel_us']:7.2f} {r['symm_twoshot_kernel_us']:7.2f}")  # fmt: skip
+        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | " + " ".join(f"{r[key]:7.2f}" for _, key in fused) + " | "
+              + " ".join(f"{r[key]:7.2f}" for _, key in baselines))  # fmt: skip
 
 
 def plot_allreduce(rows: list[dict], path: Any) -> None:
