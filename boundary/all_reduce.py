@@ -14,7 +14,7 @@ from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
 from boundary.workspace import Workspace, peers_can_map
 from cute_kernels.allreduce.protocol import ERROR_MISSING, ERROR_MOE_INDEX, ERROR_MOE_ROW, MAX_WORLD
-from cute_kernels.allreduce.tuning import protocol_for
+from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.boundary.config import default_config
 from cute_kernels.compile import arch_for_device, warmup
@@ -257,9 +257,11 @@ class BoundaryAllReduce:
             log.info("BoundaryAllReduce.warmup: the %s path has nothing to compile", self.path)
             return
         world = self.world_size if self.path == "peer" else 1
+        protocols = protocols_up_to(world, self.hidden_size, rows) if world > 1 else ("oneshot",)
         jobs = boundary_api.warmup_jobs(
-            self.hidden_size, arch=self.arch, world_size=world, ranks_per_device=self.workspace.ranks_per_device
-        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)
+            self.hidden_size, arch=self.arch, world_size=world, ranks_per_device=self.workspace.ranks_per_device,
+            protocols=protocols,
+        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)  # fmt: skip
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}")
         mhc.prepare_workspace(self.hidden_size, rows, self.device)
 

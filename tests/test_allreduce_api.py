@@ -11,7 +11,8 @@ import torch
 from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
 from cute_kernels.allreduce import protocol
-from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for
+from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for, protocols_up_to
+from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config, row_split
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 
@@ -95,6 +96,17 @@ def test_the_protocol_switch_is_measured_data() -> None:
     assert oneshot_max_rows(4, 6144) == oneshot_max_rows(4, 7168)  # the nearest measured H
     assert oneshot_max_rows(16, 7168) == 0  # an unmeasured world size takes two-shot
     assert protocol_for(16, 7168, 1) == "twoshot"
+    assert protocol_for(2, 7168, 100_000) == "oneshot"  # W 2: the same bytes either way, one hop fewer
+
+
+def test_a_warmup_compiles_the_protocols_its_rows_can_take() -> None:
+    assert protocols_up_to(2, 7168, 512) == ("oneshot",)
+    limit = oneshot_max_rows(4, 7168)
+    assert protocols_up_to(4, 7168, limit) == ("oneshot",)
+    assert protocols_up_to(4, 7168, limit + 1) == ("oneshot", "twoshot")
+    assert protocols_up_to(16, 7168, 1) == ("twoshot",)
+    jobs = api.warmup_jobs(7168, arch="sm_90a", world_size=2, protocols=protocols_up_to(2, 7168, 512))
+    assert jobs and {j.args[8] for j in jobs} == {"oneshot"}
 
 
 def test_the_slot_layout() -> None:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import functools
 
+# Every call, whatever its rows: at W 2 both protocols move the same bytes (a row's partial out, a row's worth
+# back) and the one-shot takes one hop fewer.
+EVERY_CALL = 2**31 - 1
+
 # Calls of at most this many rows take the one-shot protocol, per (world size, H); other H: the
 # nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md, per call in a
-# long graph): at W 2 one-shot is as fast or faster up to 256 rows (64 at H 7168, where 256 rows tie) and the
-# two-shot faster at 512, at W 4 one-shot up to 64 (at 16 rows the two-shot is 2-6 % faster, at 64 one-shot
-# 7-12 %: one threshold cannot have both), at W 8 one-shot up to 4 rows at H 4096 and at one row else.
+# long graph, perf-log v15): at W 2 one-shot is as fast or faster at every row count (tied at H 5120 from 64
+# rows, 2-3 us faster at H 7168 x 256 and 512 rows), at W 4 one-shot up to 4 rows (the two-shot is 4-14 %
+# faster from 16 rows), at W 8 one-shot up to 4 rows at H 4096 and at one row else.
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
-    (2, 4096): 256, (2, 5120): 256, (2, 7168): 64,
-    (4, 4096): 64, (4, 5120): 64, (4, 7168): 64,
+    (2, 4096): EVERY_CALL, (2, 5120): EVERY_CALL, (2, 7168): EVERY_CALL,
+    (4, 4096): 4, (4, 5120): 4, (4, 7168): 4,
     (8, 4096): 4, (8, 5120): 1, (8, 7168): 1,
 }  # fmt: skip
 
@@ -32,3 +36,9 @@ def oneshot_max_rows(world_size: int, hidden: int) -> int:
 def protocol_for(world_size: int, hidden: int, rows: int) -> str:
     """ "oneshot" or "twoshot" for a call of `rows` rows at hidden size `hidden` across `world_size` ranks."""
     return "oneshot" if rows <= oneshot_max_rows(world_size, hidden) else "twoshot"
+
+
+def protocols_up_to(world_size: int, hidden: int, max_rows: int) -> tuple[str, ...]:
+    """The protocols the switch picks for calls of 1..max_rows rows (what a warmup compiles)."""
+    limit = oneshot_max_rows(world_size, hidden)
+    return tuple(p for p, used in (("oneshot", limit >= 1), ("twoshot", max_rows > limit)) if used)

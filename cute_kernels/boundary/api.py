@@ -127,10 +127,10 @@ def variant_name(v: BoundaryVariant) -> str:
 
 def warmup_jobs(
     H: int, *, arch: str, world_size: int = 1, ranks_per_device: int = 1,
-    variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS,
+    variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS, protocols: Sequence[str] = PROTOCOLS,
 ) -> list[WarmupJob]:  # fmt: skip
-    """One warmup job per variant (and, with W > 1, per protocol, inline and, for a ready partial, staged) an engine
-    may launch at hidden size H."""
+    """One warmup job per variant (and, with W > 1, per protocol of `protocols`, inline and, for a ready partial,
+    staged) an engine may launch at hidden size H."""
     config = default_config(H, arch, ranks_per_device, world_size)
     if world_size == 1:
         return [
@@ -150,7 +150,7 @@ def warmup_jobs(
             kwargs=(("arch", arch),),
         )
         for v in variants
-        for p in PROTOCOLS
+        for p in protocols
         for staged in ((False, True) if v.y_source == "x" else (False,))
     ]
 
