@@ -27,6 +27,7 @@ import boundary.all_reduce as all_reduce_module
 from bench.timing import GraphTimer, marginal_us
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
+from cute_kernels.allreduce.protocol import PROTOCOLS
 from cute_kernels.allreduce.tuning import protocol_for
 
 # Calls per rank in the short graph and in the long one; the headline per-call time is the marginal between them
@@ -64,6 +65,17 @@ def forced_protocol(protocol: str | None) -> Iterator[None]:
         yield
     finally:
         all_reduce_module.protocol_for = saved
+
+
+def warmup_every_protocol(ar: BoundaryAllReduce) -> None:
+    """`ar.warmup()`, with both protocols compiled whatever the switch picks (a measurement forces each, and a
+    rank that compiles while its peers wait delays them)."""
+    saved = all_reduce_module.protocols_up_to
+    all_reduce_module.protocols_up_to = lambda world, hidden, max_rows: PROTOCOLS
+    try:
+        ar.warmup(progress=False)
+    finally:
+        all_reduce_module.protocols_up_to = saved
 
 
 def rank_sets(world: int, rows: int, hidden: int, count: int, device: torch.device) -> list[list[dict[str, Any]]]:
@@ -314,7 +326,7 @@ def _multi_gpu_hidden(rank: int, world: int, hidden: int, args: argparse.Namespa
     group = dist.group.WORLD
     ar = BoundaryAllReduce(hidden, group=group, max_rows=max(args.rows), device=device)
     one = BoundaryAllReduce(hidden, max_rows=max(args.rows), device=device)
-    ar.warmup(progress=False)
+    warmup_every_protocol(ar)
     one.warmup(progress=False)
     buf = symm_mem.empty(max(args.rows) * hidden, dtype=torch.bfloat16, device=device)
     symm_mem.rendezvous(buf, group)

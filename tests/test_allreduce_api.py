@@ -11,7 +11,13 @@ import torch
 from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
 from cute_kernels.allreduce import protocol
-from cute_kernels.allreduce.tuning import ONESHOT_MAX_ROWS, oneshot_max_rows, protocol_for, protocols_up_to
+from cute_kernels.allreduce.tuning import (
+    EVERY_CALL,
+    ONESHOT_MAX_ROWS,
+    oneshot_max_rows,
+    protocol_for,
+    protocols_up_to,
+)
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config, row_split
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
@@ -90,13 +96,17 @@ def test_the_scheduler_path_reports_a_bad_index_too() -> None:
 
 def test_the_protocol_switch_is_measured_data() -> None:
     for (world, hidden), rows in ONESHOT_MAX_ROWS.items():
-        assert protocol_for(world, hidden, rows) == "oneshot"
-        assert protocol_for(world, hidden, rows + 1) == "twoshot"
-        assert protocol_for(world, hidden, 512) == "twoshot" or rows >= 512
+        assert protocol_for(world, hidden, 1) == "oneshot"
+        if rows == EVERY_CALL:
+            assert world == 2, "only W 2, where both protocols move the same bytes, takes one-shot at every call"
+            assert protocol_for(world, hidden, 1 << 20) == "oneshot"
+        else:
+            assert protocol_for(world, hidden, rows) == "oneshot"
+            assert protocol_for(world, hidden, rows + 1) == "twoshot"
+            assert protocol_for(world, hidden, 512) == "twoshot" or rows >= 512
     assert oneshot_max_rows(4, 6144) == oneshot_max_rows(4, 7168)  # the nearest measured H
     assert oneshot_max_rows(16, 7168) == 0  # an unmeasured world size takes two-shot
     assert protocol_for(16, 7168, 1) == "twoshot"
-    assert protocol_for(2, 7168, 100_000) == "oneshot"  # W 2: the same bytes either way, one hop fewer
 
 
 def test_a_warmup_compiles_the_protocols_its_rows_can_take() -> None:

@@ -8,6 +8,7 @@ error naming it, and the race test must fail with one buffer generation fewer.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import time
@@ -23,8 +24,8 @@ from bench.allreduce import forced_protocol
 from boundary import BoundaryAllReduce, empty_quantized_layer_input
 from boundary import reference as ref
 from cute_kernels.allreduce.peer import PeerReduce
-from cute_kernels.allreduce.protocol import ERROR_MISSING, SENTINEL_WORD
-from cute_kernels.allreduce.tuning import oneshot_max_rows
+from cute_kernels.allreduce.protocol import ERROR_MISSING, PROTOCOLS, SENTINEL_WORD
+from cute_kernels.allreduce.tuning import oneshot_max_rows, protocols_up_to
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
@@ -50,6 +51,14 @@ def protocol_rows(world: int, hidden: int) -> dict[str, int]:
     (where it sends none there, the largest: tests that name a protocol force it, `forcing`)."""
     limit = oneshot_max_rows(world, hidden)
     return {"oneshot": max(1, min(limit, MAX_ROWS)), "twoshot": min(limit + 1, MAX_ROWS)}
+
+
+def staged_rows(world: int, hidden: int) -> int:
+    """A row count whose call is staged at (W, H): more rows than the clusters its launch takes."""
+    config = default_config(hidden, arch_for_device(torch.device("cuda")), world, world)
+    rows = min(2 * config.max_clusters + 1, MAX_ROWS)
+    assert config.clusters(rows) < rows, "a staged call takes several rows per cluster"
+    return rows
 
 
 # Every boundary call in the block takes the protocol named, whatever the switch would pick (None: the switch's).
@@ -271,12 +280,16 @@ def test_every_mode(world: int, hidden: int, mode: str) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_row_count_up_to_512(world: int) -> None:
-    """Rows 1..512 (every count up to 40, then a stride), so both protocols and every ownership pattern run."""
+    """Rows 1..512 (every count up to 40, then a stride), the switch's choice at each, and where the switch
+    picks one protocol alone (W 2), the other one forced too: both protocols and every ownership pattern run."""
     hidden = 4096
     ranks = simulated(world, hidden)
+    protocols = [None] + [p for p in PROTOCOLS if p not in protocols_up_to(world, hidden, MAX_ROWS)]
     for rows in list(range(1, 41)) + list(range(41, 513, 23)) + [512]:
-        inputs = make_inputs(world, rows, hidden, "partial", seed=rows)
-        check(run(ranks, inputs, "partial"), inputs, "partial")
+        for protocol in protocols:
+            inputs = make_inputs(world, rows, hidden, "partial", seed=rows)
+            with forcing(protocol):
+                check(run(ranks, inputs, "partial"), inputs, "partial")
     no_errors(ranks)
 
 
@@ -322,48 +335,50 @@ def assert_y(outputs: list[RankOutputs], inputs: list[RankInputs]) -> None:
 @pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_sums_exact_in_any_order(world: int, protocol: str) -> None:
-    """Small integers: every order gives the same sum, so this checks the values alone (nccl-tests' idea)."""
+    """Small integers: every order gives the same sum, so this checks the values alone (nccl-tests' idea);
+    inline (the row count nearest the switch) and staged."""
     hidden = 5120
     ranks = simulated(world, hidden)
-    rows = protocol_rows(world, hidden)[protocol]
-    inputs = make_inputs(world, rows, hidden, "partial", seed=3)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    for inp in inputs:
-        inp.x = torch.randint(-64, 65, (rows, hidden), generator=gen, device="cuda").to(BF16)
-    _y_visible(inputs)
-    with forcing(protocol):
-        assert_y(run(ranks, inputs, "partial"), inputs)
+    for rows in sorted({protocol_rows(world, hidden)[protocol], staged_rows(world, hidden)}):
+        inputs = make_inputs(world, rows, hidden, "partial", seed=3)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for inp in inputs:
+            inp.x = torch.randint(-64, 65, (rows, hidden), generator=gen, device="cuda").to(BF16)
+        _y_visible(inputs)
+        with forcing(protocol):
+            assert_y(run(ranks, inputs, "partial"), inputs)
 
 
 @pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", (4, 8))
 def test_order_sensitive_sums(world: int, protocol: str) -> None:
     """2^24, 1, -2^24, 1, ... rotated over the columns: fp32 gives a different sum for each order, and only
-    rank order 0..W-1 matches the reference (the 1 after 2^24 is lost, the last one is not)."""
+    rank order 0..W-1 matches the reference (the 1 after 2^24 is lost, the last one is not); inline and
+    staged."""
     hidden = 4096
     ranks = simulated(world, hidden)
-    rows = protocol_rows(world, hidden)[protocol]
-    inputs = make_inputs(world, rows, hidden, "partial", seed=4)
-    pattern = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0] + [0.5] * (world - 4), device="cuda")
-    cols = torch.arange(hidden, device="cuda")
-    for r, inp in enumerate(inputs):
-        inp.x = pattern[(r + cols) % world].expand(rows, hidden).to(BF16).contiguous()
-    _y_visible(inputs)
-    y = expected_y(inputs)
-    assert bool((y.float().abs() < 2.0**23).any()), "the inputs must cancel somewhere to be order-sensitive"
-    with forcing(protocol):
-        assert_y(run(ranks, inputs, "partial"), inputs)
+    for rows in sorted({protocol_rows(world, hidden)[protocol], staged_rows(world, hidden)}):
+        inputs = make_inputs(world, rows, hidden, "partial", seed=4)
+        pattern = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0] + [0.5] * (world - 4), device="cuda")
+        cols = torch.arange(hidden, device="cuda")
+        for r, inp in enumerate(inputs):
+            inp.x = pattern[(r + cols) % world].expand(rows, hidden).to(BF16).contiguous()
+        _y_visible(inputs)
+        y = expected_y(inputs)
+        assert bool((y.float().abs() < 2.0**23).any()), "the inputs must cancel somewhere to be order-sensitive"
+        with forcing(protocol):
+            assert_y(run(ranks, inputs, "partial"), inputs)
 
 
 @pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_negative_zero_and_sentinel_valued_partials(world: int, protocol: str) -> None:
     """Partials that hold -0.0, and the sentinel's very bit pattern (a +0.0 beside a -0.0) in every word, from
-    a tensor and through the mailbox: the sums stay exact and every rank gets the same bits."""
+    a tensor and through the mailbox, inline and staged: the sums stay exact and every rank gets the same bits."""
     hidden = 4096
     ranks = simulated(world, hidden)
-    rows = max(protocol_rows(world, hidden)[protocol], 4)
-    for mode in ("partial", "mailbox"):
+    counts = sorted({max(protocol_rows(world, hidden)[protocol], 4), staged_rows(world, hidden)})
+    for rows, mode in itertools.product(counts, ("partial", "mailbox")):
         inputs = make_inputs(world, rows, hidden, mode, seed=6)
         sentinel = torch.full((rows, hidden // 2), SENTINEL_WORD - (1 << 32), dtype=torch.int32, device="cuda")
         for r, inp in enumerate(inputs):
@@ -423,15 +438,16 @@ def test_consecutive_boundaries_without_host_sync(world: int) -> None:
 def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
     world, hidden = 4, 7168
     ranks = simulated(world, hidden)
-    # 16 rows: one-shot, one row per cluster (inline); the first two-shot row count: staged.
-    for rows in (16, protocol_rows(world, hidden)["twoshot"]):
+    # One-shot inline (16 rows, one per cluster), two-shot staged (several rows per cluster).
+    for rows, protocol in ((16, "oneshot"), (staged_rows(world, hidden), "twoshot")):
         inputs = make_inputs(world, rows, hidden, "mxfp8", seed=11)
-        run(ranks, inputs, "mxfp8")  # outside the capture: allocations settle
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            outputs = run(ranks, inputs, "mxfp8")
+        with forcing(protocol):
+            run(ranks, inputs, "mxfp8")  # outside the capture: allocations settle
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                outputs = run(ranks, inputs, "mxfp8")
         replays = 0
         for seed in range(5):
             fresh = make_inputs(world, rows, hidden, "mxfp8", seed=200 + seed)
@@ -457,9 +473,7 @@ def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
 def test_a_rank_delayed_on_the_device_before_its_push(world: int, protocol: str) -> None:
     hidden = 4096
     ranks = simulated(world, hidden)
-    plan = [
-        (rows, late) for rows in (8, protocol_rows(world, hidden)[protocol]) for late in range(world)
-    ]  # inline, staged
+    plan = [(rows, late) for rows in (8, staged_rows(world, hidden)) for late in range(world)]  # inline, staged
     for rows, late in plan:
         inputs = make_inputs(world, rows, hidden, "partial", seed=late)
 
@@ -512,8 +526,9 @@ def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable() -> No
 
 
 class _Stalled(PeerReduce):
-    """Rank 0 stalls ~60 us before each wait and before each re-arm, so rank 1 runs one call ahead of it and
-    pushes into slots rank 0 has not re-armed yet."""
+    """Rank 0 stalls ~60 us before each round of slot loads (those issued ahead of a wait, with a staged row's
+    other loads or a window of owned rows, too), before each wait and before each re-arm, so rank 1 runs one
+    call ahead of it and pushes into slots rank 0 has not read or re-armed yet."""
 
     @cute.jit
     def stall(self, ctx):
@@ -521,6 +536,11 @@ class _Stalled(PeerReduce):
             until = cute.arch.globaltimer() + 60_000
             while cute.arch.globaltimer() < until:
                 pass
+
+    @cute.jit
+    def issue(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list):
+        self.stall(ctx)
+        PeerReduce.issue(self, ctx, rIn, row, sources)
 
     @cute.jit
     def wait(self, ctx, rIn: cute.Tensor, row: cutlass.Int32, sources: list, deadline: cutlass.Int64, pending=None):

@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
     try:
         import torch.distributed as dist
 
+        from bench.allreduce import warmup_every_protocol
         from boundary import BoundaryAllReduce
         from tests import test_allreduce_gpu as sim
 
@@ -44,7 +45,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
         hidden = 4096
         ar = BoundaryAllReduce(hidden, group=dist.group.WORLD, max_rows=512, device="cuda", timeout_us=3_000_000)
         assert ar.path == "peer", f"expected the peer path, got {ar.path}"
-        ar.warmup(progress=False)
+        warmup_every_protocol(ar)  # the plan forces each protocol, whatever the switch picks
         if scenario == "modes":
             # The switch's choice at every row count, and each protocol forced at a few (which side of the switch
             # a row count falls on depends on W and H: tuning.py).

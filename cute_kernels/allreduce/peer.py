@@ -128,7 +128,6 @@ class PeerReduce:
         words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
-        taken = None
         if const_expr(self.staged):
             taken = later()  # the exchange went out before the row loop: nothing to wait for here
             self.staged_row(ctx, words, row, rIn, rY, rSlot)
@@ -136,7 +135,6 @@ class PeerReduce:
             taken = self.oneshot(ctx, words, row, rIn, rY, later)
         else:
             self.twoshot(ctx, words, row, rIn, rY)
-        if const_expr(taken is None):
             taken = later()
         out = cute.make_rmem_tensor(y.layout, Float32)
         for v in cutlass.range_constexpr(vpt):
