@@ -121,9 +121,9 @@ class PeerReduce:
     def reduce(self, ctx, y: cute.Tensor, row: Int32, rSlot: cute.Tensor | None, later: Callable[[], Any]) -> tuple:
         """(y of `row`, fp32 holding bf16 values, (vpt, 8), from this rank's partial `y` and every peer's; what
         `later` returns). `later` is the row's other work that waits on a load (its coefficient shuffles), done
-        where no push waits for it: after an inline one-shot row's pushes, after an inline two-shot row's exchange,
-        before a staged row's (whose pushes went out before the row loop). `rSlot`:
-        the row's slot words as loaded with the row (staged: row_slot_shape)."""
+        where no push waits for it: after an inline one-shot row's pushes, after an inline two-shot row's
+        exchange, before a staged row's (whose pushes went out before the row loop). `rSlot`: the row's slot
+        words as loaded with the row (staged: row_slot_shape)."""
         vpt = const_expr(self.vpt)
         words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
