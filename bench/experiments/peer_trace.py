@@ -139,8 +139,8 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
 
     class TracedKernel(FusedBoundaryKernel):
         @cute.jit
-        def process_row(self, ctx, regs, row: Int32, stage: int, phase: Int32, clusters: Int32):
-            FusedBoundaryKernel.process_row(self, ctx, regs, row, stage, phase, clusters)
+        def process_row(self, ctx, regs, row: Int32, stage: int, phase: Int32):
+            FusedBoundaryKernel.process_row(self, ctx, regs, row, stage, phase)
             stamps.stamp(rank_of(ctx), 6)
 
     config = default_config(hidden, arch, world, world)

@@ -256,15 +256,15 @@ class FusedBoundaryKernel:
         # across the loop.
         row, phase = first_row, Int32(0)
         while row < rows:
-            self.process_row(ctx, regs, ptx.opaque_i32(row), 0, phase, clusters)
+            self.process_row(ctx, regs, ptx.opaque_i32(row), 0, phase)
             if row + clusters < rows:
-                self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase, clusters)
+                self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase)
             row, phase = row + 2 * clusters, phase ^ 1
 
     @cute.jit
-    def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32, clusters: Int32):
+    def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32):
         """A loaded row: y, the new streams (and aux), then its norm; the next row's loads go out in between."""
-        ahead = row + clusters
+        ahead = row + ctx.clusters
         if const_expr(self.allreduce is None):
             post, comb, pre = self.loads.coefs(regs.coef)
             y = self.loads.partial(ctx, regs, row)
