@@ -219,6 +219,8 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
     periods = ordered[:, 1:] - ordered[:, :-1]
     steps["call period"] = float(periods.median())
     steps["mean period"] = float(periods.mean())
+    steps["p90 period"] = float(periods.quantile(0.9))
+    steps["max period"] = float(periods.max())
     steps["rank spread"] = float((ordered.max(dim=0).values - ordered.min(dim=0).values).median())
     steps["CTA spread"] = float((t[..., first].max(dim=2).values - release).median())
     if protocol == "oneshot":
