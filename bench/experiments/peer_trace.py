@@ -195,8 +195,9 @@ def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts:
 
 def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str, float]:
     """Per step, the median over (rank, call, CTA) in ns (clock64 deltas scaled by the run's ns per cycle); the
-    call period and the spread of the ranks' releases (globaltimer); one-shot, the wait's exit after the last
-    peer's push of the same CTA. `protocol` None: one rank alone (its own events only)."""
+    call period, the spread of the ranks' releases and the row's end after its last CTA's last input (median and
+    90th percentile; globaltimer); one-shot, the wait's exit after the last peer's push of the same CTA.
+    `protocol` None: one rank alone (its own events only)."""
     events = ONE_RANK_EVENTS if protocol is None else EVENTS
     at = [EVENTS.index(e) for e in events]
     t = stamps[:, :, :ctas, :, 0].double()  # [W, RING, CTAs, events] ns
@@ -222,6 +223,11 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
     steps["p90 period"] = float(periods.quantile(0.9))
     steps["max period"] = float(periods.max())
     steps["rank spread"] = float((ordered.max(dim=0).values - ordered.min(dim=0).values).median())
+    # The epilogue after the row's last input (W > 1: the last CTA's wait exit; one rank: its last load), per call.
+    last_in = EVENTS.index("loaded" if protocol is None else "arrived")
+    tail = t[..., EVENTS.index("row done")].max(dim=2).values - t[..., last_in].max(dim=2).values
+    steps["last in->done"] = float(tail.median())
+    steps["p90 last in->done"] = float(tail.quantile(0.9))
     steps["CTA spread"] = float((t[..., first].max(dim=2).values - release).median())
     if protocol == "oneshot":
         world = t.shape[0]
