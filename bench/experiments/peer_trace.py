@@ -5,8 +5,9 @@
 (W = 1: the one-rank kernel; W > 1: the peer kernel) with traced roles: thread 0 of every CTA stamps its
 release (right after griddepcontrol.wait), W > 1: the call's generation known (the counter read back), the
 row's partial loaded (timed after a store that needs the loaded value), W > 1: the end of its pushes (a
-wait's entry), the arrival of the last word it waits for (the wait's exit), the end of the re-arm, and the
-end of each row (a staged call keeps its last row's). Every rank runs `--calls` boundaries back to back on its
+wait's entry), the arrival of the last word it waits for (the wait's exit), the end of the re-arm; then the
+row's new streams computed (their stores issued), the cluster's sum of squares in, and the end of each row
+(a staged call keeps its last row's). Every rank runs `--calls` boundaries back to back on its
 own stream inside one CUDA graph, as the bench does; the stamps of the last RING calls are kept. The table
 gives, per (W, H, rows, protocol), the median step times (clock64, scaled to ns by the run's own
 globaltimer), the call period, the spread of the ranks' releases of a call, and, one-shot, how long after the
@@ -28,11 +29,12 @@ from cute_kernels.allreduce.peer import PeerReduce
 from cute_kernels.allreduce.protocol import CALL_SHIFT, STATE_RANK
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
+from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.boundary.loads import RowLoads
 
-EVENTS = ("released", "gen", "loaded", "pushed", "arrived", "rearmed", "row done")
-ONE_RANK_EVENTS = ("released", "loaded", "row done")  # what a W = 1 kernel stamps
+EVENTS = ("released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done")
+ONE_RANK_EVENTS = ("released", "loaded", "computed", "summed", "row done")  # what a W = 1 kernel stamps
 MAX_CTAS = 4096
 RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
 
@@ -47,6 +49,7 @@ class Stamps:
         self.call = None  # this call's ring slot, known to thread 0 (every later stamp uses it)
         self.released = None  # the times taken right after griddepcontrol.wait, written once the slot is known
         self.begun = False  # trace time: whether the kernel's first row load has been traced
+        self.rank = None  # trace time: the rank of the row being finished (row_sum takes no ctx)
 
     @cute.jit
     def cta(self) -> Int64:
@@ -65,10 +68,11 @@ class Stamps:
         self.call = slot & (RING - 1)
 
     @cute.jit
-    def stamp(self, rank: Int32, event: int, taken: tuple | None = None):
-        """Stamp `event` now, or with the (globaltimer, clock64) pair `taken` earlier."""
+    def stamp(self, rank: Int32, name: str, taken: tuple | None = None):
+        """Stamp event `name` now, or with the (globaltimer, clock64) pair `taken` earlier."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
+            event = EVENTS.index(name)
             cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + event
             t, c = (ptx.globaltimer(), ptx.clock64()) if taken is None else taken
             addr = Int64(self.base) + cell * 16
@@ -76,15 +80,15 @@ class Stamps:
             ptx.st_global_v2_b32(addr + 8, Uint32(c & 0xFFFFFFFF), Uint32(c >> 32))
 
     @cute.jit
-    def stamp_after(self, rank: Int32, event: int, value: Float32):
+    def stamp_after(self, rank: Int32, name: str, value: Float32):
         """Stamp `event` once `value` (a loaded row's first element) is in: a store of its bits goes first (into the
         event's own cell, overwritten by the stamp), and the timer reads are not moved above a store."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + event
+            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + EVENTS.index(name)
             bits = ptx.f32_bits(value)
             ptx.st_global_v2_b32(Int64(self.base) + cell * 16, bits, bits)
-        self.stamp(rank, event)
+        self.stamp(rank, name)
 
 
 def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int, calls: int):
@@ -108,8 +112,8 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         def partial(self, ctx, regs, row: Int32) -> cute.Tensor:
             y = RowLoads.partial(self, ctx, regs, row)
             if const_expr(world == 1):
-                stamps.stamp(Int32(0), 0, stamps.released)
-            stamps.stamp_after(rank_of(ctx), 2, y[0, 0])
+                stamps.stamp(Int32(0), "released", stamps.released)
+            stamps.stamp_after(rank_of(ctx), "loaded", y[0, 0])
             return y
 
     class TracedPeer(PeerReduce):
@@ -122,30 +126,46 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
             gen = PeerReduce.call_generation(self, mState, calls)
             stamps.call = (calls >> CALL_SHIFT) & (RING - 1)  # lane 0's read: thread 0 is the one that stamps
-            stamps.stamp(mState[STATE_RANK], 0, stamps.released)
-            stamps.stamp(mState[STATE_RANK], 1)
+            stamps.stamp(mState[STATE_RANK], "released", stamps.released)
+            stamps.stamp(mState[STATE_RANK], "gen")
             return gen
 
         @cute.jit
         def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64, pending=None):
-            stamps.stamp(ctx.rank, 3)
+            stamps.stamp(ctx.rank, "pushed")
             PeerReduce.wait(self, ctx, rIn, row, sources, deadline, pending)
-            stamps.stamp(ctx.rank, 4)
+            stamps.stamp(ctx.rank, "arrived")
 
         @cute.jit
         def rearm(self, ctx, row: Int32, sources: list):
             PeerReduce.rearm(self, ctx, row, sources)
-            stamps.stamp(ctx.rank, 5)
+            stamps.stamp(ctx.rank, "rearmed")
 
     class TracedKernel(FusedBoundaryKernel):
         @cute.jit
         def process_row(self, ctx, regs, row: Int32, stage: int, phase: Int32):
             FusedBoundaryKernel.process_row(self, ctx, regs, row, stage, phase)
-            stamps.stamp(rank_of(ctx), 6)
+            stamps.stamp(rank_of(ctx), "row done")
+
+    class TracedEpilogue(Epilogue):
+        @cute.jit
+        def compute_row(self, ctx, rR, y, post, comb, pre, row: Int32):
+            rC, sumsq = Epilogue.compute_row(self, ctx, rR, y, post, comb, pre, row)
+            stamps.stamp(rank_of(ctx), "computed")  # the new streams' stores issued
+            stamps.rank = rank_of(ctx)  # for the stamp in row_sum, which takes no ctx
+            return rC, sumsq
+
+        @cute.jit
+        def row_sum(self, val, sRed, mbar, cta, stage: int, phase, *more):
+            total = Epilogue.row_sum(self, val, sRed, mbar, cta, stage, phase, *more)
+            stamps.stamp(stamps.rank, "summed")  # the cluster's sum of squares in (and fenced)
+            return total
 
     config = default_config(hidden, arch, world, world)
     kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
     kernel.loads = TracedLoads(hidden, kernel.vpt, y_source="x", shared=False, pre=True)
+    kernel.epilogue = TracedEpilogue(hidden, config.cluster_n, config.threads, kernel.vpt, pre=True, mxfp8=False,
+                                     aux=False)  # fmt: skip
     if world > 1:
         kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     variant = api.BoundaryVariant("x", False, True, False, False)
