@@ -68,26 +68,29 @@ class Stamps:
         self.call = slot & (RING - 1)
 
     @cute.jit
+    def address(self, rank: Int32, name: str) -> Int64:
+        """The 16-byte cell of event `name` of this call, rank and CTA."""
+        cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + EVENTS.index(name)
+        return Int64(self.base) + cell * 16
+
+    @cute.jit
     def stamp(self, rank: Int32, name: str, taken: tuple | None = None):
         """Stamp event `name` now, or with the (globaltimer, clock64) pair `taken` earlier."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            event = EVENTS.index(name)
-            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + event
             t, c = (ptx.globaltimer(), ptx.clock64()) if taken is None else taken
-            addr = Int64(self.base) + cell * 16
+            addr = self.address(rank, name)
             ptx.st_global_v2_b32(addr, Uint32(t & 0xFFFFFFFF), Uint32(t >> 32))
             ptx.st_global_v2_b32(addr + 8, Uint32(c & 0xFFFFFFFF), Uint32(c >> 32))
 
     @cute.jit
     def stamp_after(self, rank: Int32, name: str, value: Float32):
-        """Stamp `event` once `value` (a loaded row's first element) is in: a store of its bits goes first (into the
-        event's own cell, overwritten by the stamp), and the timer reads are not moved above a store."""
+        """Stamp event `name` once `value` (a loaded row's first element) is in: a store of its bits goes first (into
+        the event's own cell, overwritten by the stamp), and the timer reads are not moved above a store."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            cell = ((Int64(rank) * RING + Int64(self.call)) * MAX_CTAS + self.cta()) * len(EVENTS) + EVENTS.index(name)
             bits = ptx.f32_bits(value)
-            ptx.st_global_v2_b32(Int64(self.base) + cell * 16, bits, bits)
+            ptx.st_global_v2_b32(self.address(rank, name), bits, bits)
         self.stamp(rank, name)
 
 
