@@ -185,3 +185,32 @@ def test_the_peer_trace_experiment_compiles() -> None:
         for staged in (False, True):
             fn, config = traced_kernel(4096, 2, name, staged, "sm_90a", base=1 << 40, calls=1 << 41)
             assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)
+
+
+def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
+    """peer_trace's summary: the row's end after its last CTA's last input (median and 90th percentile per call) and
+    the call period, from globaltimer stamps; synthetic stamps with one slow epilogue in five calls."""
+    from bench.experiments.peer_trace import EVENTS, RING, summarize
+
+    world, ctas = 2, 2
+    stamps = torch.zeros(world, RING, ctas, len(EVENTS), 2, dtype=torch.int64)
+    at = {name: i for i, name in enumerate(EVENTS)}
+    for r in range(world):
+        for k in range(RING):
+            start = 3000 * k + 100 * r  # a call every 3 us; rank 1 released 0.1 us after rank 0
+            tail = 1500 if k % 5 == 3 else 800  # one call in five has a slow epilogue
+            for c in range(ctas):
+                arrived = start + 1000 + 200 * c  # the cluster's last CTA is in 0.2 us after its first
+                times = {"released": start, "gen": start + 100, "loaded": start + 200, "pushed": start + 300,
+                         "arrived": arrived, "rearmed": arrived + 50, "computed": arrived + 300,
+                         "summed": start + 1200 + tail - 100, "row done": start + 1200 + tail}  # fmt: skip
+                for name, ns in times.items():
+                    stamps[r, k, c, at[name], 0] = ns
+                    stamps[r, k, c, at[name], 1] = ns  # one cycle per ns
+    steps = summarize(stamps, ctas, "oneshot")
+    assert steps["call period"] == pytest.approx(3.0)
+    assert steps["rank spread"] == pytest.approx(0.1)
+    assert steps["last in->done"] == pytest.approx(0.8)  # after the last CTA's arrival, not the first's
+    assert steps["p90 last in->done"] == pytest.approx(1.5)
+    assert steps["max period"] == pytest.approx(3.0)  # a slow epilogue here delays no release
+    assert steps["summed->row done"] == pytest.approx(0.1)
