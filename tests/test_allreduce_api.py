@@ -188,8 +188,9 @@ def test_the_peer_trace_experiment_compiles() -> None:
 
 
 def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
-    """peer_trace's summary: the row's end after its last CTA's last input (median and 90th percentile per call) and
-    the call period, from globaltimer stamps; synthetic stamps with one slow epilogue in five calls."""
+    """peer_trace's summary: the row's end after its last CTA's last input (thread 0's, and every warp's: median and
+    90th percentile per call) and the call period, from globaltimer stamps; synthetic stamps with one slow epilogue in
+    five calls."""
     from bench.experiments.peer_trace import EVENTS, RING, summarize
 
     world, ctas = 2, 2
@@ -203,7 +204,8 @@ def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
                 arrived = start + 1000 + 200 * c  # the cluster's last CTA is in 0.2 us after its first
                 times = {"released": start, "gen": start + 100, "loaded": start + 200, "pushed": start + 300,
                          "arrived": arrived, "rearmed": arrived + 50, "computed": arrived + 300,
-                         "summed": start + 1200 + tail - 100, "row done": start + 1200 + tail}  # fmt: skip
+                         "summed": start + 1200 + tail - 100, "row done": start + 1200 + tail,
+                         "all arrived": arrived + 250}  # another warp of the CTA is in 0.25 us later  # fmt: skip
                 for name, ns in times.items():
                     stamps[r, k, c, at[name], 0] = ns
                     stamps[r, k, c, at[name], 1] = ns  # one cycle per ns
@@ -214,3 +216,6 @@ def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
     assert steps["p90 last in->done"] == pytest.approx(1.5)
     assert steps["max period"] == pytest.approx(3.0)  # a slow epilogue here delays no release
     assert steps["summed->row done"] == pytest.approx(0.1)
+    assert steps["warp skew at arrival"] == pytest.approx(0.25)
+    assert steps["all in->done"] == pytest.approx(0.8 - 0.25)  # after the last warp of the last CTA
+    assert steps["p90 all in->done"] == pytest.approx(1.5 - 0.25)

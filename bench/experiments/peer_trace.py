@@ -5,9 +5,9 @@
 (W = 1: the one-rank kernel; W > 1: the peer kernel) with traced roles: thread 0 of every CTA stamps its
 release (right after griddepcontrol.wait), W > 1: the call's generation known (the counter read back), the
 row's partial loaded (timed after a store that needs the loaded value), W > 1: the end of its pushes (a
-wait's entry), the arrival of the last word it waits for (the wait's exit), the end of the re-arm; then the
-row's new streams computed (their stores issued), the cluster's sum of squares in, and the end of each row
-(a staged call keeps its last row's). Every rank runs `--calls` boundaries back to back on its
+wait's entry), the arrival of the last word it waits for (the wait's exit; and, by every warp, the latest
+exit), the end of the re-arm; then the row's new streams computed (their stores issued), the cluster's sum
+of squares in, and the end of each row (a staged call keeps its last row's). Every rank runs `--calls` boundaries back to back on its
 own stream inside one CUDA graph, as the bench does; the stamps of the last RING calls are kept. The table
 gives, per (W, H, rows, protocol), the median step times (clock64, scaled to ns by the run's own
 globaltimer), the call period, the spread of the ranks' releases of a call, and, one-shot, how long after the
@@ -33,7 +33,8 @@ from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.boundary.loads import RowLoads
 
-EVENTS = ("released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done")
+EVENTS = ("released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done", "all arrived")
+CHAIN = EVENTS[:-1]  # thread 0's events, in order; "all arrived": the last warp's wait exit (W > 1)
 ONE_RANK_EVENTS = ("released", "loaded", "computed", "summed", "row done")  # what a W = 1 kernel stamps
 MAX_CTAS = 4096
 RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
@@ -82,6 +83,16 @@ class Stamps:
             addr = self.address(rank, name)
             ptx.st_global_v2_b32(addr, Uint32(t & 0xFFFFFFFF), Uint32(t >> 32))
             ptx.st_global_v2_b32(addr + 8, Uint32(c & 0xFFFFFFFF), Uint32(c >> 32))
+
+    @cute.jit
+    def stamp_latest(self, rank: Int32, name: str):
+        """Lane 0 of every warp stamps event `name` now; the cell keeps the latest (an atomic max of each half).
+        Needs the call's ring slot on every warp's lane 0 (W > 1: each reads the call counter)."""
+        if cute.arch.lane_idx() == 0:
+            addr = self.address(rank, name)
+            t, c = ptx.globaltimer(), ptx.clock64()
+            cute.arch.atomic_max(cute.make_ptr(Int64, addr, cute.AddressSpace.gmem), t, sem="relaxed", scope="gpu")
+            cute.arch.atomic_max(cute.make_ptr(Int64, addr + 8, cute.AddressSpace.gmem), c, sem="relaxed", scope="gpu")
 
     @cute.jit
     def stamp_after(self, rank: Int32, name: str, value: Float32):
@@ -138,6 +149,7 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             stamps.stamp(ctx.rank, "pushed")
             PeerReduce.wait(self, ctx, rIn, row, sources, deadline, pending)
             stamps.stamp(ctx.rank, "arrived")
+            stamps.stamp_latest(ctx.rank, "all arrived")
 
         @cute.jit
         def rearm(self, ctx, row: Int32, sources: list):
@@ -221,7 +233,7 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
     call period, the spread of the ranks' releases and the row's end after its last CTA's last input (median and
     90th percentile; globaltimer); one-shot, the wait's exit after the last peer's push of the same CTA.
     `protocol` None: one rank alone (its own events only)."""
-    events = ONE_RANK_EVENTS if protocol is None else EVENTS
+    events = ONE_RANK_EVENTS if protocol is None else CHAIN
     at = [EVENTS.index(e) for e in events]
     t = stamps[:, :, :ctas, :, 0].double()  # [W, RING, CTAs, events] ns
     c = stamps[:, :, :ctas, :, 1].double()  # cycles
@@ -251,6 +263,16 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
     tail = t[..., EVENTS.index("row done")].max(dim=2).values - t[..., last_in].max(dim=2).values
     steps["last in->done"] = float(tail.median())
     steps["p90 last in->done"] = float(tail.quantile(0.9))
+    if protocol is not None:
+        # Thread 0 stamps "arrived": a CTA's other warps may still wait for their own words then.
+        every, arrived = EVENTS.index("all arrived"), EVENTS.index("arrived")
+        both = (c[..., every] > 0) & (c[..., arrived] > 0)
+        skew = (c[..., every] - c[..., arrived])[both] * ns_per_cycle
+        steps["warp skew at arrival"] = float(skew.median())
+        steps["p90 warp skew at arrival"] = float(skew.quantile(0.9))
+        tail = t[..., EVENTS.index("row done")].max(dim=2).values - t[..., every].max(dim=2).values
+        steps["all in->done"] = float(tail.median())
+        steps["p90 all in->done"] = float(tail.quantile(0.9))
     steps["CTA spread"] = float((t[..., first].max(dim=2).values - release).median())
     if protocol == "oneshot":
         world = t.shape[0]
