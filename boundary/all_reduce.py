@@ -13,7 +13,13 @@ from torch import Tensor
 from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
 from boundary.workspace import Workspace, peers_can_map
-from cute_kernels.allreduce.protocol import ERROR_MISSING, ERROR_MOE_INDEX, ERROR_MOE_ROW, MAX_WORLD
+from cute_kernels.allreduce.protocol import (
+    ERROR_MISSING,
+    ERROR_MOE_INDEX,
+    ERROR_MOE_ROW,
+    MAX_WORLD,
+    PEER_WORLD_SIZES,
+)
 from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.boundary.config import default_config
@@ -30,6 +36,14 @@ DEFAULT_TIMEOUT_US = 10_000_000
 MAX_TIMEOUT_US = 2**31 - 1
 
 
+def multi_rank_path(world_size: int, peers_map: bool, why: str) -> tuple[str, str]:
+    """The path of a W > 1 rank on a supported GPU, and why it is not "peer": "peer" where every rank maps every
+    other's memory (`peers_can_map`) and the peer protocol serves W, else "nccl+kernel"."""
+    if world_size not in PEER_WORLD_SIZES:
+        return "nccl+kernel", f"the peer protocol is built for {PEER_WORLD_SIZES} ranks, not {world_size}"
+    return ("peer", "") if peers_map else ("nccl+kernel", f"peers cannot map each other: {why}")
+
+
 class BoundaryAllReduce:
     """The fused boundary of one TP rank: all-reduce, mHC post, delayed collapse, RMSNorm, MXFP8.
 
@@ -37,8 +51,8 @@ class BoundaryAllReduce:
     - "kernel" (W = 1 on sm_90a / sm_100a): the fused CuTe DSL kernel, one launch per boundary.
     - "peer" (W > 1, every rank can map every other's memory): the same kernel with the all-reduce
       inside, through symmetric receive slots (one-shot or two-shot by payload), one launch.
-    - "nccl+kernel" (W > 1 otherwise: other hosts, no peer access): an fp32 NCCL all-reduce of the
-      partial, then the one-rank kernel (y within 1 bf16 ulp of the rank-order sum).
+    - "nccl+kernel" (W > 1 otherwise: other hosts, no peer access, a world size other than 2, 4, 8): an fp32
+      NCCL all-reduce of the partial, then the one-rank kernel (y within 1 bf16 ulp of the rank-order sum).
     - "reference": the partials all-gathered through torch.distributed and summed in rank order, then
       the torch epilogue (the CPU path and the oracle).
     `backend="auto"` takes the kernels on a supported GPU and the reference on the CPU; on any other GPU
@@ -69,14 +83,12 @@ class BoundaryAllReduce:
             self.path = "kernel"
             self.workspace = Workspace(hidden_size, max_rows, self.device)
         else:
-            mappable, why = peers_can_map(group, self.device)
-            if mappable:
-                self.path = "peer"
+            self.path, why = multi_rank_path(self.world_size, *peers_can_map(group, self.device))
+            if self.path == "peer":
                 config = default_config(hidden_size, self.arch, 1, self.world_size)
                 launch = (config.cluster_n, config.threads, config.max_clusters)
                 self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us, launch)
             else:
-                self.path = "nccl+kernel"
                 self.workspace = Workspace(hidden_size, max_rows, self.device)
         self._log_path(why)
 
@@ -124,11 +136,13 @@ class BoundaryAllReduce:
             "kernel": f"the fused CuTe DSL kernel ({self.arch}), one launch per boundary",
             "peer": f"the fused kernel with the peer all-reduce inside ({self.arch}), one launch per boundary"
             + (", simulated ranks sharing one GPU" if self.simulated_ranks else ""),
-            "nccl+kernel": f"an NCCL all-reduce, then the fused kernel ({self.arch}); peers cannot map each other: {why}",
+            "nccl+kernel": f"an NCCL all-reduce, then the fused kernel ({self.arch}): {why}",
             "reference": "all-gather through torch.distributed, rank-order sum, torch epilogue",
         }[self.path]
-        log.info("BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
-                 self.rank, self.world_size, self.device, self.hidden_size, self.path, how)  # fmt: skip
+        # The NCCL path is the fused one's fallback: said where a default logging setup shows it.
+        level = logging.WARNING if self.path == "nccl+kernel" else logging.INFO
+        log.log(level, "BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
+                self.rank, self.world_size, self.device, self.hidden_size, self.path, how)  # fmt: skip
 
     @classmethod
     def simulated(
@@ -139,8 +153,9 @@ class BoundaryAllReduce:
         stream per rank, the "peer" path. Their timings are "simulated": the ranks share one GPU's SMs and
         HBM, never NVLink. Issue every rank's call before waiting for any: `run_simulated`."""
         checks.positive_int("world_size", world_size)
-        if world_size < 2:
-            raise ValueError(f"simulated ranks need world_size >= 2, got {world_size}")
+        if world_size not in PEER_WORLD_SIZES:
+            raise ValueError(f"simulated ranks run the peer protocol: world_size must be one of {PEER_WORLD_SIZES}, "
+                             f"got {world_size}")  # fmt: skip
         ranks = []
         for rank in range(world_size):
             ar = cls.__new__(cls)

@@ -30,6 +30,7 @@ from cute_kernels.allreduce.protocol import (
 from cute_kernels.hardware import SM_COUNT_ENV
 
 log = logging.getLogger("boundary")
+MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 
 @dataclass
@@ -95,8 +96,7 @@ class Workspace:
         cluster count decides the two-shot owners)."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        # The slots are written with plain peer stores: no multicast object may be made for them.
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        unicast_only()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         shapes: list[Any] = [None] * world
         dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us, tuple(launch)), group=group)
@@ -115,6 +115,15 @@ class Workspace:
         torch.cuda.synchronize(device)
         dist.barrier(group)  # no peer pushes before every rank has armed its slots
         return ws
+
+
+def unicast_only() -> None:
+    """Keep torch's symmetric memory from making multicast objects (the slots take plain peer stores, and
+    NVLink multicast stays off): set $TORCH_SYMM_MEM_DISABLE_MULTICAST=1, or raise where it is set otherwise."""
+    value = os.environ.setdefault(MULTICAST_ENV, "1")
+    if value != "1":
+        raise ValueError(f"the peer workspace is unicast only, but ${MULTICAST_ENV}={value!r} would let torch make "
+                         f"NVLink multicast objects for it: unset it or set it to 1")  # fmt: skip
 
 
 def peers_can_map(group: Any, device: torch.device) -> tuple[bool, str]:

@@ -4,12 +4,16 @@ the protocol switch and the slot layout (the peer kernels themselves: tests/test
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import pytest
 import torch
 
 from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
+from boundary.all_reduce import multi_rank_path
+from boundary.workspace import MULTICAST_ENV, unicast_only
 from cute_kernels.allreduce import protocol
 from cute_kernels.allreduce.tuning import (
     EVERY_CALL,
@@ -33,12 +37,51 @@ def test_construction_errors_name_the_argument() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             BoundaryAllReduce.simulated(512, 2, device="cpu")
-    with pytest.raises(ValueError, match="world_size >= 2"):
-        BoundaryAllReduce.simulated(512, 1, device="cpu")
+    for world in (1, 3, 16):
+        with pytest.raises(ValueError, match=r"world_size must be one of \(2, 4, 8\), got"):
+            BoundaryAllReduce.simulated(512, world, device="cpu")
     one = BoundaryAllReduce(512, device="cpu")
     assert one.path == "reference" and one.world_size == 1
     with pytest.raises(ValueError, match="run_simulated takes the ranks of BoundaryAllReduce.simulated"):
         BoundaryAllReduce.run_simulated([one], [lambda ar: None])
+
+
+def test_the_peer_path_serves_the_measured_world_sizes_and_says_why_not() -> None:
+    """A TP group of 2, 4 or 8 ranks whose peers map each other's memory takes the peer path; one that cannot, or
+    of another size, takes NCCL + the kernel, with the reason (the fused path's fallback is a warning)."""
+    assert multi_rank_path(4, True, "") == ("peer", "")
+    path, why = multi_rank_path(2, False, "the TP group spans 2 hosts")
+    assert path == "nccl+kernel" and why == "peers cannot map each other: the TP group spans 2 hosts"
+    for world in (3, 6, 16):
+        path, why = multi_rank_path(world, True, "")
+        assert path == "nccl+kernel" and why == f"the peer protocol is built for (2, 4, 8) ranks, not {world}"
+
+
+def test_the_nccl_fallback_is_logged_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    ar = BoundaryAllReduce(512, device="cpu")
+    with caplog.at_level(logging.INFO, logger="boundary"):
+        ar._log_path("")
+        ar.path, ar.arch = "nccl+kernel", "sm_90a"
+        ar._log_path("peers cannot map each other: no CUDA peer access to ['0000:1a:00.0']")
+    (reference, fallback) = caplog.records
+    assert reference.levelno == logging.INFO and "reference path" in reference.getMessage()
+    assert fallback.levelno == logging.WARNING
+    assert (
+        "nccl+kernel path: an NCCL all-reduce, then the fused kernel (sm_90a): peers cannot map"
+        in fallback.getMessage()
+    )
+
+
+def test_the_peer_workspace_keeps_multicast_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's symmetric memory must make no multicast object for the slots: the variable is set where unset, and a
+    setting that would allow multicast is refused, naming it."""
+    monkeypatch.delenv(MULTICAST_ENV, raising=False)
+    unicast_only()
+    assert os.environ[MULTICAST_ENV] == "1"
+    unicast_only()  # already 1
+    monkeypatch.setenv(MULTICAST_ENV, "0")
+    with pytest.raises(ValueError, match=r"unicast only, but \$TORCH_SYMM_MEM_DISABLE_MULTICAST='0'"):
+        unicast_only()
 
 
 def _moe_inputs(rows: int = 5, hidden: int = 256, experts: int = 9, top_k: int = 3):

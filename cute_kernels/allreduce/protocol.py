@@ -12,6 +12,9 @@ SENTINEL_WORD = 0x80000000  # a bf16 pair (+0.0 low, -0.0 high); payload words e
 SENTINEL_INT32 = -(1 << 31)  # the same bits as a signed int32 (torch fill value)
 GENERATIONS = 2  # call k uses generation k % 2 (why two suffice: CONTRACT §7)
 MAX_WORLD = 32  # the error word's mask of missing ranks has 32 bits
+# The world sizes the peer protocol is built, tested and measured for (the TP sizes of the models served,
+# SPEC shapes); a TP group of another size takes "nccl+kernel".
+PEER_WORLD_SIZES = (2, 4, 8)
 PROTOCOLS = ("oneshot", "twoshot")
 # The per-rank device state (int32): the call counter, this rank, the bounded wait in microseconds. Every
 # call adds exactly CALL_UNIT to the counter, in shares, one per warp, each added right after that warp
