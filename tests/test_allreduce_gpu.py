@@ -504,24 +504,66 @@ def test_random_host_sleeps_between_the_ranks_calls() -> None:
     no_errors(ranks)
 
 
-def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable() -> None:
-    world, hidden = 2, 4096
-    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=64, device="cuda", timeout_us=20_000)
-    inputs = make_inputs(world, 8, hidden, "partial", seed=9)
-    start = time.perf_counter()
-    with torch.cuda.stream(ranks[0].stream):
-        call(ranks[0], inputs[0], "partial")  # rank 1 never calls
-    torch.cuda.synchronize()
-    assert time.perf_counter() - start < 5.0, "the wait is bounded by the timeout"
-    with pytest.raises(RuntimeError, match=r"rank 0: the boundary gave up waiting for rank\(s\) \[1\]"):
-        ranks[0].check()
-    with pytest.raises(RuntimeError, match="reset"):
-        ranks[0].check()  # stays reported until the reset
-    for ar in ranks:
-        ar.reset()
-    for seed in range(3):
-        inputs = make_inputs(world, 8, hidden, "partial", seed=seed)
-        check(run(ranks, inputs, "partial"), inputs, "partial")
+@pytest.mark.parametrize(
+    ("world", "protocol", "staged"),
+    [(2, "oneshot", False), (4, "oneshot", False), (4, "twoshot", False), (4, "oneshot", True), (4, "twoshot", True),
+     (8, "twoshot", False)],
+)  # fmt: skip
+def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable(
+    world: int, protocol: str, staged: bool
+) -> None:
+    """Only rank 0 calls: every wait gives up by its deadline (two-shot: the wait for y too, half a timeout later),
+    check() names every rank it waited for, and after a reset the ranks run on, exact."""
+    hidden = 4096
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=MAX_ROWS, device="cuda", timeout_us=20_000)
+    rows = staged_rows(world, hidden) if staged else 8
+    with forcing(protocol):
+        inputs = make_inputs(world, rows, hidden, "partial", seed=9)
+        check(run(ranks, inputs, "partial"), inputs, "partial")  # every rank once: the kernel is loaded
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.cuda.stream(ranks[0].stream):
+            call(ranks[0], inputs[0], "partial")  # the other ranks never call
+        torch.cuda.synchronize()
+        assert time.perf_counter() - start < 5.0, "the waits are bounded by the timeout"
+        missing = ", ".join(str(r) for r in range(1, world))
+        with pytest.raises(RuntimeError, match=rf"rank 0: the boundary gave up waiting for rank\(s\) \[{missing}\]"):
+            ranks[0].check()
+        with pytest.raises(RuntimeError, match="reset"):
+            ranks[0].check()  # stays reported until the reset
+        for ar in ranks:
+            ar.reset()
+        for seed in range(3):
+            inputs = make_inputs(world, rows, hidden, "partial", seed=seed)
+            check(run(ranks, inputs, "partial"), inputs, "partial")
+    no_errors(ranks)
+
+
+def test_each_ranks_own_graph_replayed_after_random_host_sleeps() -> None:
+    """Each rank replays its own CUDA graph (as a rank of W processes would), after a random host pause of up to
+    20 ms while the ranks replayed before it already wait; the inputs change in place between rounds."""
+    world, hidden = 4, 5120
+    ranks = simulated(world, hidden)
+    rng = random.Random(1)
+    for rows in (1, 16, 200):
+        inputs = make_inputs(world, rows, hidden, "partial", seed=400 + rows)
+        graphs, outputs = [], []
+        for ar in ranks:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=ar.stream):
+                outputs.append(call(ar, inputs[ar.rank], "partial"))
+            graphs.append(graph)
+        for trial in range(6):
+            fresh = make_inputs(world, rows, hidden, "partial", seed=500 + 10 * rows + trial)
+            for inp, new in zip(inputs, fresh, strict=True):
+                inp.x.copy_(new.x)
+            torch.cuda.synchronize()
+            for r in rng.sample(range(world), world):
+                time.sleep(rng.uniform(0.0, 0.02))
+                with torch.cuda.stream(ranks[r].stream):
+                    graphs[r].replay()
+            torch.cuda.synchronize()
+            check(outputs, inputs, "partial")
     no_errors(ranks)
 
 
