@@ -268,9 +268,15 @@ def test_matches_the_reference_on_every_rank(world: int, hidden: int, protocol: 
     no_errors(ranks)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("world", "hidden"), [(4, 5120), (2, 7168), (8, 4096)])
+# Each mode at every H, the world size rotating with the mode, so that each mode also meets every world size.
+EVERY_MODE = [
+    (mode, WORLDS[(i + k) % len(WORLDS)], hidden) for i, mode in enumerate(MODES) for k, hidden in enumerate(HIDDEN)
+]
+
+
+@pytest.mark.parametrize(("mode", "world", "hidden"), EVERY_MODE)
 def test_every_mode(world: int, hidden: int, mode: str) -> None:
+    """Rows 1 (inline, one-shot), 16 (W 4 and 8: two-shot; staged at W 8 from H 4096), 129 and 512 (staged)."""
     ranks = simulated(world, hidden)
     for rows in (1, 16, 129, 512):
         inputs = make_inputs(world, rows, hidden, mode, seed=rows + 7)
