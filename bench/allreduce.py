@@ -255,8 +255,17 @@ def print_us_table(rows: list[dict], fused: list[tuple[str, str]], baselines: li
               + " ".join(f"{r[key]:7.2f}" for _, key in baselines))  # fmt: skip
 
 
-def plot_allreduce(rows: list[dict], path: Any) -> None:
-    """Simulated multi-rank us against rows, one panel per (W, H)."""
+SIMULATED_SERIES = (("oneshot_us", "one-shot"), ("twoshot_us", "two-shot"), ("one_rank_forked_us", "one rank"),
+                    ("w_one_rank_forked_us", "W one-rank kernels, no exchange"),
+                    ("gather_us", "gather path (no all-gather)"))  # fmt: skip
+MULTI_GPU_SERIES = (("oneshot_us", "fused one-shot"), ("twoshot_us", "fused two-shot"),
+                    ("nccl_kernel_us", "NCCL all-reduce + one-rank kernel"),
+                    ("symm_oneshot_kernel_us", "symm-mem one-shot + one-rank kernel"),
+                    ("symm_twoshot_kernel_us", "symm-mem two-shot + one-rank kernel"))  # fmt: skip
+
+
+def plot_allreduce(rows: list[dict], path: Any, *, simulated: bool = True) -> None:
+    """Multi-rank us against rows, one panel per (W, H): simulated ranks, or one process per GPU."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,13 +278,11 @@ def plot_allreduce(rows: list[dict], path: Any) -> None:
     for (world, hidden), ax in ((k, axes[worlds.index(k[0])][hiddens.index(k[1])]) for k in keys):
         sel = sorted((r for r in rows if (r["W"], r["H"]) == (world, hidden)), key=lambda r: r["rows"])
         xs = [r["rows"] for r in sel]
-        for key, label in (("oneshot_us", "one-shot"), ("twoshot_us", "two-shot"), ("one_rank_forked_us", "one rank"),
-                           ("w_one_rank_forked_us", "W one-rank kernels, no exchange"),
-                           ("gather_us", "gather path (no all-gather)")):  # fmt: skip
+        for key, label in SIMULATED_SERIES if simulated else MULTI_GPU_SERIES:
             ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"simulated W={world}, H={hidden}")
+        ax.set_title(f"{'simulated' if simulated else 'NVLink'} W={world}, H={hidden}")
         ax.set_xlabel("rows")
         ax.set_ylabel("us per call")
         ax.grid(True, which="both", alpha=0.3)
@@ -432,9 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.json").write_text(
         json.dumps({"gpu": name, "copy_bandwidth_Bps": copy_bw, "rows": rows}, indent=1)
     )
-    if label == "simulated":
-        plot_allreduce(rows, args.out / f"{stem}.png")
-    print(f"wrote {args.out / stem}.json")
+    plot_allreduce(rows, args.out / f"{stem}.png", simulated=label == "simulated")
+    print(f"wrote {args.out / stem}.json and .png")
     return 0
 
 
