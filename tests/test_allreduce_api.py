@@ -262,3 +262,32 @@ def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
     assert steps["warp skew at arrival"] == pytest.approx(0.25)
     assert steps["all in->done"] == pytest.approx(0.8 - 0.25)  # after the last warp of the last CTA
     assert steps["p90 all in->done"] == pytest.approx(1.5 - 0.25)
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+def test_the_multi_rank_plot_draws_every_series(tmp_path, monkeypatch: pytest.MonkeyPatch, simulated: bool) -> None:
+    """bench.allreduce's PNG: one panel per (W, H), one line per series (simulated: the fused protocols, the one-rank
+    kernels, the gather path; NVLink: the fused protocols against NCCL and symmetric-memory all-reduce + kernel)."""
+    import matplotlib.pyplot as plt
+
+    from bench import allreduce
+
+    series = allreduce.SIMULATED_SERIES if simulated else allreduce.MULTI_GPU_SERIES
+    rows = [
+        {"W": world, "H": 4096, "rows": n, **{key: float(i + n) for i, (key, _) in enumerate(series)}}
+        for world in (2, 4)
+        for n in (1, 16, 512)
+    ]
+    drawn = []
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        drawn.extend((ax.get_title(), [line.get_label() for line in ax.get_lines()]) for ax in fig.axes)
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    allreduce.plot_allreduce(rows, tmp_path / "plot.png", simulated=simulated)
+    kind = "simulated" if simulated else "NVLink"
+    assert [title for title, _ in drawn] == [f"{kind} W=2, H=4096", f"{kind} W=4, H=4096"]
+    assert all(labels == [label for _, label in series] for _, labels in drawn)
+    assert (tmp_path / "plot.png").stat().st_size > 1000
