@@ -239,9 +239,8 @@ def print_multi_gpu(rows: list[dict]) -> None:
         "\nmulti-rank boundary, one process per GPU (NVLink, multicast off), GPU us per call in a long graph "
         f"(marginal, {CALLS_PER_GRAPH} -> {CALLS_PER_LONG_GRAPH} calls), slowest rank"
     )
-    print_us_table(rows, [("1-shot", "oneshot_us"), ("2-shot", "twoshot_us")],
-                   [("NCCL+k", "nccl_kernel_us"), ("symm1+k", "symm_oneshot_kernel_us"),
-                    ("symm2+k", "symm_twoshot_kernel_us")])  # fmt: skip
+    columns = [(header, key) for key, header, _ in MULTI_GPU_SERIES]
+    print_us_table(rows, columns[:2], columns[2:])
 
 
 def print_us_table(rows: list[dict], fused: list[tuple[str, str]], baselines: list[tuple[str, str]]) -> None:
@@ -258,10 +257,11 @@ def print_us_table(rows: list[dict], fused: list[tuple[str, str]], baselines: li
 SIMULATED_SERIES = (("oneshot_us", "one-shot"), ("twoshot_us", "two-shot"), ("one_rank_forked_us", "one rank"),
                     ("w_one_rank_forked_us", "W one-rank kernels, no exchange"),
                     ("gather_us", "gather path (no all-gather)"))  # fmt: skip
-MULTI_GPU_SERIES = (("oneshot_us", "fused one-shot"), ("twoshot_us", "fused two-shot"),
-                    ("nccl_kernel_us", "NCCL all-reduce + one-rank kernel"),
-                    ("symm_oneshot_kernel_us", "symm-mem one-shot + one-rank kernel"),
-                    ("symm_twoshot_kernel_us", "symm-mem two-shot + one-rank kernel"))  # fmt: skip
+# The NVLink columns: (row key, table header, plot label); the fused protocols first, then the baselines.
+MULTI_GPU_SERIES = (("oneshot_us", "1-shot", "fused one-shot"), ("twoshot_us", "2-shot", "fused two-shot"),
+                    ("nccl_kernel_us", "NCCL+k", "NCCL all-reduce + one-rank kernel"),
+                    ("symm_oneshot_kernel_us", "symm1+k", "symm-mem one-shot + one-rank kernel"),
+                    ("symm_twoshot_kernel_us", "symm2+k", "symm-mem two-shot + one-rank kernel"))  # fmt: skip
 
 
 def plot_allreduce(rows: list[dict], path: Any, *, simulated: bool = True) -> None:
@@ -278,7 +278,8 @@ def plot_allreduce(rows: list[dict], path: Any, *, simulated: bool = True) -> No
     for (world, hidden), ax in ((k, axes[worlds.index(k[0])][hiddens.index(k[1])]) for k in keys):
         sel = sorted((r for r in rows if (r["W"], r["H"]) == (world, hidden)), key=lambda r: r["rows"])
         xs = [r["rows"] for r in sel]
-        for key, label in SIMULATED_SERIES if simulated else MULTI_GPU_SERIES:
+        series = SIMULATED_SERIES if simulated else [(key, label) for key, _, label in MULTI_GPU_SERIES]
+        for key, label in series:
             ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -405,6 +406,20 @@ def _slowest_rank_us(call: Any, device: torch.device, calls: int, samples: int =
     return statistics.median(per_sample[1:])
 
 
+def measure(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float, png: Callable[[str], Any]
+            ) -> tuple[str, list[dict]]:  # fmt: skip
+    """The multi-rank part ("nvlink": one process per GPU where there are several; else "simulated" ranks on one
+    GPU) and its rows; its table printed and its plot written to png(label)."""
+    if torch.cuda.device_count() > 1:
+        label, rows = "nvlink", run_multi_gpu(args)
+        print_multi_gpu(rows)
+    else:
+        label, rows = "simulated", bench_allreduce(args, arch, timer, copy_bw)
+        print_allreduce(rows, copy_bw)
+    plot_allreduce(rows, png(label), simulated=label == "simulated")
+    return label, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.allreduce`: the multi-rank part alone (`make bench` runs it as --parts allreduce)."""
     import datetime as dt
@@ -426,20 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = timer.copy_bandwidth()
     name = torch.cuda.get_device_name(device)
     print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    if torch.cuda.device_count() > 1:
-        rows = run_multi_gpu(args)
-        print_multi_gpu(rows)
-        label = "nvlink"
-    else:
-        rows = bench_allreduce(args, arch, timer, copy_bw)
-        print_allreduce(rows, copy_bw)
-        label = "simulated"
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"allreduce-{label}-{dt.date.today().isoformat()}"
+    day = dt.date.today().isoformat()
+    label, rows = measure(args, arch, timer, copy_bw, lambda label: args.out / f"allreduce-{label}-{day}.png")
+    stem = f"allreduce-{label}-{day}"
     (args.out / f"{stem}.json").write_text(
         json.dumps({"gpu": name, "copy_bandwidth_Bps": copy_bw, "rows": rows}, indent=1)
     )
-    plot_allreduce(rows, args.out / f"{stem}.png", simulated=label == "simulated")
     print(f"wrote {args.out / stem}.json and .png")
     return 0
 

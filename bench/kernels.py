@@ -331,15 +331,10 @@ def main(argv: list[str] | None, *, arch: str) -> int:
     if "allreduce" in args.parts:
         from bench import allreduce
 
-        if torch.cuda.device_count() > 1:  # one process per GPU, over NVLink
-            results["allreduce_nvlink"] = allreduce.run_multi_gpu(args)
-            allreduce.print_multi_gpu(results["allreduce_nvlink"])
-            allreduce.plot_allreduce(results["allreduce_nvlink"], args.out / f"{stem}-allreduce-nvlink.png",
-                                     simulated=False)  # fmt: skip
-        else:
-            results["allreduce_simulated"] = allreduce.bench_allreduce(args, arch, timer, copy_bw)
-            allreduce.print_allreduce(results["allreduce_simulated"], copy_bw)
-            allreduce.plot_allreduce(results["allreduce_simulated"], args.out / f"{stem}-allreduce-simulated.png")
+        label, rows = allreduce.measure(
+            args, arch, timer, copy_bw, lambda label: args.out / f"{stem}-allreduce-{label}.png"
+        )
+        results[f"allreduce_{label}"] = rows
     if "coefficients" in args.parts:
         results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
         print_coefficients(results["coefficients"])

@@ -272,7 +272,8 @@ def test_the_multi_rank_plot_draws_every_series(tmp_path, monkeypatch: pytest.Mo
 
     from bench import allreduce
 
-    series = allreduce.SIMULATED_SERIES if simulated else allreduce.MULTI_GPU_SERIES
+    series = (allreduce.SIMULATED_SERIES if simulated
+              else [(key, label) for key, _, label in allreduce.MULTI_GPU_SERIES])  # fmt: skip
     rows = [
         {"W": world, "H": 4096, "rows": n, **{key: float(i + n) for i, (key, _) in enumerate(series)}}
         for world in (2, 4)
