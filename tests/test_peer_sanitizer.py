@@ -4,7 +4,6 @@ a planted out-of-bounds store it must report. GPU only; skipped where compute-sa
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -27,10 +26,10 @@ pytestmark = [
 
 def sanitize(tool: str, module: str) -> tuple[int, str]:
     """(exit status, output) of `module` run under compute-sanitizer's `tool`."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # conftest puts the working tree on $PYTHONPATH for spawned processes.
     done = subprocess.run(
         [SANITIZER, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), sys.executable, "-m", module],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     return done.returncode, done.stdout + done.stderr
 
