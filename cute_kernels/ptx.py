@@ -231,19 +231,30 @@ def ld_global_v4_stream(addr: Int64, policy: Int64, *, loc=None, ip=None) -> tup
     return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
-@dsl_user_op
-def ld_global_b32_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Uint32:
-    """One 32-bit word from a global address when `pred`, else 0 without touching memory."""
+def _ld_b32_pred(op: str, addr: Int64, pred: cutlass.Boolean, loc, ip) -> Uint32:
+    """`op` (a 32-bit load) when `pred`, else 0 without touching memory; no branch (it would end ptxas's block)."""
     res = inline_asm(
         T.i32(),
         [Int64(addr).ir_value(loc=loc, ip=ip), Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];\n\t}",
+        f"{{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p {op} $0, [$1];\n\t}}",
         "=r,l,r",
         side_effects=True,
         loc=loc,
         ip=ip,
     )
     return Uint32(res)
+
+
+@dsl_user_op
+def ld_global_b32_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Uint32:
+    """One 32-bit word from a global address when `pred`, else 0 without touching memory."""
+    return _ld_b32_pred("ld.global.b32", addr, pred, loc, ip)
+
+
+@dsl_user_op
+def ld_relaxed_gpu_b32_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) -> Uint32:
+    """One 32-bit word other CTAs of this GPU update (ld.relaxed.gpu: never a stale L1 line) when `pred`, else 0."""
+    return _ld_b32_pred("ld.relaxed.gpu.global.b32", addr, pred, loc, ip)
 
 
 @dsl_user_op

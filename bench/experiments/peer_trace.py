@@ -116,10 +116,11 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
     class TracedLoads(RowLoads):
         @cute.jit
         def load_row(self, ctx, regs, row: Int32):
-            if const_expr(world == 1 and not stamps.begun):  # the kernel's first load: right after the wait
+            if const_expr(not stamps.begun):  # the kernel's first load (unstaged): right after the wait
                 stamps.begun = True
                 stamps.released = (ptx.globaltimer(), ptx.clock64())
-                stamps.count_call()
+                if const_expr(world == 1):
+                    stamps.count_call()
             RowLoads.load_row(self, ctx, regs, row)
 
         @cute.jit
@@ -133,7 +134,9 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
     class TracedPeer(PeerReduce):
         @cute.jit
         def read_counter(self, mState: cute.Tensor) -> Int32:
-            stamps.released = (ptx.globaltimer(), ptx.clock64())
+            if const_expr(not stamps.begun):  # staged: the counter is the first read after the wait
+                stamps.begun = True
+                stamps.released = (ptx.globaltimer(), ptx.clock64())
             return PeerReduce.read_counter(self, mState)
 
         @cute.jit

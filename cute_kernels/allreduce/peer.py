@@ -75,10 +75,8 @@ class PeerReduce:
     @cute.jit
     def read_counter(self, mState: cute.Tensor) -> Int32:
         """Lane 0's read of the call counter (0 on the other lanes); nothing waits for it here."""
-        calls = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            calls = cute.arch.load(mState.iterator + STATE_CALLS, Int32, sem="relaxed", scope="gpu")
-        return calls
+        addr = (mState.iterator + STATE_CALLS).toint()
+        return Int32(ptx.ld_relaxed_gpu_b32_pred(addr, cute.arch.lane_idx() == 0))
 
     @cute.jit
     def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:

@@ -215,30 +215,29 @@ class FusedBoundaryKernel:
             # W 8 and with a MoE partial, whose registers it would crowd, it is read, all at once, where pushed).
             if const_expr(self.allreduce.W <= 4 and not self.moe):
                 peers = [mPeers[p] for p in range(self.allreduce.W)]
-        cute.arch.griddepcontrol_wait()
-        if const_expr(self.allreduce is not None):
-            calls = self.allreduce.read_counter(mState)  # in flight with the first row's loads below
-            deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
-            deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
-
         rows, clusters = mR.shape[0], cute.arch.grid_dim()[1]
         fields = dict(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
-            mError=mError, rank=rank, deadline=deadline, deadline_y=deadline_y, clusters=clusters,
+            mError=mError, rank=rank, clusters=clusters,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
-        # while it is reduced and stored. Unstaged, the first row's loads go out before the call's
-        # generation is known (they need none of it).
+        # while it is reduced and stored. Unstaged, the first row's loads go out first after the wait,
+        # before the call counter is read (they need no generation): in one basic block with the wait,
+        # their address arithmetic is scheduled before it, as at one rank.
         staged = self.allreduce is not None and self.allreduce.staged
         regs = RowRegs(self.loads)
+        cute.arch.griddepcontrol_wait()
         if const_expr(not staged):
-            self.loads.load_row(Ctx(**fields, gen=None), regs, first_row)
+            self.loads.load_row(Ctx(**fields, gen=None, deadline=None, deadline_y=None), regs, first_row)
         gen = None
         if const_expr(self.allreduce is not None):
+            calls = self.allreduce.read_counter(mState)  # the call counter is written by the previous call
+            deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
+            deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
             gen = self.allreduce.call_generation(mState, calls)
-        ctx = Ctx(**fields, gen=gen)
+        ctx = Ctx(**fields, gen=gen, deadline=deadline, deadline_y=deadline_y)
         if const_expr(staged):
             # Every partial (and two-shot, every owned y) goes out before the row loop.
             self.allreduce.push_rows(ctx, first_row)
