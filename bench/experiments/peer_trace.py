@@ -33,8 +33,13 @@ from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.boundary.loads import RowLoads
 
-EVENTS = ("released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done", "all arrived")
-CHAIN = EVENTS[:-1]  # thread 0's events, in order; "all arrived": the last warp's wait exit (W > 1)
+EVENTS = (
+    "released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done", "all arrived",
+    "at wait",
+)  # fmt: skip
+# Thread 0's events, in order; "all arrived": the last warp's wait exit (W > 1); "at wait": thread 0 reaching
+# griddepcontrol.wait (a CTA that reaches it after the previous grid's end runs its prologue on the chain).
+CHAIN = EVENTS[:-2]
 ONE_RANK_EVENTS = ("released", "loaded", "computed", "summed", "row done")  # what a W = 1 kernel stamps
 MAX_CTAS = 4096
 RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
@@ -49,6 +54,7 @@ class Stamps:
         self.calls = calls  # W = 1: int32 [MAX_CTAS] call counts (W > 1 takes the slot from the peer counter)
         self.call = None  # this call's ring slot, known to thread 0 (every later stamp uses it)
         self.released = None  # the times taken right after griddepcontrol.wait, written once the slot is known
+        self.at_wait = None  # the times taken right before it
         self.begun = False  # trace time: whether the kernel's first row load has been traced
         self.rank = None  # trace time: the rank of the row being finished (row_sum takes no ctx)
 
@@ -128,6 +134,7 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             y = RowLoads.partial(self, ctx, regs, row)
             if const_expr(world == 1):
                 stamps.stamp(Int32(0), "released", stamps.released)
+                stamps.stamp(Int32(0), "at wait", stamps.at_wait)
             stamps.stamp_after(rank_of(ctx), "loaded", y[0, 0])
             return y
 
@@ -144,6 +151,7 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             gen = PeerReduce.call_generation(self, mState, calls)
             stamps.call = (calls >> CALL_SHIFT) & (RING - 1)  # lane 0's read: thread 0 is the one that stamps
             stamps.stamp(mState[STATE_RANK], "released", stamps.released)
+            stamps.stamp(mState[STATE_RANK], "at wait", stamps.at_wait)
             stamps.stamp(mState[STATE_RANK], "gen")
             return gen
 
@@ -187,7 +195,17 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
     if world > 1:
         kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     variant = api.BoundaryVariant("x", False, True, False, False)
-    return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch), config
+    real_wait = cute.arch.griddepcontrol_wait
+
+    def stamped_wait(*args, **kwargs):
+        stamps.at_wait = (ptx.globaltimer(), ptx.clock64())
+        return real_wait(*args, **kwargs)
+
+    cute.arch.griddepcontrol_wait = stamped_wait  # only while this kernel is traced (the kernel calls it by name)
+    try:
+        return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch), config
+    finally:
+        cute.arch.griddepcontrol_wait = real_wait
 
 
 def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int,
@@ -253,6 +271,12 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
     for i, j in zip(at, at[1:]):
         steps[f"{EVENTS[i]}->{EVENTS[j]}"] = step(i, j)
     steps["released->row done"] = step(first, last)
+    # How long thread 0 waited at griddepcontrol.wait: near 0, the CTA came after the previous grid's end.
+    waited = EVENTS.index("at wait")
+    both = (c[..., waited] > 0) & (c[..., first] > 0)
+    held = (c[..., first] - c[..., waited])[both] * ns_per_cycle
+    steps["at wait->released"] = float(held.median()) if held.numel() else float("nan")
+    steps["p10 at wait->released"] = float(held.quantile(0.1)) if held.numel() else float("nan")
     release = t[..., first].min(dim=2).values  # [W, RING]: each rank's first CTA of each call
     ordered = release.sort(dim=1).values
     periods = ordered[:, 1:] - ordered[:, :-1]
