@@ -191,7 +191,7 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
     kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
     kernel.loads = TracedLoads(hidden, kernel.vpt, y_source="x", shared=False, pre=True)
     kernel.epilogue = TracedEpilogue(hidden, config.cluster_n, config.threads, kernel.vpt, pre=True, mxfp8=False,
-                                     aux=False)  # fmt: skip
+                                     aux=False, spin=kernel.epilogue.spin)  # fmt: skip
     if world > 1:
         kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     variant = api.BoundaryVariant("x", False, True, False, False)

@@ -17,7 +17,9 @@ from cute_kernels.quant import Mxfp8Writer
 class Epilogue:
     """Post, collapse, aux and RMSNorm of rows whose columns are split over a cluster of `cluster_n` CTAs."""
 
-    def __init__(self, H: int, cluster_n: int, threads: int, vpt: int, *, pre: bool, mxfp8: bool, aux: bool) -> None:
+    def __init__(
+        self, H: int, cluster_n: int, threads: int, vpt: int, *, pre: bool, mxfp8: bool, aux: bool, spin: bool = False
+    ) -> None:
         self.H = H
         self.cluster_n = cluster_n
         self.threads = threads
@@ -30,6 +32,9 @@ class Epilogue:
         # Only the RMS needs cross-CTA traffic: the residual-only kernel launches no cluster.
         self.use_cluster = pre and cluster_n > 1
         self.stages = 2  # exchange buffers, by row parity
+        # The cluster sum's mbarrier wait as a try_wait loop with no suspend hint (`spin`) instead of
+        # cute.arch.mbarrier_wait, whose retry suspends the warp with a 10 ms hint.
+        self.spin = spin
         self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
 
     @cute.jit
@@ -121,7 +126,12 @@ class Epilogue:
                 reduce.expect_bytes(mbar + stage, self.slots * 4)
             if lane < self.cluster_n:
                 reduce.push(sRed.iterator + base + slot, val, mbar + stage, lane)
-            cute.arch.mbarrier_wait(mbar + stage, phase)
+            if const_expr(self.spin):
+                done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
+                while not done:
+                    done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
+            else:
+                cute.arch.mbarrier_wait(mbar + stage, phase)
         else:
             if lane == 0:
                 sRed[base + slot] = val

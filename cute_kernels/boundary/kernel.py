@@ -62,7 +62,13 @@ class FusedBoundaryKernel:
         self.vpt = config.vecs_per_thread(H)
         # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
         self.tail = self.vpt * self.threads != self.vecs
-        self.epilogue = Epilogue(H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux)
+        # The peer kernel of one row per cluster spins on the cluster sum (measured 1-7 % faster at <= 16 rows);
+        # the one-rank kernel and the staged peer kernel, whose CTAs share SMs over many rows, sleep (the spin
+        # was 1-6 % slower at 256 and 512 rows: docs/perf-log.md v17).
+        spin = world_size > 1 and not staged
+        self.epilogue = Epilogue(
+            H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux, spin=spin
+        )
         self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
         # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots. `staged`:
         # the exchange of every row goes out before the row loop (allreduce.peer; the host takes it for calls
