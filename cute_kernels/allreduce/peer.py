@@ -103,10 +103,7 @@ class PeerReduce:
     def owner(self, ctx, row: Int32) -> Int32:
         """The rank that reduces segment (row, this CTA's column chunk) in the two-shot protocol
         (protocol.segment_owner; the same for every thread of the CTA)."""
-        owner = (row * self.cluster_n + ctx.cta) % self.W
-        if const_expr(self.W > 2):
-            owner = ((row % ctx.clusters) * self.cluster_n + ctx.cta + row // ctx.clusters) % self.W
-        return owner
+        return ((row % ctx.clusters) * self.cluster_n + ctx.cta + row // ctx.clusters) % self.W
 
     @cute.jit
     def offset(self, mSlots: cute.Tensor, gen: Int32, slot, row: Int32, vcol: Int32) -> Int64:
@@ -259,11 +256,8 @@ class PeerReduce:
                         late = late | (miss if const_expr(want is None) else miss & want)
                 if late:
                     self.wait_y(ctx, row, owner, rIn, rY)
-                if const_expr(self.W == 2):
-                    self.rearm(ctx, row, [(self.W, owner, None)])
-            if const_expr(self.W > 2):
-                # Owners change with the call's cluster count: the owner's own copy is re-armed too.
-                self.rearm(ctx, row, [(self.W, owner, None)])
+            # Owners change with the call's cluster count: the owner's own copy is re-armed too.
+            self.rearm(ctx, row, [(self.W, owner, None)])
 
     @cute.jit
     def oneshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor, later: Callable[[], Any]):

@@ -35,10 +35,8 @@ ERROR_WORDS = 4
 
 def segment_owner(row: int, cta: int, ctas_per_row: int, clusters: int, world_size: int) -> int:
     """The rank that reduces segment (row, CTA column chunk) in the two-shot protocol of a launch of `clusters`
-    clusters: for W > 2, a row's chunks and each CTA's rows (row, row + clusters, ...) have successive owners;
-    at W = 2, `(row * ctas_per_row + cta) mod 2`, fixed by H alone (measured faster there, docs/perf-log.md v14)."""
-    if world_size == 2:
-        return (row * ctas_per_row + cta) % 2
+    clusters: a row's chunks and each CTA's rows (row, row + clusters, ...) have successive owners. (W 2 ships
+    one-shot only, tuning.EVERY_CALL: its two-shot is the same protocol, run by the tests and the bench.)"""
     return ((row % clusters) * ctas_per_row + cta + row // clusters) % world_size
 
 
