@@ -148,8 +148,9 @@ def test_the_protocol_switch_is_measured_data() -> None:
             assert protocol_for(world, hidden, rows + 1) == "twoshot"
             assert protocol_for(world, hidden, 512) == "twoshot" or rows >= 512
     assert oneshot_max_rows(4, 6144) == oneshot_max_rows(4, 7168)  # the nearest measured H
-    assert oneshot_max_rows(16, 7168) == 0  # an unmeasured world size takes two-shot
-    assert protocol_for(16, 7168, 1) == "twoshot"
+    assert {w for w, _ in ONESHOT_MAX_ROWS} == set(protocol.PEER_WORLD_SIZES)  # every world size the peer path serves
+    with pytest.raises(ValueError, match=r"world size 16 \(measured: \[2, 4, 8\]\)"):
+        protocol_for(16, 7168, 1)  # the peer path never runs there (multi_rank_path): no guessed answer
 
 
 def test_a_warmup_compiles_the_protocols_its_rows_can_take() -> None:
@@ -157,7 +158,6 @@ def test_a_warmup_compiles_the_protocols_its_rows_can_take() -> None:
     limit = oneshot_max_rows(4, 7168)
     assert protocols_up_to(4, 7168, limit) == ("oneshot",)
     assert protocols_up_to(4, 7168, limit + 1) == ("oneshot", "twoshot")
-    assert protocols_up_to(16, 7168, 1) == ("twoshot",)
     jobs = api.warmup_jobs(7168, arch="sm_90a", world_size=2, protocols=protocols_up_to(2, 7168, 512))
     assert jobs and {j.args[8] for j in jobs} == {"oneshot"}
 

@@ -28,9 +28,12 @@ ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
 
 @functools.cache
 def oneshot_max_rows(world_size: int, hidden: int) -> int:
-    """The largest row count that takes the one-shot protocol (0: never)."""
+    """The largest row count that takes the one-shot protocol, for a world size the switch was measured at."""
     measured = [(abs(h - hidden), rows) for (w, h), rows in ONESHOT_MAX_ROWS.items() if w == world_size]
-    return min(measured)[1] if measured else 0
+    if not measured:
+        sizes = sorted({w for w, _ in ONESHOT_MAX_ROWS})
+        raise ValueError(f"no protocol switch measured for world size {world_size} (measured: {sizes})")
+    return min(measured)[1]
 
 
 def protocol_for(world_size: int, hidden: int, rows: int) -> str:
