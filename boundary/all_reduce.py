@@ -36,12 +36,14 @@ DEFAULT_TIMEOUT_US = 10_000_000
 MAX_TIMEOUT_US = 2**31 - 1
 
 
-def multi_rank_path(world_size: int, peers_map: bool, why: str) -> tuple[str, str]:
-    """The path of a W > 1 rank on a supported GPU, and why it is not "peer": "peer" where every rank maps every
-    other's memory (`peers_can_map`) and the peer protocol serves W, else "nccl+kernel"."""
+def multi_rank_path(world_size: int, peers_map: Callable[[], tuple[bool, str]]) -> tuple[str, str]:
+    """The path of a W > 1 rank on a supported GPU, and why it is not "peer": "peer" where the peer protocol serves
+    W and every rank maps every other's memory (`peers_map()`: whether, and why not; a collective, so it runs only
+    where W is served, which every rank of the group decides alike), else "nccl+kernel"."""
     if world_size not in PEER_WORLD_SIZES:
         return "nccl+kernel", f"the peer protocol is built for {PEER_WORLD_SIZES} ranks, not {world_size}"
-    return ("peer", "") if peers_map else ("nccl+kernel", f"peers cannot map each other: {why}")
+    can_map, why = peers_map()
+    return ("peer", "") if can_map else ("nccl+kernel", f"peers cannot map each other: {why}")
 
 
 class BoundaryAllReduce:
@@ -83,7 +85,7 @@ class BoundaryAllReduce:
             self.path = "kernel"
             self.workspace = Workspace(hidden_size, max_rows, self.device)
         else:
-            self.path, why = multi_rank_path(self.world_size, *peers_can_map(group, self.device))
+            self.path, why = multi_rank_path(self.world_size, lambda: peers_can_map(group, self.device))
             if self.path == "peer":
                 config = default_config(hidden_size, self.arch, 1, self.world_size)
                 launch = (config.cluster_n, config.threads, config.max_clusters)

@@ -49,12 +49,14 @@ def test_construction_errors_name_the_argument() -> None:
 def test_the_peer_path_serves_the_measured_world_sizes_and_says_why_not() -> None:
     """A TP group of 2, 4 or 8 ranks whose peers map each other's memory takes the peer path; one that cannot, or
     of another size, takes NCCL + the kernel, with the reason (the fused path's fallback is a warning)."""
-    assert multi_rank_path(4, True, "") == ("peer", "")
-    path, why = multi_rank_path(2, False, "the TP group spans 2 hosts")
+    assert multi_rank_path(4, lambda: (True, "")) == ("peer", "")
+    path, why = multi_rank_path(2, lambda: (False, "the TP group spans 2 hosts"))
     assert path == "nccl+kernel" and why == "peers cannot map each other: the TP group spans 2 hosts"
+    asked = []
     for world in (3, 6, 16):
-        path, why = multi_rank_path(world, True, "")
+        path, why = multi_rank_path(world, lambda w=world: asked.append(w) or (True, ""))
         assert path == "nccl+kernel" and why == f"the peer protocol is built for (2, 4, 8) ranks, not {world}"
+    assert asked == [], "the collective peer check does not run where the world size rules the peer path out"
 
 
 def test_the_nccl_fallback_is_logged_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
