@@ -26,7 +26,7 @@ from bench.allreduce import forced_protocol, rank_sets
 from boundary import BoundaryAllReduce
 from cute_kernels import ptx
 from cute_kernels.allreduce.peer import PeerReduce
-from cute_kernels.allreduce.protocol import CALL_SHIFT, STATE_RANK
+from cute_kernels.allreduce.protocol import CALL_SHIFT
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
 from cute_kernels.boundary.epilogue import Epilogue
@@ -55,6 +55,7 @@ class Stamps:
         self.call = None  # this call's ring slot, known to thread 0 (every later stamp uses it)
         self.released = None  # the times taken right after griddepcontrol.wait, written once the slot is known
         self.at_wait = None  # the times taken right before it
+        self.gen = None  # W > 1: the times the call's generation was known
         self.begun = False  # trace time: whether the kernel's first row load has been traced
         self.rank = None  # trace time: the rank of the row being finished (row_sum takes no ctx)
 
@@ -132,9 +133,12 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         @cute.jit
         def partial(self, ctx, regs, row: Int32) -> cute.Tensor:
             y = RowLoads.partial(self, ctx, regs, row)
-            if const_expr(world == 1):
-                stamps.stamp(Int32(0), "released", stamps.released)
-                stamps.stamp(Int32(0), "at wait", stamps.at_wait)
+            # The times taken earlier, written now that the ring slot is known, with the rank read before the wait
+            # (a reload of the rank word from the state would put a load on the chain the stamps measure).
+            stamps.stamp(rank_of(ctx), "released", stamps.released)
+            stamps.stamp(rank_of(ctx), "at wait", stamps.at_wait)
+            if const_expr(world > 1):
+                stamps.stamp(rank_of(ctx), "gen", stamps.gen)
             stamps.stamp_after(rank_of(ctx), "loaded", y[0, 0])
             return y
 
@@ -150,9 +154,7 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
             gen = PeerReduce.call_generation(self, mState, calls)
             stamps.call = (calls >> CALL_SHIFT) & (RING - 1)  # lane 0's read: thread 0 is the one that stamps
-            stamps.stamp(mState[STATE_RANK], "released", stamps.released)
-            stamps.stamp(mState[STATE_RANK], "at wait", stamps.at_wait)
-            stamps.stamp(mState[STATE_RANK], "gen")
+            stamps.gen = (ptx.globaltimer(), ptx.clock64())  # written with the row's first stamp
             return gen
 
         @cute.jit
