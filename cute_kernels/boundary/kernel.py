@@ -62,10 +62,11 @@ class FusedBoundaryKernel:
         self.vpt = config.vecs_per_thread(H)
         # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
         self.tail = self.vpt * self.threads != self.vecs
-        # The peer kernel of one row per cluster spins on the cluster sum (measured 1-7 % faster at <= 16 rows);
-        # the one-rank kernel and the staged peer kernel, whose CTAs share SMs over many rows, sleep (the spin
-        # was 1-6 % slower at 256 and 512 rows: docs/perf-log.md v17).
-        spin = world_size > 1 and not staged
+        # The unstaged peer kernel of a ready partial x, where every cluster takes one row (api.staged_call),
+        # spins on the cluster sum (up to 7 % faster at <= 16 rows); the one-rank kernel, the staged kernel
+        # and the MoE peer kernel, whose clusters loop over rows at many rows, sleep (the spin was 1-6 %
+        # slower at 256 and 512 rows: docs/perf-log.md v17).
+        spin = world_size > 1 and not staged and y_source == "x"
         self.epilogue = Epilogue(
             H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux, spin=spin
         )
