@@ -213,9 +213,9 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
-        rank, timeout_us, calls, deadline, deadline_y, peers = None, None, None, None, None, None
+        rank, timeout_us, deadline, deadline_y, peers = None, None, None, None, None
         if const_expr(self.allreduce is not None):
-            # The workspace's constants; the call counter is written by the previous call, so after the wait.
+            # The workspace's constants (the call counter is written by the previous call: read after the wait).
             rank = mState[STATE_RANK]
             timeout_us = mState[STATE_TIMEOUT_US]
             # The peer table is set when the workspace is made: read it here, so that no push waits for it (at
@@ -240,7 +240,7 @@ class FusedBoundaryKernel:
             self.loads.load_row(Ctx(**fields, gen=None, deadline=None, deadline_y=None), regs, first_row)
         gen = None
         if const_expr(self.allreduce is not None):
-            calls = self.allreduce.read_counter(mState)  # the call counter is written by the previous call
+            calls = self.allreduce.read_counter(mState)
             deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
             deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
             gen = self.allreduce.call_generation(mState, calls)
