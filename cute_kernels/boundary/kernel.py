@@ -86,6 +86,11 @@ class FusedBoundaryKernel:
                 )
             self.attach_allreduce(PeerReduce(H, world_size, protocol, self.vpt, config.cluster_n, staged=staged))
         self.moe = y_source == "moe"
+        # The peer kernels of a ready partial x at W 2 mix the streams (sum_k comb[k, j] * R[k]) before y is in
+        # (Epilogue.premix), in every protocol and row schedule alike, so that a row's bits depend on neither.
+        # Elsewhere the premix's 32 fp32 registers per vector spill beside the polls' (W 4 one-shot: 16-48 bytes
+        # of stack where main has 0-8; W 8, MoE); at W 2 with MXFP8 + aux + shared too (72 against 8).
+        self.premix = world_size == 2 and y_source == "x"
 
     def attach_allreduce(self, allreduce: PeerReduce) -> None:
         """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
@@ -274,15 +279,23 @@ class FusedBoundaryKernel:
         if const_expr(self.allreduce is None):
             post, comb, pre = self.loads.coefs(regs.coef)
             y = self.loads.partial(ctx, regs, row)
+            mixed = None  # the reference's order: post*y first
         else:
             y = self.loads.partial(ctx, regs, row)
-            # The coefficient shuffles wait for their load: the peer role does them where no push waits for them.
-            y, (post, comb, pre) = self.allreduce.reduce(ctx, y, row, regs.rSlot, lambda: self.loads.coefs(regs.coef))
+
+            def coefs_and_premix():
+                post, comb, pre = self.loads.coefs(regs.coef)
+                mixed = self.epilogue.premix(regs.rR, comb) if const_expr(self.premix) else None
+                return post, comb, pre, mixed
+
+            # The coefficient shuffles wait for their load, and the premix needs no y: the peer role does them
+            # where no push waits for them (one-shot inline: while the peers' pushes are on their way).
+            y, (post, comb, pre, mixed) = self.allreduce.reduce(ctx, y, row, regs.rSlot, coefs_and_premix)
             if ahead >= ctx.rows:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
                 cute.arch.griddepcontrol_launch_dependents()
-        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
+        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row, mixed)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
             self.loads.load_row(ctx, regs, ahead)
