@@ -177,8 +177,8 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
 
     class TracedEpilogue(Epilogue):
         @cute.jit
-        def compute_row(self, ctx, rR, y, post, comb, pre, row: Int32):
-            rC, sumsq = Epilogue.compute_row(self, ctx, rR, y, post, comb, pre, row)
+        def compute_row(self, ctx, rR, y, post, comb, pre, row: Int32, *more):
+            rC, sumsq = Epilogue.compute_row(self, ctx, rR, y, post, comb, pre, row, *more)
             stamps.stamp(rank_of(ctx), "computed")  # the new streams' stores issued
             stamps.rank = rank_of(ctx)  # for the stamp in row_sum, which takes no ctx
             return rC, sumsq
