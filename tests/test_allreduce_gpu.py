@@ -299,6 +299,35 @@ def test_every_row_count_up_to_512(world: int) -> None:
     no_errors(ranks)
 
 
+def first_rows(inp: RankInputs, rows: int) -> RankInputs:
+    """The inputs of `inp`'s first `rows` rows (a ready partial)."""
+    shared = None if inp.shared is None else inp.shared[:rows]
+    return RankInputs(inp.x[:rows], shared, None, inp.residual[:rows], inp.post[:rows], inp.comb[:rows],
+                      inp.pre[:rows], inp.w)  # fmt: skip
+
+
+@pytest.mark.parametrize("hidden", (4096, 7168))
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rows_bits_depend_on_neither_the_row_count_nor_the_protocol(world: int, hidden: int) -> None:
+    """Batch invariance on the peer path: the first rows of a call come out bit for bit the same in a call of 1, 16
+    or 512 rows (inline and staged schedules) under either protocol, in the modes whose epilogue order the peer
+    kernel chooses (CONTRACT §2: at W 2 and 4 it mixes the streams before y is in)."""
+    ranks = simulated(world, hidden)
+    for mode in ("partial", "shared", "aux"):
+        full = make_inputs(world, MAX_ROWS, hidden, mode, seed=world * 7 + hidden)
+        runs = []
+        for rows in (1, 16, MAX_ROWS):
+            for protocol in PROTOCOLS:
+                with forcing(protocol):
+                    runs.append((rows, protocol, run(ranks, [first_rows(inp, rows) for inp in full], mode)))
+        want = runs[-1][2][0]
+        for rows, protocol, outputs in runs:
+            for r, res in enumerate(outputs):
+                for got, full_rows in zip(res.tensors(), want.tensors(), strict=True):
+                    assert bitwise_equal(got, full_rows[:rows]), f"{mode}: rank {r}, {rows} rows, {protocol}"
+    no_errors(ranks)
+
+
 @pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", (2, 4))
 def test_threads_past_the_chunk_push_and_store_nothing(world: int, protocol: str) -> None:

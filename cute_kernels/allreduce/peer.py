@@ -71,6 +71,7 @@ class PeerReduce:
         self.window = max(1, min(4, 8 // (world_size * vpt)))
         self.staged = staged  # every row's exchange goes out before the row loop (a ready partial x)
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
+        self.premix = False  # whether a row's `later` holds the kernel's premix (set by the kernel)
 
     @cute.jit
     def read_counter(self, mState: cute.Tensor) -> Int32:
@@ -115,10 +116,11 @@ class PeerReduce:
     @cute.jit
     def reduce(self, ctx, y: cute.Tensor, row: Int32, rSlot: cute.Tensor | None, later: Callable[[], Any]) -> tuple:
         """(y of `row`, fp32 holding bf16 values, (vpt, 8), from this rank's partial `y` and every peer's; what
-        `later` returns). `later` is the row's other work that waits on a load (its coefficient shuffles), done
-        where no push waits for it: after an inline one-shot row's pushes, after an inline two-shot row's
-        exchange, before a staged row's (whose pushes went out before the row loop). `rSlot`: the row's slot
-        words as loaded with the row (staged: row_slot_shape)."""
+        `later` returns). `later` is the row's other work that needs no y (its coefficient shuffles, which wait on
+        a load, and the premix), done where no push waits for it and before the row waits: after an inline row's
+        pushes (a two-shot owner has none; without the premix, a two-shot row does it after its exchange), before
+        a staged row's (whose pushes went out before the row loop).
+        `rSlot`: the row's slot words as loaded with the row (staged: row_slot_shape)."""
         vpt = const_expr(self.vpt)
         words = self.words(y)
         rIn = cute.make_rmem_tensor((self.W, vpt, 4), Uint32)
@@ -129,8 +131,7 @@ class PeerReduce:
         elif const_expr(self.protocol == "oneshot"):
             taken = self.oneshot(ctx, words, row, rIn, rY, later)
         else:
-            self.twoshot(ctx, words, row, rIn, rY)
-            taken = later()
+            taken = self.twoshot(ctx, words, row, rIn, rY, later)
         out = cute.make_rmem_tensor(y.layout, Float32)
         for v in cutlass.range_constexpr(vpt):
             for e in cutlass.range_constexpr(VEC):
@@ -272,20 +273,21 @@ class PeerReduce:
         return taken
 
     @cute.jit
-    def twoshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
-        """Push to the segment's owner and wait for its y, or, as the owner, sum and push y to every peer."""
+    def twoshot(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor, later: Callable[[], Any]):
+        """Not the owner: push this rank's partial into the owner's slot `rank`, do `later` (returned; without the
+        premix: last), wait for y in slot W. The owner: do `later`, wait for the W - 1 other partials, sum, push y to
+        every peer."""
         owner = self.owner(ctx, row)
         if owner != ctx.rank:
-            self.send_and_wait(ctx, words, row, owner, rIn, rY)
+            self.push_partial(ctx, words, row, owner)
+        # Without the premix `later` is the coefficient shuffles alone: after the exchange, as measured at W 8 (v15).
+        taken = later() if const_expr(self.premix) else None
+        if owner != ctx.rank:
+            self.wait_y(ctx, row, owner, rIn, rY)
+            self.rearm(ctx, row, [(self.W, owner, None)])
         else:
             self.reduce_and_send(ctx, words, row, rIn, rY)
-
-    @cute.jit
-    def send_and_wait(self, ctx, words: list, row: Int32, owner: Int32, rIn: cute.Tensor, rY: cute.Tensor):
-        """Two-shot, not the owner: this rank's partial into the owner's slot `rank`, then y from slot W."""
-        self.push_partial(ctx, words, row, owner)
-        self.wait_y(ctx, row, owner, rIn, rY)
-        self.rearm(ctx, row, [(self.W, owner, None)])
+        return taken if const_expr(self.premix) else later()
 
     @cute.jit
     def reduce_and_send(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):

@@ -38,26 +38,55 @@ class Epilogue:
         self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
 
     @cute.jit
+    def premix(self, rR: cute.Tensor, comb: list) -> cute.Tensor:
+        """sum_k comb[k, j] * R[k] of a row's streams, fp32 (vpt, HC, VEC), k in order: the part of R'[j] that
+        needs no y, so that a peer kernel computes it while it waits for the other ranks."""
+        vpt = const_expr(self.vpt)
+        rM = cute.make_rmem_tensor(row_major((vpt, HC, VEC)), Float32)
+        for v in cutlass.range_constexpr(vpt):
+            rf = [rR[v, k, None].load().to(Float32) for k in range(HC)]
+            for j in cutlass.range_constexpr(HC):
+                for e in cutlass.range_constexpr(VEC):
+                    acc = ptx.mul_rn(comb[0][j], rf[0][e])
+                    for k in cutlass.range_constexpr(1, HC):
+                        acc = ptx.mul_add_rn(comb[k][j], rf[k][e], acc)
+                    rM[v, j, e] = acc
+        return rM
+
+    @cute.jit
     def compute_row(
-        self, ctx: Ctx, rR: cute.Tensor, y: cute.Tensor, post: list, comb: list, pre: list | None, row: Int32
+        self,
+        ctx: Ctx,
+        rR: cute.Tensor,
+        y: cute.Tensor,
+        post: list,
+        comb: list | None,
+        pre: list | None,
+        row: Int32,
+        mixed: cute.Tensor | None = None,
     ) -> tuple[cute.Tensor | None, Float32]:
-        """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares."""
+        """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares.
+        `mixed`: the row's premix (then `comb` is not used)."""
         vpt = const_expr(self.vpt)
         valid = ctx.valid
         rC = cute.make_rmem_tensor(row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
         sumsq = Float32(0.0)
         for v in cutlass.range_constexpr(vpt):
-            rf = [rR[v, k, None].load().to(Float32) for k in range(HC)]
+            rf = None if const_expr(mixed is not None) else [rR[v, k, None].load().to(Float32) for k in range(HC)]
             new_streams = []
             for j in cutlass.range_constexpr(HC):
-                # Same operation order and roundings as the reference: post*y, then + comb[k,j]*R[k].
                 words = []
                 for e in cutlass.range_constexpr(0, VEC, 2):
                     pair = []
                     for h in cutlass.range_constexpr(2):
-                        acc = ptx.mul_rn(post[j], y[v, e + h])
-                        for k in cutlass.range_constexpr(HC):
-                            acc = ptx.mul_add_rn(comb[k][j], rf[k][e + h], acc)
+                        if const_expr(mixed is not None):
+                            # post*y added to the premix in one rounding: within the contract's reassociation bound.
+                            acc = ptx.mul_add_rn(post[j], y[v, e + h], mixed[v, j, e + h])
+                        else:
+                            # Same operation order and roundings as the reference: post*y, then + comb[k,j]*R[k].
+                            acc = ptx.mul_rn(post[j], y[v, e + h])
+                            for k in cutlass.range_constexpr(HC):
+                                acc = ptx.mul_add_rn(comb[k][j], rf[k][e + h], acc)
                         pair.append(acc)
                     words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
                 new_streams.append(words)

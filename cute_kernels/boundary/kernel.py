@@ -76,6 +76,11 @@ class FusedBoundaryKernel:
         # of several rows per cluster); only a ready partial x is staged (a MoE partial would be combined twice).
         if staged and (world_size == 1 or y_source != "x"):
             raise ValueError("only the peer exchange of a ready partial x is staged")
+        # The peer kernels of a ready partial x at W 2 and 4 mix the streams (sum_k comb[k, j] * R[k]) while they
+        # wait for the peers (Epilogue.premix), in every protocol and row schedule alike, so that a row's bits
+        # depend on neither: 0.1-1.2 us off at 1-64 rows (docs/perf-log.md v18). At W 8 the premix's 32 fp32
+        # registers per vector spill beside the polls' (up to 120 bytes of stack), and it was slower.
+        self.premix = world_size in (2, 4) and y_source == "x"
         self.allreduce = None
         if world_size > 1:
             # The call counter's shares (allreduce.protocol) need fewer warps per launch than CALL_UNIT.
@@ -91,6 +96,7 @@ class FusedBoundaryKernel:
         """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
         self.allreduce = allreduce
         allreduce.loads = self.loads  # the staged phases load partials
+        allreduce.premix = self.premix  # the row's `later` holds the premix: a two-shot row does it before its wait
         self.loads.slots = allreduce if allreduce.slots_with_row else None  # a staged row loads its slots with it
 
     @cute.jit
@@ -274,15 +280,23 @@ class FusedBoundaryKernel:
         if const_expr(self.allreduce is None):
             post, comb, pre = self.loads.coefs(regs.coef)
             y = self.loads.partial(ctx, regs, row)
+            mixed = None  # the reference's order: post*y first
         else:
             y = self.loads.partial(ctx, regs, row)
-            # The coefficient shuffles wait for their load: the peer role does them where no push waits for them.
-            y, (post, comb, pre) = self.allreduce.reduce(ctx, y, row, regs.rSlot, lambda: self.loads.coefs(regs.coef))
+
+            def coefs_and_premix():
+                post, comb, pre = self.loads.coefs(regs.coef)
+                mixed = self.epilogue.premix(regs.rR, comb) if const_expr(self.premix) else None
+                return post, comb, pre, mixed
+
+            # The coefficient shuffles wait for their load, and the premix needs no y: the peer role does them
+            # where no push waits for them and before its wait (inline: while the peers' pushes are on their way).
+            y, (post, comb, pre, mixed) = self.allreduce.reduce(ctx, y, row, regs.rSlot, coefs_and_premix)
             if ahead >= ctx.rows:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
                 cute.arch.griddepcontrol_launch_dependents()
-        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
+        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row, mixed)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
             self.loads.load_row(ctx, regs, ahead)
