@@ -217,14 +217,20 @@ def expected_y(inputs: list[RankInputs]) -> Tensor:
     return ref.rank_sum([inp.partial() for inp in inputs])
 
 
-def assert_streams(new: Tensor, y: Tensor, inp: RankInputs) -> None:
-    """R' against its float64 value with the contract's bound (1 ulp + the fp32 reassociation bound)."""
+def streams_outside_the_bound(new: Tensor, y: Tensor, inp: RankInputs) -> int:
+    """How many elements of R' miss their float64 value by more than the contract's bound (1 ulp + the fp32
+    reassociation bound: the peer kernels at W 2 and 4 add in another order than the reference, CONTRACT §2)."""
     y64, r64 = y.to(torch.float64), inp.residual.to(torch.float64)
     post, comb = inp.post.to(torch.float64), inp.comb.to(torch.float64)
     exact = post[:, :, None] * y64[:, None, :] + torch.einsum("tkj,tkh->tjh", comb, r64)
     terms = (post[:, :, None] * y64[:, None, :]).abs() + torch.einsum("tkj,tkh->tjh", comb.abs(), r64.abs())
-    ok = within_contract(new, exact, terms)
-    assert bool(ok.all()), f"{int((~ok).sum())} new-stream elements outside the contract's bound"
+    return int((~within_contract(new, exact, terms)).sum())
+
+
+def assert_streams(new: Tensor, y: Tensor, inp: RankInputs) -> None:
+    """R' against its float64 value with the contract's bound."""
+    outside = streams_outside_the_bound(new, y, inp)
+    assert outside == 0, f"{outside} new-stream elements outside the contract's bound"
 
 
 def check(outputs: list[RankOutputs], inputs: list[RankInputs], mode: str) -> None:
@@ -672,8 +678,7 @@ def _race(role: type, protocol: str, rows: int | list[int], world: int = 2) -> t
     wrong = 0
     for k in range(calls):
         y = expected_y(sets[k])
-        exact = ref.mhc_post(y, sets[k][0].residual, sets[k][0].post, sets[k][0].comb)
-        if any(max_ulp(results[r][k], exact) > 1 for r in range(world)):
+        if any(streams_outside_the_bound(results[r][k], y, sets[k][r]) for r in range(world)):
             wrong += 1
     gave_up = any(int(ar.workspace.error[ERROR_MISSING]) != 0 for ar in ranks)
     return wrong, gave_up
