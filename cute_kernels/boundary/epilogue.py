@@ -38,20 +38,34 @@ class Epilogue:
         self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
 
     @cute.jit
-    def premix(self, rR: cute.Tensor, comb: list) -> cute.Tensor:
-        """sum_k comb[k, j] * R[k] of a row's streams, fp32 (vpt, HC, VEC), k in order: the part of R'[j] that
-        needs no y, so that a peer kernel computes it while it waits for the other ranks."""
+    def premix(self, ctx: Ctx, rR: cute.Tensor, comb: list) -> cute.Tensor:
+        """sum_k comb[k, j] * R[k] of a row's streams, k in order: the part of R'[j] that needs no y, so that a peer
+        kernel computes it while it waits for the other ranks. It goes to this thread's cells of `ctx.sMix` (fp32,
+        mix_layout), not registers: beside the polls' registers it would spill. Returns that tensor."""
         vpt = const_expr(self.vpt)
-        rM = cute.make_rmem_tensor(row_major((vpt, HC, VEC)), Float32)
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        quad = cute.make_rmem_tensor((4,), Float32)
         for v in cutlass.range_constexpr(vpt):
             rf = [rR[v, k, None].load().to(Float32) for k in range(HC)]
             for j in cutlass.range_constexpr(HC):
-                for e in cutlass.range_constexpr(VEC):
-                    acc = ptx.mul_rn(comb[0][j], rf[0][e])
-                    for k in cutlass.range_constexpr(1, HC):
-                        acc = ptx.mul_add_rn(comb[k][j], rf[k][e], acc)
-                    rM[v, j, e] = acc
-        return rM
+                for q in cutlass.range_constexpr(VEC // 4):
+                    for i in cutlass.range_constexpr(4):
+                        e = q * 4 + i
+                        acc = ptx.mul_rn(comb[0][j], rf[0][e])
+                        for k in cutlass.range_constexpr(1, HC):
+                            acc = ptx.mul_add_rn(comb[k][j], rf[k][e], acc)
+                        quad[i] = acc
+                    cute.copy(copy16, quad, self.mix_cell(ctx, v, j, q))
+        return ctx.sMix
+
+    def mix_layout(self) -> cute.Layout:
+        """The premix's shared-memory cells: [vector, stream, quad][thread, 4] fp32, each thread's four values of a
+        quad contiguous and the threads' quads side by side (16-byte accesses without bank conflicts)."""
+        return cute.make_layout((self.vpt * HC * (VEC // 4), self.threads * 4), stride=(self.threads * 4, 1))
+
+    def mix_cell(self, ctx: Ctx, v: int, j: int, q: int) -> cute.Tensor:
+        """This thread's quad q (elements 4q..4q+3) of stream j of its vector v in `ctx.sMix`."""
+        return cute.local_tile(ctx.sMix[(v * HC + j) * (VEC // 4) + q, None], (4,), (ctx.tidx,))
 
     @cute.jit
     def compute_row(
@@ -66,7 +80,7 @@ class Epilogue:
         mixed: cute.Tensor | None = None,
     ) -> tuple[cute.Tensor | None, Float32]:
         """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares.
-        `mixed`: the row's premix (then `comb` is not used)."""
+        `mixed`: the shared-memory cells of the row's premix (then `comb` is not used)."""
         vpt = const_expr(self.vpt)
         valid = ctx.valid
         rC = cute.make_rmem_tensor(row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
@@ -75,13 +89,19 @@ class Epilogue:
             rf = None if const_expr(mixed is not None) else [rR[v, k, None].load().to(Float32) for k in range(HC)]
             new_streams = []
             for j in cutlass.range_constexpr(HC):
+                mix = None
+                if const_expr(mixed is not None):
+                    mix = cute.make_rmem_tensor((VEC,), Float32)
+                    copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+                    for q in cutlass.range_constexpr(VEC // 4):
+                        cute.copy(copy16, self.mix_cell(ctx, v, j, q), cute.local_tile(mix, (4,), (q,)))
                 words = []
                 for e in cutlass.range_constexpr(0, VEC, 2):
                     pair = []
                     for h in cutlass.range_constexpr(2):
                         if const_expr(mixed is not None):
                             # post*y added to the premix in one rounding: within the contract's reassociation bound.
-                            acc = ptx.mul_add_rn(post[j], y[v, e + h], mixed[v, j, e + h])
+                            acc = ptx.mul_add_rn(post[j], y[v, e + h], mix[e + h])
                         else:
                             # Same operation order and roundings as the reference: post*y, then + comb[k,j]*R[k].
                             acc = ptx.mul_rn(post[j], y[v, e + h])

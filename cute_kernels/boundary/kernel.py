@@ -194,6 +194,9 @@ class FusedBoundaryKernel:
         sRed, mbar = None, None
         if const_expr(self.pre):
             sRed = smem.allocate_tensor(Float32, cute.make_layout(epi.stages * epi.slots), byte_alignment=16)
+        sMix = None
+        if const_expr(self.premix):
+            sMix = smem.allocate_tensor(Float32, epi.mix_layout(), byte_alignment=16)
         if const_expr(epi.use_cluster):
             mbar = smem.allocate_array(cutlass.Int64, num_elems=epi.stages)
             if tidx == 0:
@@ -232,7 +235,7 @@ class FusedBoundaryKernel:
         fields = dict(
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
-            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
+            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, sMix=sMix, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
             mError=mError, rank=rank, clusters=clusters,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
@@ -286,7 +289,7 @@ class FusedBoundaryKernel:
 
             def coefs_and_premix():
                 post, comb, pre = self.loads.coefs(regs.coef)
-                mixed = self.epilogue.premix(regs.rR, comb) if const_expr(self.premix) else None
+                mixed = self.epilogue.premix(ctx, regs.rR, comb) if const_expr(self.premix) else None
                 return post, comb, pre, mixed
 
             # The coefficient shuffles wait for their load, and the premix needs no y: the peer role does them
