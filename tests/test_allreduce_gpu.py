@@ -282,7 +282,7 @@ EVERY_MODE = [
 
 @pytest.mark.parametrize(("mode", "world", "hidden"), EVERY_MODE)
 def test_every_mode(world: int, hidden: int, mode: str) -> None:
-    """Rows 1 (inline, one-shot), 16 (W 4 and 8: two-shot; staged at W 8 from H 4096), 129 and 512 (staged)."""
+    """Rows 1 (inline, one-shot), 16 (W 4: one-shot, W 8: two-shot; staged at W 8 from H 4096), 129 and 512 (staged)."""
     ranks = simulated(world, hidden)
     for rows in (1, 16, 129, 512):
         inputs = make_inputs(world, rows, hidden, mode, seed=rows + 7)

@@ -76,11 +76,11 @@ class FusedBoundaryKernel:
         # of several rows per cluster); only a ready partial x is staged (a MoE partial would be combined twice).
         if staged and (world_size == 1 or y_source != "x"):
             raise ValueError("only the peer exchange of a ready partial x is staged")
-        # The peer kernels of a ready partial x at W 2 and 4 mix the streams (sum_k comb[k, j] * R[k]) while they
-        # wait for the peers (Epilogue.premix), in every protocol and row schedule alike, so that a row's bits
-        # depend on neither: 0.1-1.2 us off at 1-64 rows (docs/perf-log.md v18). At W 8 the premix's 32 fp32
-        # registers per vector spill beside the polls' (up to 120 bytes of stack), and it was slower.
-        self.premix = world_size in (2, 4) and y_source == "x"
+        # The peer kernels of a ready partial x mix the streams (sum_k comb[k, j] * R[k]) while they wait for the
+        # peers (Epilogue.premix, into shared memory: in registers it spilled beside the polls at W 4 and 8), in
+        # every protocol and row schedule alike, so that a row's bits depend on neither: 0.1-1.4 us off at 1-16
+        # rows, about level at 512 (docs/perf-log.md v18).
+        self.premix = world_size > 1 and y_source == "x"
         self.allreduce = None
         if world_size > 1:
             # The call counter's shares (allreduce.protocol) need fewer warps per launch than CALL_UNIT.
