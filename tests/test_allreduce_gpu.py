@@ -219,7 +219,7 @@ def expected_y(inputs: list[RankInputs]) -> Tensor:
 
 def streams_outside_the_bound(new: Tensor, y: Tensor, inp: RankInputs) -> int:
     """How many elements of R' miss their float64 value by more than the contract's bound (1 ulp + the fp32
-    reassociation bound: the peer kernels at W 2 and 4 add in another order than the reference, CONTRACT §2)."""
+    reassociation bound: the peer kernels of a ready partial add in another order than the reference, CONTRACT §2)."""
     y64, r64 = y.to(torch.float64), inp.residual.to(torch.float64)
     post, comb = inp.post.to(torch.float64), inp.comb.to(torch.float64)
     exact = post[:, :, None] * y64[:, None, :] + torch.einsum("tkj,tkh->tjh", comb, r64)
@@ -317,7 +317,7 @@ def first_rows(inp: RankInputs, rows: int) -> RankInputs:
 def test_a_rows_bits_depend_on_neither_the_row_count_nor_the_protocol(world: int, hidden: int) -> None:
     """Batch invariance on the peer path: the first rows of a call come out bit for bit the same in a call of 1, 16
     or 512 rows (inline and staged schedules) under either protocol, in the modes whose epilogue order the peer
-    kernel chooses (CONTRACT §2: at W 2 and 4 it mixes the streams before y is in)."""
+    kernel chooses (CONTRACT §2: it mixes the streams before y is in)."""
     ranks = simulated(world, hidden)
     for mode in ("partial", "shared", "aux"):
         full = make_inputs(world, MAX_ROWS, hidden, mode, seed=world * 7 + hidden)
