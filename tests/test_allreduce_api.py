@@ -246,7 +246,8 @@ def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
                 times = {"released": start, "gen": start + 100, "loaded": start + 200, "pushed": start + 300,
                          "arrived": arrived, "rearmed": arrived + 50, "computed": arrived + 300,
                          "summed": start + 1200 + tail - 100, "row done": start + 1200 + tail,
-                         "all arrived": arrived + 250}  # another warp of the CTA is in 0.25 us later  # fmt: skip
+                         "all arrived": arrived + 250,  # another warp of the CTA is in 0.25 us later
+                         "all computed": arrived + 350, "all sent": arrived + 400}  # fmt: skip
                 for name, ns in times.items():
                     stamps[r, k, c, at[name], 0] = ns
                     stamps[r, k, c, at[name], 1] = ns  # one cycle per ns
@@ -260,6 +261,10 @@ def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
     assert steps["warp skew at arrival"] == pytest.approx(0.25)
     assert steps["all in->done"] == pytest.approx(0.8 - 0.25)  # after the last warp of the last CTA
     assert steps["p90 all in->done"] == pytest.approx(1.5 - 0.25)
+    # The cluster's sum after the last CTA's thread 0 stored, and after its last warp stored and sent its sum.
+    assert steps["computed->summed (cluster)"] == pytest.approx(0.8 - 0.4)
+    assert steps["p90 computed->summed (cluster)"] == pytest.approx(1.5 - 0.4)
+    assert steps["all sent->summed (cluster)"] == pytest.approx(0.8 - 0.5)
     # A shared ring cell whose clock half kept an earlier call's value (its SM's clock64 was ahead) disagrees with
     # its globaltimer half: it is left out of the skew, not read as a skew of a whole call.
     stamps[:, :8, :, at["all arrived"], 1] = 10**9

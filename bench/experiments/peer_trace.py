@@ -7,8 +7,10 @@ release (right after griddepcontrol.wait), W > 1: the call's generation known (t
 row's partial loaded (timed after a store that needs the loaded value), W > 1: the end of its pushes (a
 wait's entry), the arrival of the last word it waits for (the wait's exit; and, by every warp, the latest
 exit), the end of the re-arm; then the row's new streams computed (their stores issued), the cluster's sum
-of squares in, and the end of each row (a staged call keeps its last row's). Every rank runs `--calls` boundaries back to back on its
-own stream inside one CUDA graph, as the bench does; the stamps of the last RING calls are kept. The table
+of squares in, and the end of each row (a staged call keeps its last row's); W > 1, by every warp, the latest
+new streams stored and sum of squares pushed into the cluster, and thread 0's SM id. Every rank runs
+`--calls` boundaries back to back on its own stream inside one CUDA graph, as the bench does; the stamps of
+the last RING calls are kept. The table
 gives, per (W, H, rows, protocol), the median step times (clock64, scaled to ns by the run's own
 globaltimer), the call period, the spread of the ranks' releases of a call, and, one-shot, how long after the
 last peer's push the wait ends. Simulated ranks share one GPU: these are not NVLink numbers.
@@ -21,6 +23,7 @@ import argparse
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cutlass_dsl import T
 
 from bench.allreduce import forced_protocol, rank_sets
 from boundary import BoundaryAllReduce
@@ -35,11 +38,13 @@ from cute_kernels.boundary.loads import RowLoads
 
 EVENTS = (
     "released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done", "all arrived",
-    "at wait",
+    "at wait", "all computed", "all sent", "sm",
 )  # fmt: skip
 # Thread 0's events, in order; "all arrived": the last warp's wait exit (W > 1); "at wait": thread 0 reaching
-# griddepcontrol.wait (a CTA that reaches it after the previous grid's end runs its prologue on the chain).
-CHAIN = EVENTS[:-2]
+# griddepcontrol.wait (a CTA that reaches it after the previous grid's end runs its prologue on the chain);
+# W > 1: "all computed" / "all sent": the last warp's new streams stored / its sum of squares pushed to the
+# cluster; "sm": the CTA's SM id (in the globaltimer half; not a time).
+CHAIN = EVENTS[:9]
 ONE_RANK_EVENTS = ("released", "loaded", "computed", "summed", "row done")  # what a W = 1 kernel stamps
 MAX_CTAS = 4096
 RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
@@ -102,6 +107,17 @@ class Stamps:
             cute.arch.atomic_max(cute.make_ptr(Int64, addr + 8, cute.AddressSpace.gmem), c, sem="relaxed", scope="gpu")
 
     @cute.jit
+    def stamp_sm(self, rank: Int32):
+        """Thread 0 writes its SM id into the "sm" cell (the globaltimer half; the clock half 1, so that it counts
+        as stamped)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            sm = Uint32(ptx.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True))
+            addr = self.address(rank, "sm")
+            ptx.st_global_v2_b32(addr, sm, Uint32(0))
+            ptx.st_global_v2_b32(addr + 8, Uint32(1), Uint32(0))
+
+    @cute.jit
     def stamp_after(self, rank: Int32, name: str, value: Float32):
         """Stamp event `name` once `value` (a loaded row's first element) is in: a store of its bits goes first (into
         the event's own cell, overwritten by the stamp), and the timer reads are not moved above a store."""
@@ -139,6 +155,7 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             stamps.stamp(rank_of(ctx), "at wait", stamps.at_wait)
             if const_expr(world > 1):
                 stamps.stamp(rank_of(ctx), "gen", stamps.gen)
+                stamps.stamp_sm(rank_of(ctx))
             stamps.stamp_after(rank_of(ctx), "loaded", y[0, 0])
             return y
 
@@ -180,8 +197,16 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         def compute_row(self, ctx, rR, y, post, comb, pre, row: Int32, *more):
             rC, sumsq = Epilogue.compute_row(self, ctx, rR, y, post, comb, pre, row, *more)
             stamps.stamp(rank_of(ctx), "computed")  # the new streams' stores issued
-            stamps.rank = rank_of(ctx)  # for the stamp in row_sum, which takes no ctx
+            if const_expr(world > 1):
+                stamps.stamp_latest(rank_of(ctx), "all computed")
+            stamps.rank = rank_of(ctx)  # for the stamps of the row's sum, which takes no ctx
             return rC, sumsq
+
+        @cute.jit
+        def send_warp_sum(self, val, sRed, mbar, cta, stage: int, *more):
+            Epilogue.send_warp_sum(self, val, sRed, mbar, cta, stage, *more)
+            if const_expr(world > 1):
+                stamps.stamp_latest(stamps.rank, "all sent")  # every warp's sum pushed into the cluster
 
         @cute.jit
         def row_sum(self, val, sRed, mbar, cta, stage: int, phase, *more):
@@ -315,6 +340,14 @@ def summarize(stamps: torch.Tensor, ctas: int, protocol: str | None) -> dict[str
             [t[[p for p in range(world) if p != r], :, :, pushed].max(dim=0).values for r in range(world)]
         )
         steps["last push->arrived"] = float((t[..., arrived] - later).median())
+    if protocol is not None:
+        # The cluster's sum after its CTAs' thread 0 stored (a stall there held every CTA of the cluster in v18's
+        # dumps), and after its last warp stored and pushed its sum (per call: a one-row call is one cluster).
+        done = t[..., EVENTS.index("summed")].max(dim=2).values
+        for name in ("computed", "all computed", "all sent"):
+            lag = done - t[..., EVENTS.index(name)].max(dim=2).values
+            steps[f"{name}->summed (cluster)"] = float(lag.median())
+            steps[f"p90 {name}->summed (cluster)"] = float(lag.quantile(0.9))
     return {k: v / 1e3 for k, v in steps.items()}
 
 

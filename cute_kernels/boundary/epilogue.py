@@ -165,6 +165,13 @@ class Epilogue:
         later, after this CTA's every warp has sent the row in between, which each warp does after
         reading the stage.
         """
+        self.send_warp_sum(val, sRed, mbar, cta, stage)
+        return self.gather_sum(sRed, mbar, stage, phase)
+
+    @cute.jit
+    def send_warp_sum(self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32, stage: int):
+        """This warp's sum of `val` into its slot of stage `stage` of every CTA of the row's cluster (one CTA:
+        of this CTA, then a barrier)."""
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         val = reduce.warp_sum(val)
@@ -175,16 +182,23 @@ class Epilogue:
                 reduce.expect_bytes(mbar + stage, self.slots * 4)
             if lane < self.cluster_n:
                 reduce.push(sRed.iterator + base + slot, val, mbar + stage, lane)
+        else:
+            if lane == 0:
+                sRed[base + slot] = val
+            cute.arch.barrier()
+
+    @cute.jit
+    def gather_sum(self, sRed: cute.Tensor, mbar: cute.Pointer | None, stage: int, phase: Int32) -> Float32:
+        """Once every warp of the cluster has sent its sum to stage `stage`: their total, in slot order."""
+        lane = cute.arch.lane_idx()
+        base = const_expr(stage * self.slots)
+        if const_expr(self.use_cluster):
             if const_expr(self.spin):
                 done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
                 while not done:
                     done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
             else:
                 cute.arch.mbarrier_wait(mbar + stage, phase)
-        else:
-            if lane == 0:
-                sRed[base + slot] = val
-            cute.arch.barrier()
         slots = const_expr(self.slots)
         part = Float32(0.0)
         for i in cutlass.range_constexpr(cute.ceil_div(slots, 32)):
