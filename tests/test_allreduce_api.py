@@ -226,6 +226,13 @@ def test_the_peer_trace_experiment_compiles() -> None:
         for staged in (False, True):
             fn, config = traced_kernel(4096, 2, name, staged, "sm_90a", base=1 << 40, calls=1 << 41)
             assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)
+    import cutlass.cute as cute
+
+    shipped_trigger = cute.arch.griddepcontrol_launch_dependents
+    fn, _ = traced_kernel(4096, 4, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41, trigger="end")
+    assert callable(fn) and cute.arch.griddepcontrol_launch_dependents is shipped_trigger  # the patch is undone
+    with pytest.raises(ValueError, match="trigger"):
+        traced_kernel(4096, 2, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41, trigger="start")
 
 
 def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:

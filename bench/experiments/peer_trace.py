@@ -128,9 +128,11 @@ class Stamps:
         self.stamp(rank, name)
 
 
-def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int, calls: int):
+def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int, calls: int,
+                  trigger: str = "shipped"):  # fmt: skip
     """The shipped kernel (bf16 partial in, bf16 out; W > 1: the peer kernel, inline or staged) with the stamps of
-    `Stamps` at `base`."""
+    `Stamps` at `base`. `trigger` "end": the PDL trigger after each CTA's last row instead of where it ships (a
+    diagnostic: whether the next grid's launch, which the trigger sets off, disturbs this one's epilogue)."""
     stamps = Stamps(base, calls)
 
     def rank_of(ctx) -> Int32:
@@ -186,11 +188,16 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             PeerReduce.rearm(self, ctx, row, sources)
             stamps.stamp(ctx.rank, "rearmed")
 
+    real_trigger = cute.arch.griddepcontrol_launch_dependents
+
     class TracedKernel(FusedBoundaryKernel):
         @cute.jit
         def process_row(self, ctx, regs, row: Int32, stage: int, phase: Int32):
             FusedBoundaryKernel.process_row(self, ctx, regs, row, stage, phase)
             stamps.stamp(rank_of(ctx), "row done")
+            if const_expr(trigger == "end"):
+                if row + ctx.clusters >= ctx.rows:
+                    real_trigger()
 
     class TracedEpilogue(Epilogue):
         @cute.jit
@@ -228,11 +235,17 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         stamps.at_wait = (ptx.globaltimer(), ptx.clock64())
         return real_wait(*args, **kwargs)
 
-    cute.arch.griddepcontrol_wait = stamped_wait  # only while this kernel is traced (the kernel calls it by name)
+    if trigger not in ("shipped", "end"):
+        raise ValueError(f"trigger must be 'shipped' or 'end', got {trigger!r}")
+    # Only while this kernel is traced (the kernel calls both by name).
+    cute.arch.griddepcontrol_wait = stamped_wait
+    if trigger == "end":
+        cute.arch.griddepcontrol_launch_dependents = lambda *args, **kwargs: None
     try:
         return api.compile_boundary_kernel(kernel, hidden, variant, world, arch=arch), config
     finally:
         cute.arch.griddepcontrol_wait = real_wait
+        cute.arch.griddepcontrol_launch_dependents = real_trigger
 
 
 def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int,
@@ -361,13 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protocol", nargs="+", default=["oneshot", "twoshot"])
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--dump", type=str, default=None, help="save every point's raw stamps (torch.save) here")
+    p.add_argument("--trigger", choices=["shipped", "end"], default="shipped",
+                   help="end: the PDL trigger after each CTA's last row (a diagnostic)")  # fmt: skip
     args = p.parse_args(argv)
     if args.calls < RING + 8:
         p.error(f"--calls must be at least {RING + 8}: the last {RING} calls are kept, after 8 or more to settle")
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_for_device(device)
     raw = {}
-    print(f"W > 1: SIMULATED ranks on one GPU (not NVLink); medians over ranks, the last {RING} calls and CTAs, us")
+    print(f"W > 1: SIMULATED ranks on one GPU (not NVLink); medians over ranks, the last {RING} calls and CTAs, us; "
+          f"PDL trigger: {args.trigger}")  # fmt: skip
     for world in args.world:
         trace = torch.zeros(world, RING, MAX_CTAS, len(EVENTS), 2, dtype=torch.int64, device=device)
         counts = torch.zeros(MAX_CTAS, dtype=torch.int32, device=device)
@@ -380,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                         config = default_config(hidden, arch, world, world)
                         staged = world > 1 and config.clusters(rows) < rows
                         fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr(),
-                                              counts.data_ptr())  # fmt: skip
+                                              counts.data_ptr(), trigger=args.trigger)  # fmt: skip
                         ctas = config.cluster_n * config.clusters(rows)
                         stamps = trace_point(ranks, fn, trace, counts, hidden, rows, args.calls)
                         name = "one rank" if world == 1 else protocol
