@@ -15,6 +15,8 @@ from dataclasses import dataclass
 MAX_THREADS_PER_SM = 2048
 MAX_CTAS_PER_SM = 32
 REGISTERS_PER_SM = 65536
+SHARED_BYTES_PER_SM = 228 * 1024
+SHARED_BYTES_RESERVED_PER_CTA = 1024  # the driver's share of each CTA's shared memory
 MAX_CLUSTER = 8  # the portable thread-block cluster size
 FLAGSHIP_SMS = {"sm_90a": 132, "sm_100a": 148}
 SM_COUNT_ENV = "MHC_BOUNDARY_SM_COUNT"

@@ -205,6 +205,26 @@ def test_a_segments_columns_depend_on_h_alone() -> None:
             assert shapes == {row_split(hidden)}, (arch, hidden, shapes)
 
 
+def test_the_premix_runs_where_its_shared_memory_costs_no_residency() -> None:
+    """The peer kernels of a ready partial mix the streams before y is in, in shared memory (CONTRACT §2), at every
+    world size and every H a model uses; not where one CTA per row holds so many vectors that its premix would not
+    fit beside the CTAs the registers allow (H 14464: one CTA of 480 threads x 4 vectors, 240 KB), nor for a MoE
+    partial or one rank."""
+    hardware_bytes = 228 * 1024
+    for arch in ("sm_90a", "sm_100a"):
+        for hidden in (2560, 4096, 4352, 5120, 7168, 8192, 16384):
+            for world in (2, 4, 8):
+                config = default_config(hidden, arch, world, world)
+                assert FusedBoundaryKernel(hidden, config, world_size=world).premix, (arch, hidden, world)
+                assert not FusedBoundaryKernel(hidden, config, y_source="moe", world_size=world).premix
+                premix = config.threads * config.vecs_per_thread(hidden) * 4 * 8 * 4
+                assert config.min_ctas_per_sm * (premix + 2048) <= hardware_bytes
+            assert not FusedBoundaryKernel(hidden, default_config(hidden, arch), world_size=1).premix
+    config = default_config(14464, "sm_90a", 2, 2)
+    assert (config.cluster_n, config.threads, config.vecs_per_thread(14464)) == (1, 480, 4)
+    assert not config.premix_fits(14464) and not FusedBoundaryKernel(14464, config, world_size=2).premix
+
+
 def test_the_call_counter_bounds_the_warps_per_launch() -> None:
     config = default_config(7168, "sm_90a", 1, 2)
     warps = config.max_clusters * config.cluster_n * config.threads // 32

@@ -118,8 +118,9 @@ class PeerReduce:
         """(y of `row`, fp32 holding bf16 values, (vpt, 8), from this rank's partial `y` and every peer's; what
         `later` returns). `later` is the row's other work that needs no y (its coefficient shuffles, which wait on
         a load, and the premix), done where no push waits for it and before the row waits: after an inline row's
-        pushes (a two-shot owner has none; without the premix, a two-shot row does it after its exchange), before
-        a staged row's (whose pushes went out before the row loop).
+        pushes (a two-shot owner pushes only y, after its wait: it does `later` first; without the premix a
+        two-shot row does it after its exchange), before a staged row's (whose pushes went out before the row
+        loop).
         `rSlot`: the row's slot words as loaded with the row (staged: row_slot_shape)."""
         vpt = const_expr(self.vpt)
         words = self.words(y)
@@ -280,7 +281,7 @@ class PeerReduce:
         owner = self.owner(ctx, row)
         if owner != ctx.rank:
             self.push_partial(ctx, words, row, owner)
-        # Without the premix `later` is the coefficient shuffles alone: after the exchange, as measured at W 8 (v15).
+        # Without the premix (a MoE partial) `later` is the coefficient shuffles alone: after the exchange (v15).
         taken = later() if const_expr(self.premix) else None
         if owner != ctx.rank:
             self.wait_y(ctx, row, owner, rIn, rY)

@@ -19,6 +19,7 @@ PEER_REGISTER_BUDGET = 128
 # The cluster cap takes this share of the clusters that fit, so that every cluster is resident from
 # the start (one that waited for a free slot would run its rows after the others had finished theirs).
 RESIDENT_SHARE = 0.9
+OTHER_SHARED_BYTES = 1024  # a bound on the cluster sum's slots and barriers
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class BoundaryConfig:
     def vecs_per_thread(self, H: int) -> int:
         """16-byte vectors each thread owns in its CTA's chunk (the last may be idle on some threads)."""
         return -(-(H // self.cluster_n // VEC) // self.threads)
+
+    def premix_fits(self, H: int) -> bool:
+        """Whether the peer kernels' premix (Epilogue.premix: 8 x 16 fp32 bytes per vector and thread, in shared
+        memory) fits beside the cluster sum's slots in every CTA of a full SM, so that it never costs residency."""
+        premix = self.threads * self.vecs_per_thread(H) * HC * VEC * 4
+        per_cta = premix + OTHER_SHARED_BYTES + hardware.SHARED_BYTES_RESERVED_PER_CTA
+        return self.min_ctas_per_sm * per_cta <= hardware.SHARED_BYTES_PER_SM
 
     def clusters(self, rows: int) -> int:
         """Clusters launched for `rows` rows: the fewest rows per cluster under the cap, then the fewest

@@ -78,9 +78,10 @@ class FusedBoundaryKernel:
             raise ValueError("only the peer exchange of a ready partial x is staged")
         # The peer kernels of a ready partial x mix the streams (sum_k comb[k, j] * R[k]) while they wait for the
         # peers (Epilogue.premix, into shared memory: in registers it spilled beside the polls at W 4 and 8), in
-        # every protocol and row schedule alike, so that a row's bits depend on neither: 0.1-1.4 us off at 1-16
-        # rows, about level at 512 (docs/perf-log.md v18).
-        self.premix = world_size > 1 and y_source == "x"
+        # every protocol and row schedule of H alike, so that a row's bits depend on neither: 0.1-1.4 us off at
+        # 1-16 rows, -1 to +5 % at 256-512 (docs/perf-log.md v18). Not where its shared memory would cost
+        # residency (one CTA per row of many vectors per thread, at H no model uses).
+        self.premix = world_size > 1 and y_source == "x" and config.premix_fits(H)
         self.allreduce = None
         if world_size > 1:
             # The call counter's shares (allreduce.protocol) need fewer warps per launch than CALL_UNIT.
