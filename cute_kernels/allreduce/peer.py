@@ -71,7 +71,6 @@ class PeerReduce:
         self.window = max(1, min(4, 8 // (world_size * vpt)))
         self.staged = staged  # every row's exchange goes out before the row loop (a ready partial x)
         self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
-        self.premix = False  # whether a row's `later` holds the kernel's premix (set by the kernel)
 
     @cute.jit
     def read_counter(self, mState: cute.Tensor) -> Int32:
@@ -278,17 +277,23 @@ class PeerReduce:
         """Not the owner: push this rank's partial into the owner's slot `rank`, do `later` (returned; without the
         premix: last), wait for y in slot W. The owner: do `later`, wait for the W - 1 other partials, sum, push y to
         every peer."""
+        # Without the premix (its cells absent: a MoE partial) `later` is the coefficient shuffles alone, done after
+        # the exchange (v15).
+        premix = ctx.sMix is not None
         owner = self.owner(ctx, row)
         if owner != ctx.rank:
             self.push_partial(ctx, words, row, owner)
-        # Without the premix (a MoE partial) `later` is the coefficient shuffles alone: after the exchange (v15).
-        taken = later() if const_expr(self.premix) else None
+        taken = None
+        if const_expr(premix):
+            taken = later()
         if owner != ctx.rank:
             self.wait_y(ctx, row, owner, rIn, rY)
             self.rearm(ctx, row, [(self.W, owner, None)])
         else:
             self.reduce_and_send(ctx, words, row, rIn, rY)
-        return taken if const_expr(self.premix) else later()
+        if const_expr(not premix):
+            taken = later()
+        return taken
 
     @cute.jit
     def reduce_and_send(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):

@@ -38,10 +38,10 @@ class Epilogue:
         self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
 
     @cute.jit
-    def premix(self, ctx: Ctx, rR: cute.Tensor, comb: list) -> cute.Tensor:
+    def premix(self, ctx: Ctx, rR: cute.Tensor, comb: list):
         """sum_k comb[k, j] * R[k] of a row's streams, k in order: the part of R'[j] that needs no y, so that a peer
         kernel computes it while it waits for the other ranks. It goes to this thread's cells of `ctx.sMix` (fp32,
-        mix_layout), not registers: beside the polls' registers it would spill. Returns that tensor."""
+        mix_layout), not registers: beside the polls' registers it would spill."""
         vpt = const_expr(self.vpt)
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         quad = cute.make_rmem_tensor((4,), Float32)
@@ -56,7 +56,6 @@ class Epilogue:
                             acc = ptx.mul_add_rn(comb[k][j], rf[k][e], acc)
                         quad[i] = acc
                     cute.copy(copy16, quad, self.mix_cell(ctx, v, j, q))
-        return ctx.sMix
 
     def mix_layout(self) -> cute.Layout:
         """The premix's shared-memory cells: [vector, stream, quad][thread, 4] fp32, each thread's four values of a
@@ -69,37 +68,30 @@ class Epilogue:
 
     @cute.jit
     def compute_row(
-        self,
-        ctx: Ctx,
-        rR: cute.Tensor,
-        y: cute.Tensor,
-        post: list,
-        comb: list | None,
-        pre: list | None,
-        row: Int32,
-        mixed: cute.Tensor | None = None,
+        self, ctx: Ctx, rR: cute.Tensor, y: cute.Tensor, post: list, comb: list, pre: list | None, row: Int32
     ) -> tuple[cute.Tensor | None, Float32]:
-        """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares.
-        `mixed`: the shared-memory cells of the row's premix (then `comb` is not used)."""
+        """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares. With the
+        premix cells (`ctx.sMix`, a peer kernel: premix) the row's mix is read from them and `comb` is not used."""
         vpt = const_expr(self.vpt)
         valid = ctx.valid
+        mixed = ctx.sMix is not None
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         rC = cute.make_rmem_tensor(row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
         sumsq = Float32(0.0)
         for v in cutlass.range_constexpr(vpt):
-            rf = None if const_expr(mixed is not None) else [rR[v, k, None].load().to(Float32) for k in range(HC)]
+            rf = None if const_expr(mixed) else [rR[v, k, None].load().to(Float32) for k in range(HC)]
             new_streams = []
             for j in cutlass.range_constexpr(HC):
                 mix = None
-                if const_expr(mixed is not None):
+                if const_expr(mixed):
                     mix = cute.make_rmem_tensor((VEC,), Float32)
-                    copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
                     for q in cutlass.range_constexpr(VEC // 4):
                         cute.copy(copy16, self.mix_cell(ctx, v, j, q), cute.local_tile(mix, (4,), (q,)))
                 words = []
                 for e in cutlass.range_constexpr(0, VEC, 2):
                     pair = []
                     for h in cutlass.range_constexpr(2):
-                        if const_expr(mixed is not None):
+                        if const_expr(mixed):
                             # post*y added to the premix in one rounding: within the contract's reassociation bound.
                             acc = ptx.mul_add_rn(post[j], y[v, e + h], mix[e + h])
                         else:

@@ -97,7 +97,6 @@ class FusedBoundaryKernel:
         """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
         self.allreduce = allreduce
         allreduce.loads = self.loads  # the staged phases load partials
-        allreduce.premix = self.premix  # the row's `later` holds the premix: a two-shot row does it before its wait
         self.loads.slots = allreduce if allreduce.slots_with_row else None  # a staged row loads its slots with it
 
     @cute.jit
@@ -284,23 +283,23 @@ class FusedBoundaryKernel:
         if const_expr(self.allreduce is None):
             post, comb, pre = self.loads.coefs(regs.coef)
             y = self.loads.partial(ctx, regs, row)
-            mixed = None  # the reference's order: post*y first
         else:
             y = self.loads.partial(ctx, regs, row)
 
             def coefs_and_premix():
                 post, comb, pre = self.loads.coefs(regs.coef)
-                mixed = self.epilogue.premix(ctx, regs.rR, comb) if const_expr(self.premix) else None
-                return post, comb, pre, mixed
+                if const_expr(self.premix):
+                    self.epilogue.premix(ctx, regs.rR, comb)
+                return post, comb, pre
 
             # The coefficient shuffles wait for their load, and the premix needs no y: the peer role does them
             # where no push waits for them and before its wait (inline: while the peers' pushes are on their way).
-            y, (post, comb, pre, mixed) = self.allreduce.reduce(ctx, y, row, regs.rSlot, coefs_and_premix)
+            y, (post, comb, pre) = self.allreduce.reduce(ctx, y, row, regs.rSlot, coefs_and_premix)
             if ahead >= ctx.rows:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
                 cute.arch.griddepcontrol_launch_dependents()
-        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row, mixed)
+        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
             self.loads.load_row(ctx, regs, ahead)
