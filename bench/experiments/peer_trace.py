@@ -14,6 +14,11 @@ the last RING calls are kept. The table
 gives, per (W, H, rows, protocol), the median step times (clock64, scaled to ns by the run's own
 globaltimer), the call period, the spread of the ranks' releases of a call, and, one-shot, how long after the
 last peer's push the wait ends. Simulated ranks share one GPU: these are not NVLink numbers.
+
+`--warp-stamps` (W > 1): every warp's lane 0 also stamps, into its own cell with plain stores (the atomic
+"all ..." stamps are then left out), its wait's exit, its new streams stored, its sum of squares reduced
+(shuffles), pushed into the cluster, and the cluster's sum in: the steps of one warp in its SM's clock64
+(`--dump` saves them under "warp_stamps").
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from cutlass.cutlass_dsl import T
 
 from bench.allreduce import forced_protocol, rank_sets
 from boundary import BoundaryAllReduce
-from cute_kernels import ptx
+from cute_kernels import ptx, reduce
 from cute_kernels.allreduce.peer import PeerReduce
 from cute_kernels.allreduce.protocol import CALL_SHIFT
 from cute_kernels.boundary import api
@@ -48,6 +53,11 @@ CHAIN = EVENTS[:9]
 ONE_RANK_EVENTS = ("released", "loaded", "computed", "summed", "row done")  # what a W = 1 kernel stamps
 MAX_CTAS = 4096
 RING = 32  # the stamps of the last RING calls are kept (slot: call index % RING)
+# W > 1, `--warp-stamps`: every warp's lane 0 stamps these into its own cell with plain stores (no atomics), so
+# that the steps between a warp's peer wait and its cluster sum are timed per warp, in its SM's clock64.
+WARP_EVENTS = ("arrived", "computed", "shuffled", "sent", "waited")
+WARP_CTAS = 1024  # the CTAs whose warps stamp (the first ones of each call)
+WARPS = 8  # warps per CTA with a cell
 
 
 class Stamps:
@@ -128,12 +138,39 @@ class Stamps:
         self.stamp(rank, name)
 
 
+class WarpStamps:
+    """Writes (%globaltimer, %clock64) per (rank, call % RING, CTA, warp, event) with plain stores by each warp's
+    lane 0 (W > 1: every warp's lane 0 knows the call's ring slot from its own counter read)."""
+
+    def __init__(self, base: int, stamps: Stamps) -> None:
+        self.base = base
+        self.stamps = stamps
+
+    @cute.jit
+    def stamp(self, rank: Int32, name: str, value: Float32 | None = None):
+        """Stamp warp event `name` now; with `value`, once it is in (a store of its bits goes first)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx % 32 == 0:
+            cta = self.stamps.cta()
+            if cta < WARP_CTAS:
+                warp = Int64(tidx // 32)
+                cell = ((Int64(rank) * RING + Int64(self.stamps.call)) * WARP_CTAS + cta) * WARPS + warp
+                addr = Int64(self.base) + (cell * len(WARP_EVENTS) + WARP_EVENTS.index(name)) * 16
+                if const_expr(value is not None):
+                    bits = ptx.f32_bits(value)
+                    ptx.st_global_v2_b32(addr, bits, bits)
+                t, c = ptx.globaltimer(), ptx.clock64()
+                ptx.st_global_v2_b32(addr, Uint32(t & 0xFFFFFFFF), Uint32(t >> 32))
+                ptx.st_global_v2_b32(addr + 8, Uint32(c & 0xFFFFFFFF), Uint32(c >> 32))
+
+
 def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int, calls: int,
-                  trigger: str = "shipped"):  # fmt: skip
+                  trigger: str = "shipped", warp_base: int | None = None):  # fmt: skip
     """The shipped kernel (bf16 partial in, bf16 out; W > 1: the peer kernel, inline or staged) with the stamps of
     `Stamps` at `base`. `trigger` "end": the PDL trigger after each CTA's last row instead of where it ships (a
     diagnostic: whether the next grid's launch, which the trigger sets off, disturbs this one's epilogue)."""
     stamps = Stamps(base, calls)
+    warp_stamps = None if warp_base is None or world == 1 else WarpStamps(warp_base, stamps)
 
     def rank_of(ctx) -> Int32:
         return Int32(0) if ctx.rank is None else ctx.rank
@@ -181,7 +218,10 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
             stamps.stamp(ctx.rank, "pushed")
             PeerReduce.wait(self, ctx, rIn, row, sources, deadline, pending)
             stamps.stamp(ctx.rank, "arrived")
-            stamps.stamp_latest(ctx.rank, "all arrived")
+            if const_expr(warp_stamps is not None):
+                warp_stamps.stamp(ctx.rank, "arrived")
+            if const_expr(warp_stamps is None):  # per-warp stamps replace the atomic ones
+                stamps.stamp_latest(ctx.rank, "all arrived")
 
         @cute.jit
         def rearm(self, ctx, row: Int32, sources: list):
@@ -203,21 +243,39 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         @cute.jit
         def compute_row(self, ctx, rR, y, post, comb, pre, row: Int32, *more):
             rC, sumsq = Epilogue.compute_row(self, ctx, rR, y, post, comb, pre, row, *more)
+            if const_expr(warp_stamps is not None):
+                warp_stamps.stamp(rank_of(ctx), "computed", sumsq)
             stamps.stamp(rank_of(ctx), "computed")  # the new streams' stores issued
-            if const_expr(world > 1):
+            if const_expr(world > 1 and warp_stamps is None):
                 stamps.stamp_latest(rank_of(ctx), "all computed")
             stamps.rank = rank_of(ctx)  # for the stamps of the row's sum, which takes no ctx
             return rC, sumsq
 
         @cute.jit
         def send_warp_sum(self, val, sRed, mbar, cta, stage: int, *more):
-            Epilogue.send_warp_sum(self, val, sRed, mbar, cta, stage, *more)
-            if const_expr(world > 1):
+            if const_expr(warp_stamps is None):
+                Epilogue.send_warp_sum(self, val, sRed, mbar, cta, stage, *more)
+            else:
+                # Epilogue.send_warp_sum's steps (cluster kernels), a warp stamp after the shuffles and the pushes.
+                lane = cute.arch.lane_idx()
+                warp = cute.arch.warp_idx()
+                val = reduce.warp_sum(val)
+                warp_stamps.stamp(stamps.rank, "shuffled", val)
+                base = const_expr(stage * self.slots)
+                slot = cta * self.warps + warp
+                if warp == 0:
+                    reduce.expect_bytes(mbar + stage, self.slots * 4)
+                if lane < self.cluster_n:
+                    reduce.push(sRed.iterator + base + slot, val, mbar + stage, lane)
+                warp_stamps.stamp(stamps.rank, "sent")
+            if const_expr(world > 1 and warp_stamps is None):
                 stamps.stamp_latest(stamps.rank, "all sent")  # every warp's sum pushed into the cluster
 
         @cute.jit
         def row_sum(self, val, sRed, mbar, cta, stage: int, phase, *more):
             total = Epilogue.row_sum(self, val, sRed, mbar, cta, stage, phase, *more)
+            if const_expr(warp_stamps is not None):
+                warp_stamps.stamp(stamps.rank, "waited", total)
             stamps.stamp(stamps.rank, "summed")  # the cluster's sum of squares in (and fenced)
             return total
 
@@ -376,16 +434,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump", type=str, default=None, help="save every point's raw stamps (torch.save) here")
     p.add_argument("--trigger", choices=["shipped", "end"], default="shipped",
                    help="end: the PDL trigger after each CTA's last row (a diagnostic)")  # fmt: skip
+    p.add_argument("--warp-stamps", action="store_true",
+                   help="W > 1: every warp also stamps its wait's exit, streams, shuffles, pushes and cluster sum")  # fmt: skip
     args = p.parse_args(argv)
     if args.calls < RING + 8:
         p.error(f"--calls must be at least {RING + 8}: the last {RING} calls are kept, after 8 or more to settle")
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_for_device(device)
     raw = {}
+    warp_raw = {}
     print(f"W > 1: SIMULATED ranks on one GPU (not NVLink); medians over ranks, the last {RING} calls and CTAs, us; "
           f"PDL trigger: {args.trigger}")  # fmt: skip
     for world in args.world:
         trace = torch.zeros(world, RING, MAX_CTAS, len(EVENTS), 2, dtype=torch.int64, device=device)
+        warps = None
+        if args.warp_stamps and world > 1:
+            warps = torch.zeros(world, RING, WARP_CTAS, WARPS, len(WARP_EVENTS), 2, dtype=torch.int64, device=device)
         counts = torch.zeros(MAX_CTAS, dtype=torch.int32, device=device)
         for hidden in args.hidden:
             ranks = [] if world == 1 else BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows),
@@ -396,16 +460,21 @@ def main(argv: list[str] | None = None) -> int:
                         config = default_config(hidden, arch, world, world)
                         staged = world > 1 and config.clusters(rows) < rows
                         fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr(),
-                                              counts.data_ptr(), trigger=args.trigger)  # fmt: skip
+                                              counts.data_ptr(), trigger=args.trigger,
+                                              warp_base=None if warps is None else warps.data_ptr())  # fmt: skip
+                        if warps is not None:
+                            warps.zero_()
                         ctas = config.cluster_n * config.clusters(rows)
                         stamps = trace_point(ranks, fn, trace, counts, hidden, rows, args.calls)
                         name = "one rank" if world == 1 else protocol
                         raw[(world, hidden, rows, name)] = stamps[:, :, :ctas].cpu()
+                        if warps is not None:
+                            warp_raw[(world, hidden, rows, name)] = warps[:, :, : min(ctas, WARP_CTAS)].cpu()
                         steps = summarize(stamps, ctas, None if world == 1 else protocol)
                         cells = "  ".join(f"{k} {v:5.2f}" for k, v in steps.items())
                         print(f"W={world} H={hidden} rows={rows:4d} {name:8s}  {cells}", flush=True)
     if args.dump:
-        torch.save({"events": EVENTS, "stamps": raw}, args.dump)
+        torch.save({"events": EVENTS, "stamps": raw, "warp_events": WARP_EVENTS, "warp_stamps": warp_raw}, args.dump)
     return 0
 
 

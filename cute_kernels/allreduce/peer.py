@@ -18,7 +18,8 @@ each owner waits for, sums and sends y of all its segments, and only then the ro
 epilogue, y loaded with the row's other loads (one-shot: summed there from the slots, already full).
 
 The slot generation of a call comes from the rank's call counter (protocol.CALL_UNIT): each warp reads
-it and adds its share at once, so no CTA counts itself at its end.
+it and adds its share after, so no CTA counts itself at its end: at once, or (inline one-shot) after its
+first row's pushes, so that the add does not go out before them.
 
 Every wait has a deadline (the call's start + the workspace's timeout; a two-shot wait for y, half a
 timeout more, so that an owner stuck on a missing rank gives up, and names it, first): past it, the
@@ -78,26 +79,40 @@ class PeerReduce:
         addr = (mState.iterator + STATE_CALLS).toint()
         return Int32(ptx.ld_relaxed_gpu_b32_pred(addr, cute.arch.lane_idx() == 0))
 
+    def adds_after_push(self) -> bool:
+        """Whether a warp adds its share of the call counter after its first row's pushes (the inline one-shot:
+        0.05-0.12 us faster at W 4 and 8, docs/perf-log.md v19) rather than right after its read."""
+        return not self.staged and self.protocol == "oneshot"
+
     @cute.jit
     def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
-        """This call's slot generation from lane 0's read of the call counter, whose share for this warp goes in
-        at once."""
-        lane = cute.arch.lane_idx()
-        counter = mState.iterator + STATE_CALLS
-        # Warp-uniform values first: warp_idx() is a whole-warp shuffle, which must not run in a one-lane branch.
+        """This call's slot generation from lane 0's read of the call counter (this warp's share goes in now, or
+        after its first row's pushes: adds_after_push)."""
+        share = self.warp_share()
+        calls = cute.arch.shuffle_sync(calls, 0)
+        if const_expr(not self.adds_after_push()):
+            self.add_share(mState, share)
+        gen = Int32(0)
+        if const_expr(self.generations == 2):
+            gen = (calls >> CALL_SHIFT) & 1  # the call index's parity (the counter may wrap: 2^16 calls is even)
+        return gen
+
+    @cute.jit
+    def warp_share(self) -> Int32:
+        """This warp's share of the call counter (protocol.CALL_UNIT)."""
+        # Warp-uniform values: warp_idx() is a whole-warp shuffle, which must not run in a one-lane branch.
         bx, by, _ = cute.arch.block_idx()
         gx, gy, _ = cute.arch.grid_dim()
         tx, _, _ = cute.arch.block_dim()
         warps = gx * gy * (tx // 32)
         first = (bx == 0) & (by == 0) & (cute.arch.warp_idx() == 0)
-        share = Int32(cutlass.select_(first, Int32(CALL_UNIT) - (warps - 1), Int32(1)))
-        calls = cute.arch.shuffle_sync(calls, 0)
-        if lane == 0:
-            cute.arch.atomic_add(counter, share, sem="relaxed", scope="gpu")
-        gen = Int32(0)
-        if const_expr(self.generations == 2):
-            gen = (calls >> CALL_SHIFT) & 1  # the call index's parity (the counter may wrap: 2^16 calls is even)
-        return gen
+        return Int32(cutlass.select_(first, Int32(CALL_UNIT) - (warps - 1), Int32(1)))
+
+    @cute.jit
+    def add_share(self, mState: cute.Tensor, share: Int32):
+        """Lane 0 adds this warp's share to the call counter (after the warp's read of it)."""
+        if cute.arch.lane_idx() == 0:
+            cute.arch.atomic_add(mState.iterator + STATE_CALLS, share, sem="relaxed", scope="gpu")
 
     @cute.jit
     def owner(self, ctx, row: Int32) -> Int32:
@@ -265,6 +280,9 @@ class PeerReduce:
         """Push this rank's vectors into slot `rank` of every peer, do `later` (returned), wait for the W - 1
         others, sum them all."""
         self.push_partial(ctx, words, row)
+        if const_expr(self.adds_after_push()):
+            if row < ctx.clusters:  # this cluster's first row
+                self.add_share(ctx.mState, self.warp_share())
         taken = later()
         sources = self.partial_sources(ctx)
         self.wait(ctx, rIn, row, sources, ctx.deadline)

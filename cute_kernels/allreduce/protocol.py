@@ -17,8 +17,8 @@ MAX_WORLD = 32  # the error word's mask of missing ranks has 32 bits
 PEER_WORLD_SIZES = (2, 4, 8)
 PROTOCOLS = ("oneshot", "twoshot")
 # The per-rank device state (int32): the call counter, this rank, the bounded wait in microseconds. Every
-# call adds exactly CALL_UNIT to the counter, in shares, one per warp, each added right after that warp
-# read it: the first warp of the first CTA adds CALL_UNIT - (warps - 1), every other warp 1, so the
+# call adds exactly CALL_UNIT to the counter, in shares, one per warp, each added after that warp read
+# it: the first warp of the first CTA adds CALL_UNIT - (warps - 1), every other warp 1, so the
 # counter crosses the next multiple of CALL_UNIT only once every warp of the call has read it, and
 # counter // CALL_UNIT counts the calls (modulo 2^16: only its parity is used) for any reader of the call.
 STATE_CALLS, STATE_RANK, STATE_TIMEOUT_US = range(3)

@@ -33,7 +33,7 @@ class Epilogue:
         self.use_cluster = pre and cluster_n > 1
         self.stages = 2  # exchange buffers, by row parity
         # The cluster sum's mbarrier wait as a try_wait loop with no suspend hint (`spin`) instead of
-        # cute.arch.mbarrier_wait, whose retry suspends the warp with a 10 ms hint.
+        # cute.arch.mbarrier_wait, whose retry suspends the warp with a 10 ms hint; the CTA's warps enter it together.
         self.spin = spin
         self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
 
@@ -158,6 +158,11 @@ class Epilogue:
         reading the stage.
         """
         self.send_warp_sum(val, sRed, mbar, cta, stage)
+        if const_expr(self.spin and self.use_cluster):
+            # No warp spins on the cluster's sum before every warp of its CTA has sent its own: warps spinning on
+            # try_wait held a warp of their CTA that was still reducing its sum for ~1.2 us, in 1-2 % of the warps
+            # (peer_trace --warp-stamps; docs/perf-log.md v19).
+            cute.arch.barrier()
         return self.gather_sum(sRed, mbar, stage, phase)
 
     @cute.jit

@@ -236,7 +236,7 @@ class FusedBoundaryKernel:
             mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
             mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
             tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, sMix=sMix, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
-            mError=mError, rank=rank, clusters=clusters,
+            mError=mError, rank=rank, clusters=clusters, mState=mState,
         )  # fmt: skip
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
         # while it is reduced and stored. Unstaged, the first row's loads go out first after the wait,
