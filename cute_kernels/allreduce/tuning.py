@@ -18,8 +18,8 @@ EVERY_CALL = 2**31 - 1
 # nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md, per call
 # in a long graph, the sweep of perf-log v19): at W 2 the one-shot is ahead everywhere (0.45-1.0 us at 1-16
 # rows, 2.4-6.5 at 256 and 512); at W 4 one-shot up to 16 rows (0.6-1.0 us ahead there), at H 4096 up to 64
-# (0.9 us ahead; 0.1-0.7 behind at H 5120 / 7168); at W 8 one-shot up to 4 rows (0.3-0.7 us ahead there; at
-# 16 rows 0.07-3.1 behind).
+# (0.85 us ahead; 0.1-0.7 behind at H 5120 / 7168); at W 8 one-shot up to 4 rows (0.3-0.7 us ahead there;
+# at 16 rows 0.07-3.1 behind).
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
     (2, 4096): EVERY_CALL, (2, 5120): EVERY_CALL, (2, 7168): EVERY_CALL,
     (4, 4096): 64, (4, 5120): 16, (4, 7168): 16,
