@@ -253,6 +253,32 @@ def test_the_peer_trace_experiment_compiles() -> None:
     assert callable(fn) and cute.arch.griddepcontrol_launch_dependents is shipped_trigger  # the patch is undone
     with pytest.raises(ValueError, match="trigger"):
         traced_kernel(4096, 2, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41, trigger="start")
+    for staged in (False, True):  # --warp-stamps
+        fn, _ = traced_kernel(7168, 4, "oneshot", staged, "sm_90a", base=1 << 40, calls=1 << 41, warp_base=1 << 42)
+        assert callable(fn)
+
+
+def test_the_warp_steps_analysis_finds_planted_stalls() -> None:
+    """bench/experiments/warp_steps.py on a synthetic --warp-stamps dump: the streams -> shuffles stalls planted in
+    2 % of the warps are counted, and the other steps keep their planted lengths."""
+    from bench.experiments.peer_trace import RING, WARP_EVENTS, WARPS
+    from bench.experiments.warp_steps import STALL_US, stalled_warps, steps
+
+    g = torch.Generator().manual_seed(0)
+    world, ctas, events = 4, 7, len(WARP_EVENTS)
+    base = torch.randint(1000, 2000, (world, RING, ctas, WARPS, 1), generator=g)
+    cycles = base + torch.tensor([0, 600, 900, 1000, 1800]).view(1, 1, 1, 1, events)
+    stall = torch.rand(world, RING, ctas, WARPS, generator=g) < 0.02
+    stall[..., 4:] = False  # warps past the shipped CTA's four stamp nothing
+    cycles[..., 2:] += (stall.long() * 2400).unsqueeze(-1)  # shuffles 1.2 us late (0.5 ns per cycle)
+    stamps = torch.zeros(world, RING, ctas, WARPS, events, 2, dtype=torch.int64)
+    stamps[..., 1], stamps[..., 0] = cycles, cycles // 2
+    stamps[:, :, :, 4:] = 0
+    per_step = steps(stamps, list(WARP_EVENTS))
+    assert int((per_step["computed->shuffled"] > STALL_US).sum()) == int(stall.sum()) > 0
+    assert torch.allclose(per_step["shuffled->sent"], torch.tensor(0.05, dtype=torch.float64))
+    who = stalled_warps(stamps, list(WARP_EVENTS))
+    assert who["stalled"] == [int(stall.sum())] and sum(who["order"]) == int(stall.sum())
 
 
 def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
