@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from bench.allreduce import rank_sets
+from bench.experiments.peer_trace import every_rank_launch
 from boundary import BoundaryAllReduce
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
@@ -29,19 +30,7 @@ def graph_us(world: int, hidden: int, rows: int, alias: bool, calls: int, device
         for r in range(world)
     ]
 
-    def one_rank(rank: int, ws) -> None:
-        peer = (None, None, None, None) if ws is None else (ws.slots, ws.peers, ws.state, ws.error)
-        for s, (new, out) in zip(sets, outs[rank]):
-            x = s[rank]
-            fn(x["residual"], x["post"], x["comb"], x["pre"], x["w"], x["x"], None, None, None, None, new, out, None,
-               None, None, *peer, 1e-6)  # fmt: skip
-
-    def every_rank() -> None:
-        if ranks:
-            BoundaryAllReduce.run_simulated(ranks, [lambda ar: one_rank(ar.rank, ar.workspace)] * world)
-        else:
-            one_rank(0, None)
-
+    every_rank = every_rank_launch(ranks, fn, sets, outs)
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
         every_rank()

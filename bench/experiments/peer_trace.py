@@ -306,15 +306,10 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
         cute.arch.griddepcontrol_launch_dependents = real_trigger
 
 
-def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int,
-                calls: int) -> torch.Tensor:  # fmt: skip
-    """The stamps ([W, RING, CTAs, events, (ns, cycles)]) of the last RING of `calls` back-to-back boundaries on every
-    rank (no `ranks`: one rank alone, W = 1), from a CUDA graph replay, launched as the bench launches them (a
-    stream per rank)."""
-    device = counts.device
+def every_rank_launch(ranks: list[BoundaryAllReduce], fn, sets: list, outs: list):
+    """A closure: every rank (no `ranks`: one rank alone) launches the compiled boundary `fn` (bf16 partial in,
+    bf16 out) on its inputs of each of `sets` in turn, into outs[rank][i], each rank on its own stream."""
     world = max(1, len(ranks))
-    sets = rank_sets(world, rows, hidden, calls, device)
-    outs = [[(torch.empty_like(s[r]["residual"]), torch.empty_like(s[r]["x"])) for s in sets] for r in range(world)]
 
     def one_rank(rank: int, ws) -> None:
         peer = (None, None, None, None) if ws is None else (ws.slots, ws.peers, ws.state, ws.error)
@@ -329,6 +324,19 @@ def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts:
         else:
             one_rank(0, None)
 
+    return every_rank
+
+
+def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int,
+                calls: int) -> torch.Tensor:  # fmt: skip
+    """The stamps ([W, RING, CTAs, events, (ns, cycles)]) of the last RING of `calls` back-to-back boundaries on every
+    rank (no `ranks`: one rank alone, W = 1), from a CUDA graph replay, launched as the bench launches them (a
+    stream per rank)."""
+    device = counts.device
+    world = max(1, len(ranks))
+    sets = rank_sets(world, rows, hidden, calls, device)
+    outs = [[(torch.empty_like(s[r]["residual"]), torch.empty_like(s[r]["x"])) for s in sets] for r in range(world)]
+    every_rank = every_rank_launch(ranks, fn, sets, outs)
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
         every_rank()  # loads the kernel
