@@ -18,8 +18,8 @@ each owner waits for, sums and sends y of all its segments, and only then the ro
 epilogue, y loaded with the row's other loads (one-shot: summed there from the slots, already full).
 
 The slot generation of a call comes from the rank's call counter (protocol.CALL_UNIT): each warp reads
-it and adds its share after, so no CTA counts itself at its end: at once, or (inline one-shot) after its
-first row's pushes, so that the add does not go out before them.
+it, then adds its share (right away, or in the inline one-shot after its first row's pushes, which so go
+out first), so no CTA counts itself at its end.
 
 Every wait has a deadline (the call's start + the workspace's timeout; a two-shot wait for y, half a
 timeout more, so that an owner stuck on a missing rank gives up, and names it, first): past it, the
