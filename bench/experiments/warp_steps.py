@@ -8,7 +8,6 @@ import argparse
 import torch
 
 STALL_US = 0.6  # a step longer than this is a stall (the shuffles take 0.12-0.15 us at the median)
-WARPS = 4  # the shipped kernels' warps per CTA (128 threads)
 
 
 def ns_per_cycle(t: torch.Tensor, c: torch.Tensor, ok: torch.Tensor, first: int, last: int) -> float:
@@ -30,10 +29,11 @@ def stalled_warps(stamps: torch.Tensor, events: list[str]) -> dict[str, list[int
     """For the warps whose streams -> shuffles step stalled: their order among their CTA's warps by streams stored,
     and how many of their CTA's warps had sent their sum (were in the cluster wait) by then; and the latter over
     every warp."""
-    c = stamps[..., :WARPS, :, 1].double()
+    warps = int((stamps[..., 1] > 0).any(-1).flatten(0, 2).any(0).sum())  # the CTA's warps (cells past them: 0)
+    c = stamps[..., :warps, :, 1].double()
     ok = (c > 0).all(-1).all(-1)  # CTAs whose warps all stamped every event
     computed, shuffled, sent = (events.index(e) for e in ("computed", "shuffled", "sent"))
-    t = stamps[..., :WARPS, :, 0].double()
+    t = stamps[..., :warps, :, 0].double()
     ns = ns_per_cycle(t, c, ok.unsqueeze(-1).expand(c.shape[:-1]), 0, len(events) - 1)
     stall = (c[..., shuffled] - c[..., computed]) * ns / 1e3 > STALL_US
     order = c[..., computed].argsort(-1).argsort(-1)
@@ -42,9 +42,9 @@ def stalled_warps(stamps: torch.Tensor, events: list[str]) -> dict[str, list[int
     m = stall & every
     return {
         "stalled": [int(m.sum())],
-        "order": torch.bincount(order[m], minlength=WARPS).tolist(),
-        "waiting": torch.bincount(waiting[m], minlength=WARPS).tolist(),
-        "waiting, every warp": torch.bincount(waiting[every], minlength=WARPS).tolist(),
+        "order": torch.bincount(order[m], minlength=warps).tolist(),
+        "waiting": torch.bincount(waiting[m], minlength=warps).tolist(),
+        "waiting, every warp": torch.bincount(waiting[every], minlength=warps).tolist(),
     }
 
 

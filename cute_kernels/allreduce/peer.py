@@ -88,9 +88,9 @@ class PeerReduce:
     def call_generation(self, mState: cute.Tensor, calls: Int32) -> Int32:
         """This call's slot generation from lane 0's read of the call counter (this warp's share goes in now, or
         after its first row's pushes: adds_after_push)."""
-        share = self.warp_share()
+        share = None if const_expr(self.adds_after_push()) else self.warp_share()
         calls = cute.arch.shuffle_sync(calls, 0)
-        if const_expr(not self.adds_after_push()):
+        if const_expr(share is not None):
             self.add_share(mState, share)
         gen = Int32(0)
         if const_expr(self.generations == 2):

@@ -158,11 +158,6 @@ class Epilogue:
         reading the stage.
         """
         self.send_warp_sum(val, sRed, mbar, cta, stage)
-        if const_expr(self.spin and self.use_cluster):
-            # No warp spins on the cluster's sum before every warp of its CTA has sent its own: warps spinning on
-            # try_wait held a warp of their CTA that was still reducing its sum for ~1.2 us, in 1-2 % of the warps
-            # (peer_trace --warp-stamps; docs/perf-log.md v19).
-            cute.arch.barrier()
         return self.gather_sum(sRed, mbar, stage, phase)
 
     @cute.jit
@@ -191,6 +186,10 @@ class Epilogue:
         base = const_expr(stage * self.slots)
         if const_expr(self.use_cluster):
             if const_expr(self.spin):
+                # No warp spins before every warp of its CTA has sent its sum: warps spinning on try_wait held a
+                # warp of their CTA that was still reducing its sum for ~1.2 us, in 1-2 % of the warps
+                # (peer_trace --warp-stamps; docs/perf-log.md v19).
+                cute.arch.barrier()
                 done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
                 while not done:
                     done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
