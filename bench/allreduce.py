@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-import boundary.all_reduce as all_reduce_module
 from bench.timing import GraphTimer, marginal_us
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
@@ -54,28 +53,25 @@ def exchange_bytes(world: int, rows: int, hidden: int, protocol: str) -> int:
 
 
 @contextlib.contextmanager
-def forced_protocol(protocol: str | None) -> Iterator[None]:
-    """Make every call take `protocol` (a measurement of both sides of the switch; None: the shipped choice)."""
-    if protocol is None:
-        yield
-        return
-    saved = all_reduce_module.protocol_for
-    all_reduce_module.protocol_for = lambda world, hidden, rows: protocol
+def forced_protocol(ranks: Sequence[BoundaryAllReduce], protocol: str | None) -> Iterator[None]:
+    """Make every call of `ranks` in the block take `protocol` (a measurement of both sides of the switch; None:
+    the shipped choice), through the public `BoundaryAllReduce.protocol`."""
+    saved = [ar.protocol for ar in ranks]
+    for ar in ranks:
+        ar.protocol = protocol
     try:
         yield
     finally:
-        all_reduce_module.protocol_for = saved
+        for ar, before in zip(ranks, saved):
+            ar.protocol = before
 
 
 def warmup_every_protocol(ar: BoundaryAllReduce) -> None:
-    """`ar.warmup()`, with both protocols compiled whatever the switch picks (a measurement forces each, and a
-    rank that compiles while its peers wait delays them)."""
-    saved = all_reduce_module.protocols_up_to
-    all_reduce_module.protocols_up_to = lambda world, hidden, max_rows: PROTOCOLS
-    try:
-        ar.warmup(progress=False)
-    finally:
-        all_reduce_module.protocols_up_to = saved
+    """`ar.warmup()` for each protocol forced in turn (a measurement forces each, whatever the switch picks)."""
+    with forced_protocol([ar], None):
+        for protocol in PROTOCOLS:
+            ar.protocol = protocol
+            ar.warmup(progress=False)
 
 
 def rank_sets(world: int, rows: int, hidden: int, count: int, device: torch.device) -> list[list[dict[str, Any]]]:
@@ -151,8 +147,6 @@ def gather_sequence(ranks: list[BoundaryAllReduce], one_rank: BoundaryAllReduce,
 def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float) -> list[dict]:
     """Simulated W-rank boundaries (both protocols) against the one-rank kernel launched the same way,
     the bytes over copy bandwidth and the gather path, per (W, H, rows)."""
-    import os
-
     from cute_kernels.boundary import api
     from cute_kernels.compile import warmup
 
@@ -166,7 +160,7 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
     for world in args.world:
         for h in args.hidden:
             jobs += api.warmup_jobs(h, arch=arch, world_size=world, ranks_per_device=world, variants=variant)
-    warmup(jobs, workers=os.cpu_count() or 1, desc="allreduce bench kernels")
+    warmup(jobs, desc="allreduce bench kernels", device=device)
     singles = {h: BoundaryAllReduce(h, max_rows=max(args.rows), device=device) for h in args.hidden}
     for world, hidden, rows in tqdm(points, desc="allreduce (simulated ranks)", unit="shape"):
         out.append(bench_point(world, hidden, rows, max(args.rows), singles[hidden], side, timer, copy_bw))
@@ -188,7 +182,7 @@ def bench_point(world: int, hidden: int, rows: int, max_rows: int, single: Bound
         row[f"{key}_us"], row[f"{key}_short_us"] = steady, short
 
     for protocol in ("oneshot", "twoshot"):
-        with forced_protocol(protocol):
+        with forced_protocol(ranks, protocol):
             timed(protocol, lambda ss: simulated_sequence(ranks, ss))
         row[f"{protocol}_bytes"] = world * boundary_bytes(rows, hidden) + exchange_bytes(world, rows, hidden, protocol)
     row["fused_us"] = row[f"{row['shipped_protocol']}_us"]
@@ -359,7 +353,7 @@ def _multi_gpu_hidden(rank: int, world: int, hidden: int, args: argparse.Namespa
             boundary_call(one, dict(s, x=flat.view(s["x"].shape)))
 
         for protocol in ("oneshot", "twoshot"):
-            with forced_protocol(protocol):
+            with forced_protocol([ar], protocol):
                 row[f"{protocol}_us"], row[f"{protocol}_short_us"] = _max_over_ranks(
                     lambda s=s: boundary_call(ar, s), device
                 )

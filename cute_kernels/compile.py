@@ -149,6 +149,16 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     memory: dict[tuple, Callable[..., Any]] = {}
 
+    def object_path(key: tuple) -> tuple[Path, str]:
+        folder = cache_dir() / source_fingerprint()
+        digest = hashlib.sha256(pickle.dumps(key)).hexdigest()[:32]
+        return folder / f"{fn.__name__}-{digest}.o", digest
+
+    def ready(*args: Any, **kwargs: Any) -> bool:
+        """Whether a call with these arguments needs no compile: in memory, or on disk."""
+        key = (fn.__qualname__, args, tuple(sorted(kwargs.items())))
+        return key in memory or (disk_cache_enabled() and object_path(key)[0].exists())
+
     @functools.wraps(fn)
     def cached(*args: Any, **kwargs: Any) -> Callable[..., Any]:
         key = (fn.__qualname__, args, tuple(sorted(kwargs.items())))
@@ -160,10 +170,9 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
             STATS.compiles += 1
             memory[key] = compiled = fn(*args, **kwargs)
             return compiled
-        folder = cache_dir() / source_fingerprint()
+        obj, digest = object_path(key)
+        folder = obj.parent
         folder.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256(pickle.dumps(key)).hexdigest()[:32]
-        obj = folder / f"{fn.__name__}-{digest}.o"
         with _FileLock(folder / f"{digest}.lock", exclusive=True):
             compiled = None
             if obj.exists():
@@ -185,41 +194,111 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
         return compiled
 
     cached.cache_clear = memory.clear  # type: ignore[attr-defined]
+    cached.ready = ready  # type: ignore[attr-defined]
     return cached
+
+
+MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
+
+
+def eager_module_loading() -> None:
+    """Have CUDA load each module's kernels when the module loads, not at a kernel's first launch: sets
+    $CUDA_MODULE_LOADING=EAGER unless it is set; it takes effect only if CUDA has not initialised yet."""
+    os.environ.setdefault(MODULE_LOADING_ENV, "EAGER")
+
+
+def lazy_module_loading() -> bool:
+    """Whether this process's CUDA loads kernels lazily, at their first launch (the driver's default)."""
+    from cuda.bindings import driver
+
+    err, mode = driver.cuModuleGetLoadingMode()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuModuleGetLoadingMode failed: {err}")
+    return mode == driver.CUmoduleLoadingMode.CU_MODULE_LAZY_LOADING
+
+
+# The compiled functions that have launched in this process (by id: every compiled function stays in its jit_cache).
+# CUDA loads a module onto the GPU at its function's first launch, and a load may wait for every running kernel of
+# the context: a kernel that spins on its peers (CONTRACT §7) must not meet one.
+_LAUNCHED: set[int] = set()
+
+
+def mark_launched(fn: Callable[..., Any]) -> None:
+    """Record that `fn` has launched in this process (its module is loaded onto the device)."""
+    _LAUNCHED.add(id(fn))
+
+
+def launched(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` has launched in this process."""
+    return id(fn) in _LAUNCHED
 
 
 @dataclass(frozen=True)
 class WarmupJob:
-    """One compile an engine needs before CUDA-graph capture."""
+    """One compile an engine needs before CUDA-graph capture, and how to load its kernel onto a GPU."""
 
     name: str
     compile_fn: Callable[..., Any]
     args: tuple
     kwargs: tuple = ()
+    # Launches the compiled function once on scratch buffers of its own (fn, device): CUDA loads its module then.
+    load: Callable[[Callable[..., Any], Any], None] | None = None
 
     def run(self) -> Callable[..., Any]:
         """Compile (or load) the kernel of this job."""
         return self.compile_fn(*self.args, **dict(self.kwargs))
 
+    def ready(self) -> bool:
+        """Whether the compiled kernel is in memory or on disk already (no compile needed)."""
+        return self.compile_fn.ready(*self.args, **dict(self.kwargs))
+
+
+def default_workers() -> int:
+    """Compile processes for a warmup: the CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
 
 def warmup(
-    jobs: Iterable[WarmupJob], *, progress: bool = True, desc: str = "compiling mHC kernels", workers: int = 1
-) -> int:
+    jobs: Iterable[WarmupJob], *, progress: bool = True, desc: str = "compiling mHC kernels", workers: int | None = None,
+    device: Any = None,
+) -> int:  # fmt: skip
     """Compile or load every job, with a progress bar on stderr; returns how many ran.
 
-    With `workers` > 1 (and the disk cache on) the compiles run in that many spawned processes first,
-    which leave their objects in the disk cache; this process then only loads them.
+    The jobs not yet in the disk cache compile in `workers` spawned processes (default: the cores available),
+    which leave their objects in the cache; this process then loads them. With `device`, every kernel then
+    launches once on scratch buffers, so that CUDA has loaded every module before any boundary spins.
     """
     jobs = list(jobs)
-    if workers > 1 and len(jobs) > 1 and disk_cache_enabled():
+    workers = default_workers() if workers is None else workers
+    # Only a jit_cache compile leaves its object where this process finds it.
+    missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
+    if workers > 1 and len(missing) > 1 and disk_cache_enabled():
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending = [pool.submit(_compile_only, job) for job in jobs]
-            _progress(pending, progress, desc + " (compiling)", lambda f: f.result())
-    _progress(jobs, progress, desc, lambda job: job.run())
+        with ProcessPoolExecutor(min(workers, len(missing)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = [pool.submit(_compile_only, job) for job in missing]
+            _progress(pending, progress, desc + f" (compiling {len(missing)} in {min(workers, len(missing))} processes)",
+                      lambda f: f.result())  # fmt: skip
+    if device is None:
+        _progress(jobs, progress, desc, lambda job: job.run())
+        return len(jobs)
+    import torch
+
+    with torch.cuda.device(device):
+        _progress(jobs, progress, desc + " (loading onto the GPU)", lambda job: _load_onto(job, device))
+        torch.cuda.synchronize(device)
     return len(jobs)
+
+
+def _load_onto(job: WarmupJob, device: Any) -> None:
+    fn = job.run()
+    if job.load is not None and not launched(fn):
+        job.load(fn, device)
+        mark_launched(fn)
 
 
 def _compile_only(job: WarmupJob) -> None:

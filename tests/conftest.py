@@ -6,8 +6,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Simulated ranks share one CUDA context: every kernel (torch's and cuBLAS's too) must load before a boundary spins,
+# so CUDA loads modules eagerly here (CONTRACT §7). Set before anything initialises CUDA; $CUDA_MODULE_LOADING wins.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -10,7 +10,6 @@ import sys
 
 import torch
 
-import boundary.all_reduce as all_reduce_module
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
 from cute_kernels.boundary import api
@@ -24,10 +23,11 @@ def main() -> int:
         jobs = api.warmup_jobs(
             hidden, arch=ranks[0].arch, world_size=world, ranks_per_device=world, variants=[api.BoundaryVariant()]
         )  # the one variant launched here, both protocols
-        warmup(jobs, progress=False)
+        warmup(jobs, progress=False, device=ranks[0].device)
         # Each protocol inline (5 rows: one per cluster) and staged (250 rows: several per cluster).
         for protocol, protocol_rows in (("oneshot", 5), ("twoshot", 5), ("oneshot", 250), ("twoshot", 250)):
-            all_reduce_module.protocol_for = lambda world, hidden, rows, protocol=protocol: protocol
+            for ar in ranks:
+                ar.protocol = protocol
             g = torch.Generator(device="cuda").manual_seed(world)
             residual = torch.randn(protocol_rows, 4, hidden, generator=g, device="cuda").to(torch.bfloat16)
             post = torch.rand(protocol_rows, 4, generator=g, device="cuda")

@@ -87,7 +87,7 @@ def _compiled() -> None:
     for world in (2, 4):
         jobs += api.warmup_jobs(TAIL_HIDDEN, arch=arch, world_size=world, ranks_per_device=world, variants=variants)
     jobs += api.warmup_jobs(5120, arch=arch, variants=[_variant("moe")])
-    warmup(jobs, workers=os.cpu_count() or 1, desc="peer boundary kernels")
+    warmup(jobs, desc="peer boundary kernels", device=torch.device("cuda"))
 
 
 _RANKS: dict[tuple[int, int], list[BoundaryAllReduce]] = {}
@@ -105,7 +105,7 @@ def simulated(world: int, hidden: int) -> list[BoundaryAllReduce]:
         for mode in MODES:
             for protocol, rows in protocol_rows(world, hidden).items():
                 for count in sorted({1, rows, MAX_ROWS}):
-                    with forcing(protocol):
+                    with forcing(ranks, protocol):
                         run(ranks, make_inputs(world, count, hidden, mode, seed=0), mode)
         torch.cuda.synchronize()
         no_errors(ranks)
@@ -269,7 +269,7 @@ def test_matches_the_reference_on_every_rank(world: int, hidden: int, protocol: 
     for rows in sorted({1, 37, protocol_rows(world, hidden)[protocol], MAX_ROWS}):
         for mode in ("partial", "moe"):
             inputs = make_inputs(world, rows, hidden, mode, seed=rows * 31 + world)
-            with forcing(protocol):
+            with forcing(ranks, protocol):
                 check(run(ranks, inputs, mode), inputs, mode)
     no_errors(ranks)
 
@@ -300,7 +300,7 @@ def test_every_row_count_up_to_512(world: int) -> None:
     for rows in list(range(1, 41)) + list(range(41, 513, 23)) + [512]:
         for protocol in protocols:
             inputs = make_inputs(world, rows, hidden, "partial", seed=rows)
-            with forcing(protocol):
+            with forcing(ranks, protocol):
                 check(run(ranks, inputs, "partial"), inputs, "partial")
     no_errors(ranks)
 
@@ -324,7 +324,7 @@ def test_a_rows_bits_depend_on_neither_the_row_count_nor_the_protocol(world: int
         runs = []
         for rows in (1, 16, MAX_ROWS):
             for protocol in PROTOCOLS:
-                with forcing(protocol):
+                with forcing(ranks, protocol):
                     runs.append((rows, protocol, run(ranks, [first_rows(inp, rows) for inp in full], mode)))
         want = runs[-1][2][0]
         for rows, protocol, outputs in runs:
@@ -347,7 +347,7 @@ def test_threads_past_the_chunk_push_and_store_nothing(world: int, protocol: str
     for rows in (1, 8, staged):
         for mode in ("partial", "mxfp8"):
             inputs = make_inputs(world, rows, TAIL_HIDDEN, mode, seed=rows + 17)
-            with forcing(protocol):
+            with forcing(ranks, protocol):
                 check(run(ranks, inputs, mode), inputs, mode)
     no_errors(ranks)
 
@@ -386,7 +386,7 @@ def test_sums_exact_in_any_order(world: int, protocol: str) -> None:
         for inp in inputs:
             inp.x = torch.randint(-64, 65, (rows, hidden), generator=gen, device="cuda").to(BF16)
         _y_visible(inputs)
-        with forcing(protocol):
+        with forcing(ranks, protocol):
             assert_y(run(ranks, inputs, "partial"), inputs)
 
 
@@ -407,7 +407,7 @@ def test_order_sensitive_sums(world: int, protocol: str) -> None:
         _y_visible(inputs)
         y = expected_y(inputs)
         assert bool((y.float().abs() < 2.0**23).any()), "the inputs must cancel somewhere to be order-sensitive"
-        with forcing(protocol):
+        with forcing(ranks, protocol):
             assert_y(run(ranks, inputs, "partial"), inputs)
 
 
@@ -434,7 +434,7 @@ def test_negative_zero_and_sentinel_valued_partials(world: int, protocol: str) -
             inp.x[3] = sentinel[3].view(BF16) if r == 0 else other.view(BF16)
         inputs[0].residual[3] = -0.0
         _y_visible(inputs)
-        with forcing(protocol):
+        with forcing(ranks, protocol):
             assert_y(run(ranks, inputs, mode), inputs)
     no_errors(ranks)
 
@@ -456,7 +456,7 @@ def test_consecutive_boundaries_without_host_sync(world: int) -> None:
     sets = [make_inputs(world, rows, hidden, mode, seed=100 + k) for k, (rows, mode) in enumerate(plan)]
 
     def one(ar: BoundaryAllReduce, k: int) -> RankOutputs:
-        with forcing(protocols[k]):
+        with forcing([ar], protocols[k]):
             return call(ar, sets[k][ar.rank], plan[k][1])
 
     def many(ar: BoundaryAllReduce) -> list[RankOutputs]:
@@ -482,7 +482,7 @@ def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
     # One-shot inline (16 rows, one per cluster), two-shot staged (several rows per cluster).
     for rows, protocol in ((16, "oneshot"), (staged_rows(world, hidden), "twoshot")):
         inputs = make_inputs(world, rows, hidden, "mxfp8", seed=11)
-        with forcing(protocol):
+        with forcing(ranks, protocol):
             run(ranks, inputs, "mxfp8")  # outside the capture: allocations settle
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -523,7 +523,7 @@ def test_a_rank_delayed_on_the_device_before_its_push(world: int, protocol: str)
                 torch.cuda._sleep(2_000_000)  # ~1 ms of device time before its boundary starts
             return call(ar, inputs[ar.rank], "partial")
 
-        with forcing(protocol):
+        with forcing(ranks, protocol):
             check(BoundaryAllReduce.run_simulated(ranks, [delayed] * world), inputs, "partial")
     no_errors(ranks)
 
@@ -558,7 +558,7 @@ def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable(
     hidden = 4096
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=MAX_ROWS, device="cuda", timeout_us=20_000)
     rows = staged_rows(world, hidden) if staged else 8
-    with forcing(protocol):
+    with forcing(ranks, protocol):
         inputs = make_inputs(world, rows, hidden, "partial", seed=9)
         check(run(ranks, inputs, "partial"), inputs, "partial")  # every rank once: the kernel is loaded
         torch.cuda.synchronize()

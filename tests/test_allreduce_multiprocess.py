@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
             for rows, protocol in plan:
                 for mode in MODES:
                     inputs = sim.make_inputs(world, rows, hidden, mode, seed=rows)  # the same on every rank
-                    with sim.forcing(protocol):
+                    with sim.forcing([ar], protocol):
                         res = sim.call(ar, inputs[rank], mode)
                     torch.cuda.synchronize()
                     mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in res.tensors()])

@@ -6,6 +6,7 @@ nothing here checks again.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -14,10 +15,28 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from cute_kernels.allreduce.protocol import ERROR_WORDS, GENERATIONS, PROTOCOLS, STATE_WORDS
+from cute_kernels.allreduce.protocol import (
+    ERROR_WORDS,
+    GENERATIONS,
+    PROTOCOLS,
+    STATE_CALLS,
+    STATE_RANK,
+    STATE_TIMEOUT_US,
+    STATE_WORDS,
+)
+from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
 from cute_kernels.boundary.config import HC, BoundaryConfig, default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
-from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
+from cute_kernels.compile import (
+    WarmupJob,
+    compile_kernel,
+    fake_stream,
+    fake_tensor,
+    jit_cache,
+    launched,
+    mark_launched,
+)
+from cute_kernels.quant import mxfp8_scale_bytes
 
 Y_SOURCES = ("x", "moe")
 
@@ -112,6 +131,16 @@ def compiled_boundary(
     return compile_fused_boundary(H, *variant, config, world_size, protocol, staged, arch=arch)
 
 
+def call_protocol(world_size: int, H: int, rows: int, forced: str | None) -> str:
+    """The protocol a W > 1 call of `rows` rows takes: `forced` where the caller named one, else the switch's."""
+    return forced or protocol_for(world_size, H, rows)
+
+
+def warmup_protocols(world_size: int, H: int, max_rows: int, forced: str | None) -> tuple[str, ...]:
+    """The protocols calls of 1..max_rows rows take (what a warmup compiles and loads)."""
+    return (forced,) if forced else protocols_up_to(world_size, H, max_rows)
+
+
 def staged_call(variant: BoundaryVariant, config: BoundaryConfig, rows: int) -> bool:
     """Whether a W > 1 call of `rows` rows takes the staged kernel (allreduce.peer)."""
     return variant.y_source == "x" and config.clusters(rows) < rows
@@ -130,7 +159,7 @@ def warmup_jobs(
     variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS, protocols: Sequence[str] = PROTOCOLS,
 ) -> list[WarmupJob]:  # fmt: skip
     """One warmup job per variant (and, with W > 1, per protocol of `protocols`, inline and, for a ready partial,
-    staged) an engine may launch at hidden size H."""
+    staged) an engine may launch at hidden size H; each loads its kernel with one scratch launch (`load_boundary`)."""
     config = default_config(H, arch, ranks_per_device, world_size)
     if world_size == 1:
         return [
@@ -139,6 +168,7 @@ def warmup_jobs(
                 compile_fused_boundary,
                 (H, *v, config, 1, "oneshot"),
                 (("arch", arch),),
+                functools.partial(load_boundary, H=H, variant=v, world_size=1),
             )  # fmt: skip
             for v in variants
         ]
@@ -148,6 +178,7 @@ def warmup_jobs(
             compile_fn=compile_fused_boundary,
             args=(H, *v, config, world_size, p, staged),
             kwargs=(("arch", arch),),
+            load=functools.partial(load_boundary, H=H, variant=v, world_size=world_size),
         )
         for v in variants
         for p in protocols
@@ -155,15 +186,47 @@ def warmup_jobs(
     ]
 
 
+def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: BoundaryVariant, world_size: int) -> None:
+    """Launch a compiled fused-boundary kernel once on one row of scratch buffers of its own, so that CUDA loads
+    its module now. With peers, every peer address is this launch's own slots, which hold data (no sentinel)
+    already: every wait of the exchange ends at once, and nothing outside the scratch is touched."""
+    y_source, shared, pre, mxfp8, aux = variant
+    bf16 = lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16, device=device)  # noqa: E731
+    f32 = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
+    moe = y_source == "moe"
+    peers = world_size > 1
+    slots = bf16(GENERATIONS, world_size + 1, 1, H) if peers else None
+    state = None
+    if peers:
+        state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
+        state[STATE_CALLS], state[STATE_RANK], state[STATE_TIMEOUT_US] = 0, 0, 1000
+    fn(
+        bf16(1, HC, H), f32(1, HC), f32(1, HC, HC), f32(1, HC) if pre else None, bf16(H) if pre else None,
+        None if moe else bf16(1, H), bf16(1, H) if shared else None, bf16(1, H) if moe else None,
+        f32(1, 1) if moe else None, torch.zeros(1, 1, dtype=torch.int32, device=device) if moe else None,
+        bf16(1, HC, H), bf16(1, H) if pre else None,
+        torch.zeros(1, H, dtype=torch.float8_e4m3fn, device=device) if mxfp8 else None,
+        torch.zeros(mxfp8_scale_bytes(1, H), dtype=torch.uint8, device=device) if mxfp8 else None,
+        bf16(1, H) if aux else None, slots,
+        torch.full((world_size,), slots.data_ptr(), dtype=torch.int64, device=device) if peers else None, state,
+        torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device) if peers or moe else None, 1e-6,
+    )  # fmt: skip
+
+
+class NotLoadedError(RuntimeError):
+    """A peer kernel's first launch on a GPU whose other ranks may be spinning: BoundaryAllReduce.warmup() loads it."""
+
+
 @dataclass(frozen=True)
 class PeerArgs:
-    """What a W > 1 launch takes besides the boundary's tensors: the rank's workspace and the protocol."""
+    """What a W > 1 launch takes besides the boundary's tensors: the rank's workspace and the protocol it forces
+    (None: the switch's, per call)."""
 
     slots: torch.Tensor
     peers: torch.Tensor
     state: torch.Tensor
     world_size: int
-    protocol: str
+    protocol: str | None
     ranks_per_device: int
 
 
@@ -205,9 +268,21 @@ def fused_boundary(
         fn = compiled_boundary(H, variant, arch=arch)
         slots = peers = state = None
     else:
-        fn = compiled_boundary(H, variant, arch=arch, world_size=peer.world_size, protocol=peer.protocol,
+        protocol = call_protocol(peer.world_size, H, rows, peer.protocol)
+        fn = compiled_boundary(H, variant, arch=arch, world_size=peer.world_size, protocol=protocol,
                                ranks_per_device=peer.ranks_per_device, rows=rows)  # fmt: skip
         slots, peers, state = peer.slots, peer.peers, peer.state
+        if not launched(fn):
+            if peer.ranks_per_device > 1:
+                # The ranks share this context: loading the module here could wait for a peer spinning on this
+                # very launch, until its timeout.
+                raise NotLoadedError(
+                    f"the peer boundary kernel for H={H} {variant_name(variant)} W={peer.world_size} {protocol}"
+                    f"{' staged' if staged_call(variant, default_config(H, arch, peer.ranks_per_device, peer.world_size), rows) else ''}"
+                    " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
+                    "(with the max_rows and protocol of these calls) before the first boundary"
+                )
+            mark_launched(fn)  # a rank of its own GPU: this first launch loads it, which only delays this rank
     fn(
         residual, post.view(rows, HC), comb, pre, norm_weight if pre is not None else None, x, shared, g, ew, idx,
         new_residual, out, mxfp8_data, mxfp8_scale, aux, slots, peers, state, error if moe is not None or peer else None,

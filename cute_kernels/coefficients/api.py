@@ -93,7 +93,7 @@ def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:
 
 def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
-    the layer-input-only kernels, of hidden size H for `arch`."""
+    the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch."""
     jobs = []
     for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
         broadcast = variant == "broadcast"
@@ -104,12 +104,43 @@ def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) 
                 name = f"coefficients H={H} {variant} layer_input={mode} tile={config.rows_per_tile}"
                 name += " split" if config.row_split > 1 else ""
                 key = (H, variant, mode, sinkhorn_repeat, config)
-                jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),)))
+                load = functools.partial(load_coefficients, H=H, broadcast=broadcast, mode=mode, rows=rows, config=config)
+                jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
     for variant, mode in (("standard", "carried"), ("standard", "one_hot"), ("broadcast", "one_hot")):
+        load = functools.partial(load_layer_input, H=H, broadcast=variant == "broadcast", mode=mode)
         jobs.append(
-            WarmupJob(f"layer input H={H} {variant} {mode}", compile_layer_input, (H, variant, mode), (("arch", arch),))
+            WarmupJob(f"layer input H={H} {variant} {mode}", compile_layer_input, (H, variant, mode), (("arch", arch),),
+                      load)  # fmt: skip
         )
     return jobs
+
+
+def load_coefficients(
+    compiled: Callable[..., Any], device: Any, *, H: int, broadcast: bool, mode: str, rows: int,
+    config: CoefficientsConfig,
+) -> None:  # fmt: skip
+    """Launch a compiled coefficients kernel once on `rows` rows of scratch inputs and a workspace of its own, so
+    that CUDA loads its module now."""
+    f32 = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
+    workspace = CoefficientsWorkspace(H, rows, device)
+    x = torch.zeros((rows, H) if broadcast else (rows, HC, H), dtype=torch.bfloat16, device=device)
+    inline = mode != "none"
+    compiled(
+        x, f32(MIX, H if broadcast else HC * H), f32(3), f32(MIX), f32(rows, HC), f32(rows, HC, HC), f32(rows, HC),
+        workspace.rank_partials if config.schedule == "partials" else workspace.partials, workspace.counters,
+        f32(rows, HC) if mode == "carried" else None,
+        torch.ones(H, dtype=torch.bfloat16, device=device) if inline else None,
+        torch.empty(rows, H, dtype=torch.bfloat16, device=device) if inline else None,
+        1e-6, 1e-6, 1e-6, 2.0, 1e-6,
+    )  # fmt: skip
+
+
+def load_layer_input(compiled: Callable[..., Any], device: Any, *, H: int, broadcast: bool, mode: str) -> None:
+    """Launch a compiled layer-input kernel once on one row of scratch inputs, so that CUDA loads its module now."""
+    x = torch.zeros((1, H) if broadcast else (1, HC, H), dtype=torch.bfloat16, device=device)
+    pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if mode == "carried" else None
+    out = torch.empty(1, H, dtype=torch.bfloat16, device=device)
+    compiled(x, pre_mix, torch.ones(H, dtype=torch.bfloat16, device=device), out, 1e-6)
 
 
 class CoefficientsWorkspace:
