@@ -1,9 +1,12 @@
-"""The peer all-reduce across real processes, one per GPU (runs by itself when two or more GPUs are present).
+"""The peer all-reduce across real processes: one per GPU (when two or more GPUs are present), and two or four
+sharing one GPU.
 
-Every world size the machine allows: each rank builds BoundaryAllReduce on the NCCL TP group (the
-"peer" path through symmetric memory, unicast only), runs every mode at rows 1..512 against the
-reference computed from the gathered partials, checks that every rank got the same bits, and runs a
-stalled rank and a missing rank. NVLink multicast stays off in every process.
+Each rank builds BoundaryAllReduce on its TP group: on a GPU each, NCCL and the "peer" path through symmetric
+memory (unicast only); on one GPU, gloo (NCCL takes one rank per GPU) and the peer path through CUDA IPC. It runs
+every mode at rows 1..512 against the reference computed from the gathered partials, checks that every rank got
+the same bits, and runs a stalled rank, late ranks (host pauses, kernels ahead, a kernel compiled and launched
+for the first time in the late process), a rank later than the timeout and a missing rank. NVLink multicast stays
+off in every process.
 """
 
 from __future__ import annotations
@@ -16,10 +19,7 @@ import traceback
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more GPUs (one process each)"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MODES = ("partial", "shared", "moe", "residual-only", "mxfp8", "aux", "mailbox")
@@ -31,7 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
+def _worker(rank: int, world: int, port: int, scenario: str, failures, one_gpu: bool) -> None:
     os.environ.update(NO_MULTICAST)
     try:
         import torch.distributed as dist
@@ -40,12 +40,15 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
         from boundary import BoundaryAllReduce
         from tests import test_allreduce_gpu as sim
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.cuda.set_device(0 if one_gpu else rank)
+        backend = "gloo" if one_gpu else "nccl"  # NCCL refuses two ranks on one GPU
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         hidden = 4096
         ar = BoundaryAllReduce(hidden, group=dist.group.WORLD, max_rows=512, device="cuda", timeout_us=3_000_000)
         assert ar.path == "peer", f"expected the peer path, got {ar.path}"
+        assert ar.workspace.ranks_per_device == (world if one_gpu else 1)
         warmup_every_protocol(ar)  # the plan forces each protocol, whatever the switch picks
+        wire = "cpu" if one_gpu else "cuda"  # what the group's collectives take
         if scenario == "modes":
             # The switch's choice at every row count, and each protocol forced at a few (which side of the switch
             # a row count falls on depends on W and H: tuning.py).
@@ -57,7 +60,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
                     with sim.forcing([ar], protocol):
                         res = sim.call(ar, inputs[rank], mode)
                     torch.cuda.synchronize()
-                    mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in res.tensors()])
+                    mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in res.tensors()]).to(wire)
                     everyone = [torch.empty_like(mine) for _ in range(world)]
                     dist.all_gather(everyone, mine)
                     assert all(torch.equal(e, mine) for e in everyone), f"rows {rows} {mode} {protocol}: ranks differ"
@@ -68,6 +71,27 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures) -> None:
                 if rank == world - 1:
                     torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its push
                 _exact_call(sim, ar, world, rows, hidden, seed=rows)
+            ar.check()
+        elif scenario == "lateness":
+            # Every rank in turn is late by a host pause or a sleep kernel ahead on its stream, 0.1 to 500 ms, then
+            # once by compiling a kernel and launching it for the first time (its module loads in this process's
+            # context while the peers' boundaries spin in theirs): every rank exact, every check() clean.
+            from tests.tiny_kernel import compile_tiny
+
+            plan = [(kind, ms) for kind in ("host", "sleep") for ms in (0.1, 5.0, 50.0, 500.0)] + [("first launch", 0)]
+            for k, (kind, ms) in enumerate(plan):
+                late = k % world
+                dist.barrier()
+                if rank == late:
+                    if kind == "host":
+                        time.sleep(ms / 1000)
+                    elif kind == "sleep":
+                        torch.cuda._sleep(int(ms * 1_000_000))  # ~0.5-1 ms per million cycles
+                    else:
+                        x = torch.zeros(4, 256 + 8 * (os.getpid() % 4096), dtype=torch.bfloat16, device="cuda")
+                        y = torch.empty_like(x)
+                        compile_tiny(x.shape[1], arch=ar.arch)(x, y, 1.0)
+                _exact_call(sim, ar, world, 4 + k, hidden, seed=50 + k)
             ar.check()
         elif scenario == "late":
             # The last rank comes after its peers gave up: they report it, every rank resets (the reset
@@ -117,35 +141,60 @@ def _assert_reported(ar, rank: int) -> None:
         raise AssertionError(f"rank {rank} was not reported")
 
 
-def _spawn(world: int, scenario: str) -> None:
+def _spawn(placement: tuple[int, bool], scenario: str) -> None:
     import torch.multiprocessing as mp
 
+    world, one_gpu = placement
+    _compile_first(world, one_gpu)
     ctx = mp.get_context("spawn")
     failures = ctx.Manager().list()
-    mp.start_processes(_worker, args=(world, _free_port(), scenario, failures), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, _free_port(), scenario, failures, one_gpu), nprocs=world, join=True,
                        start_method="spawn")  # fmt: skip
     assert not failures, "\n".join(failures)
 
 
-def _worlds() -> list[int]:
-    return [w for w in (2, 4, 8) if w <= torch.cuda.device_count()]
+def _compile_first(world: int, one_gpu: bool) -> None:
+    """Compile what every rank's warmup needs here, once, so that the ranks only load it from the disk cache."""
+    from cute_kernels.allreduce.protocol import PROTOCOLS
+    from cute_kernels.boundary import api
+    from cute_kernels.compile import arch_for_device, warmup
+    from cute_kernels.coefficients import api as coefficients
+
+    arch = arch_for_device(torch.device("cuda"))
+    jobs = api.warmup_jobs(4096, arch=arch, world_size=world, ranks_per_device=world if one_gpu else 1,
+                           protocols=PROTOCOLS) + coefficients.warmup_jobs(4096, arch=arch, max_rows=512)  # fmt: skip
+    warmup(jobs, progress=False)
 
 
-@pytest.mark.parametrize("world", _worlds())
-def test_every_mode_on_every_rank(world: int) -> None:
-    _spawn(world, "modes")
+def _placements() -> list[tuple[int, bool]]:
+    """(world size, all on one GPU): 2 and 4 processes on GPU 0, and one process per GPU where there are enough."""
+    return [(2, True), (4, True)] + [(w, False) for w in (2, 4, 8) if w <= torch.cuda.device_count()]
 
 
-@pytest.mark.parametrize("world", _worlds())
-def test_a_stalled_rank(world: int) -> None:
-    _spawn(world, "stall")
+def _name(placement: tuple[int, bool]) -> str:
+    return f"W{placement[0]}-{'one-gpu' if placement[1] else 'gpu-each'}"
 
 
-@pytest.mark.parametrize("world", _worlds())
-def test_a_missing_rank_is_named(world: int) -> None:
-    _spawn(world, "missing")
+@pytest.mark.parametrize("placement", _placements(), ids=_name)
+def test_every_mode_on_every_rank(placement: tuple[int, bool]) -> None:
+    _spawn(placement, "modes")
 
 
-@pytest.mark.parametrize("world", _worlds())
-def test_a_rank_later_than_the_timeout(world: int) -> None:
-    _spawn(world, "late")
+@pytest.mark.parametrize("placement", _placements(), ids=_name)
+def test_a_stalled_rank(placement: tuple[int, bool]) -> None:
+    _spawn(placement, "stall")
+
+
+@pytest.mark.parametrize("placement", _placements(), ids=_name)
+def test_late_ranks_are_exact(placement: tuple[int, bool]) -> None:
+    _spawn(placement, "lateness")
+
+
+@pytest.mark.parametrize("placement", _placements(), ids=_name)
+def test_a_missing_rank_is_named(placement: tuple[int, bool]) -> None:
+    _spawn(placement, "missing")
+
+
+@pytest.mark.parametrize("placement", _placements(), ids=_name)
+def test_a_rank_later_than_the_timeout(placement: tuple[int, bool]) -> None:
+    _spawn(placement, "late")

@@ -228,6 +228,7 @@ class PeerArgs:
     world_size: int
     protocol: str | None
     ranks_per_device: int
+    shared_context: bool  # the ranks share this process's CUDA context (simulated ranks)
 
 
 def fused_boundary(
@@ -273,7 +274,7 @@ def fused_boundary(
                                ranks_per_device=peer.ranks_per_device, rows=rows)  # fmt: skip
         slots, peers, state = peer.slots, peer.peers, peer.state
         if not launched(fn):
-            if peer.ranks_per_device > 1:
+            if peer.shared_context:
                 # The ranks share this context: loading the module here could wait for a peer spinning on this
                 # very launch, until its timeout.
                 raise NotLoadedError(

@@ -1,0 +1,156 @@
+"""A late rank never stalls its peers (CONTRACT §7): the lateness matrix on simulated ranks.
+
+Every cell: one boundary of a protocol / schedule / MoE form at W 2, 4 and 8, its late rank first, in the middle
+or last, made 0.1, 5, 50 or 500 ms late (a 2 s timeout) by a host pause, a kernel ahead on its stream (a sleep
+kernel, real GEMMs), both, its first call after warmup(), or a compile on its host; every trial's check() must be
+clean on every rank and its bits the rank-order sum's. The first-launch cells (a kernel launched for the first
+time in the process) run in fresh processes, ten per cell, with the negative controls: lazy module loading
+brings the stall back, and a rank absent past the timeout is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.allreduce import warmup_every_protocol
+from boundary import BoundaryAllReduce
+from cute_kernels.compile import lazy_module_loading
+from tests import late_rank
+from tests.tiny_kernel import compile_tiny
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]  # fmt: skip
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLDS = (2, 4, 8)
+FRESH_PROCESSES = 10  # per cell: a first launch happens once per process
+# Where the matrix is written, for docs/PERF.md ($MHC_LATE_MATRIX_OUT), besides the assertion.
+MATRIX_OUT = os.environ.get("MHC_LATE_MATRIX_OUT")
+
+
+def _write(name: str, cells: dict) -> None:
+    if MATRIX_OUT:
+        Path(MATRIX_OUT).mkdir(parents=True, exist_ok=True)
+        (Path(MATRIX_OUT) / f"{name}.json").write_text(json.dumps(cells, indent=1))
+
+
+def _table(cells: dict[str, list[str]]) -> str:
+    return "\n".join(f"{cell}: {len(r)} trials, {sum(bool(e) for e in r)} failed {[e for e in r if e][:2]}"
+                     for cell, r in sorted(cells.items()))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranks_by_world() -> dict[int, list[BoundaryAllReduce]]:
+    assert not lazy_module_loading(), "the tests load CUDA modules eagerly (conftest)"
+    out = {}
+    for world in WORLDS:
+        ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=512, device="cuda",
+                                            timeout_us=late_rank.TIMEOUT_US)  # fmt: skip
+        for ar in ranks:
+            warmup_every_protocol(ar)  # every variant, both protocols, loaded onto the GPU
+        out[world] = ranks
+    return out
+
+
+def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]]) -> None:
+    delays = late_rank.Delays.calibrate()
+    cells: dict[str, list[str]] = defaultdict(list)
+    seed = 0
+    for world, ranks in ranks_by_world.items():
+        positions = (0, world // 2, world - 1)
+        for mode in late_rank.MODES:
+            # Its first call after warmup() (the compile and the load were warmup's), then every kind and lateness,
+            # the late rank's position cycling so that each kind meets all three.
+            plan = [("first call", 5.0, positions[seed % 3])]
+            plan += [(kind, ms, positions[(i + j) % 3]) for i, kind in enumerate(late_rank.KINDS)
+                     for j, ms in enumerate(late_rank.LATENESS_MS)]  # fmt: skip
+            for kind, ms, late in plan:
+                seed += 1
+                make = (lambda ms=ms: delays.make("host", ms)) if kind == "first call" else (
+                    lambda kind=kind, ms=ms: delays.make(kind, ms))  # fmt: skip
+                error = late_rank.trial(ranks, mode, late, make, seed)
+                cells[f"W{world} {mode} {kind}"].append(error)
+                cells[f"W{world} late rank {'first' if late == 0 else 'last' if late == world - 1 else 'middle'}"
+                      ].append(error)  # fmt: skip
+                cells[f"W{world} {ms:g} ms"].append(error)
+    # A first-call compile: the late rank compiles a kernel (its first launch after its boundary) while its peers wait.
+    for world, ranks in ranks_by_world.items():
+        for k in range(3):
+            seed += 1
+            width = 2048 + 8 * (seed + os.getpid() % 1000 * 64)
+            error = late_rank.trial(ranks, "oneshot", (0, world // 2, world - 1)[k],
+                                    lambda width=width, ar=ranks[0]: compile_tiny(width, arch=ar.arch), seed)  # fmt: skip
+            cells[f"W{world} first-call compile"].append(error)
+    _write("lateness_matrix", cells)
+    failed = {c: r for c, r in cells.items() if any(r)}
+    assert not failed, "late ranks failed:\n" + _table(failed)
+
+
+def _fresh(world: int, late: int, loading: str, seed: int) -> dict[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.late_rank_case", "--world", str(world), "--late", str(late), "--loading",
+         loading, "--seed", str(seed)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_first_launches_in_fresh_processes_stall_no_rank() -> None:
+    """Ten fresh processes per W, each launching torch's sleep kernel, its first cuBLAS GEMM and a freshly
+    compiled kernel for the first time on its late rank: with eager module loading no trial fails."""
+    cells: dict[str, list[str]] = defaultdict(list)
+    plan = [(world, (0, world // 2, world - 1)[k % 3], k) for world in WORLDS for k in range(FRESH_PROCESSES)]
+    with ThreadPoolExecutor(4) as pool:  # four processes at a time share the GPU (its contexts time-slice)
+        results = list(pool.map(lambda p: (p[0], _fresh(p[0], p[1], "eager", seed=p[2])), plan))
+    for world, result in results:
+        for kind, error in result.items():
+            cells[f"W{world} first launch: {kind}"].append(error)
+    _write("first_launch_eager", cells)
+    failed = {c: r for c, r in cells.items() if any(r)}
+    assert not failed, "first launches stalled ranks:\n" + _table(failed)
+
+
+def test_negative_control_lazy_loading_brings_the_stall_back() -> None:
+    """The same first launches with CUDA's default lazy loading: a kernel loaded while a boundary spins stalls its
+    peers to the timeout, in some process (once per process: at the first launch of a kernel not yet loaded)."""
+    cells: dict[str, list[str]] = defaultdict(list)
+    for k in range(3):
+        for kind, error in _fresh(2, 1, "lazy", seed=100 + k).items():
+            cells[f"W2 lazy first launch: {kind}"].append(error)
+    _write("first_launch_lazy", cells)
+    assert any(any(r) for r in cells.values()), "lazy loading stalled nothing: the fresh-process cells prove nothing"
+    assert all("gave up waiting" in e for r in cells.values() for e in r if e), _table(cells)
+
+
+def test_negative_control_a_rank_absent_past_the_timeout_is_reported() -> None:
+    """A rank whose kernel ahead takes longer than the timeout is reported by every peer that waited for it."""
+    world = 4
+    ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=64, device="cuda", timeout_us=50_000)
+    for ar in ranks:
+        warmup_every_protocol(ar)
+    delays = late_rank.Delays.calibrate()
+    error = late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(400.0), seed=7)
+    assert "gave up waiting for rank(s) [2]" in error, error
+    assert late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(5.0), seed=8) == "", "after reset(): exact"
+
+
+def test_warmup_loads_every_variant_onto_the_gpu() -> None:
+    """Asked of the driver in a fresh process with lazy loading: a variant's kernel is not loaded before its first
+    launch (the negative control), and warmup() has loaded the kernels of the variants nothing had launched."""
+    out = subprocess.run([sys.executable, "-m", "tests.module_loading_case"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    states = json.loads(out.stdout.strip().splitlines()[-1])
+    _write("module_loading", states)
+    assert all(s and set(s) == {"unloaded"} for s in states["before_warmup"].values()), states
+    assert all(s and set(s) == {"loaded"} for s in states["after_warmup"].values()), states
