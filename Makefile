@@ -6,8 +6,12 @@
 VENV    ?= .venv
 PYTHON  ?= $(VENV)/bin/python
 DEPS    ?= install
-# The CPU build of torch is what CI and the dev boxes keep on disk; a GPU box may use any torch >= 2.11.
+# torch is installed first, by itself, from TORCH_INDEX: PyTorch's CPU wheel index by default, so that a CPU
+# machine gets the CPU build (no CUDA libraries); its dependencies then come from the default index. On a GPU
+# box pick a CUDA index (e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu130) or TORCH_INDEX= (the
+# default index: its Linux torch is the CUDA build). Nothing is installed where `import torch` already works.
 TORCH   ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP   := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
@@ -18,14 +22,18 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || { \
+	  $(VENV)/bin/python -m pip install -q --no-deps "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
+	  $(VENV)/bin/python -m pip install -q "$(TORCH)"; }
 	$(VENV)/bin/python -m pip install -q -e ".[test,bench,lint]"
 	@touch $@
 
 test: $(DEPS)
 	$(PYTHON) -m pytest -q
 
+# Without a CUDA GPU every GPU test would skip, which reads as a pass: refuse instead, saying so.
 gpu-test: $(DEPS)
+	@$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-test: no CUDA GPU here, so no GPU test ran (make test runs the CPU suite)')"
 	$(PYTHON) -m pytest -q -m gpu -rs
 
 bench: $(DEPS)
