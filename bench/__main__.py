@@ -24,14 +24,18 @@ def gpu_arch() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point: the command line is the GPU benchmark's, checked (and --help answered) before anything runs."""
+    from bench import kernels
+
+    argv = sys.argv[1:] if argv is None else argv
+    kernels.parse_args(argv)
     arch = gpu_arch()
     if arch is None:
         from boundary import demo
 
+        if argv:
+            print(f"make bench: the options {' '.join(argv)} are the GPU benchmark's; the demo runs without them.")
         return demo.main(["--device", "cpu"])
-    from bench import kernels
-
     return kernels.main(argv, arch=arch)
 
 

@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import math
+import numbers
+import operator
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 Dim = int | None  # None: any size
+log = logging.getLogger("boundary")
+# A workspace from this size up is logged as a warning (a default logging set-up shows it): far more than a
+# decode step needs (H 7168 at W 8 with the default max_rows=512 takes 0.13 GiB).
+WORKSPACE_WARNING_BYTES = 512 * 2**20
+
+
+def _error(kind: type[Exception], name: str, text: str, **details: object) -> Exception:
+    """An error whose message starts with the argument's name; `argument` lets a caller rename it (`rename`)."""
+    exc = kind(f"{name} {text}")
+    exc.argument = name  # type: ignore[attr-defined]
+    for key, value in details.items():
+        setattr(exc, key, value)
+    return exc
+
+
+def rename(exc: BaseException, names: Mapping[str, str], *, converted_at_load: bool = False) -> None:
+    """Raise `exc` again under the caller's name for its argument (a layer attribute, a state field), if `names`
+    has one; return otherwise. `converted_at_load`: a wrong dtype is to be fixed once, when the model loads."""
+    arg = getattr(exc, "argument", None)
+    new = names.get(arg) if arg is not None else None
+    if new is None:
+        return
+    text = str(exc)[len(arg) + 1 :]
+    dtype = getattr(exc, "dtype", None)
+    if converted_at_load and dtype is not None:
+        text += f": convert it to {dtype} once, when the model loads (the boundary casts nothing per call)"
+    raise _error(type(exc), new, text, dtype=dtype) from None
 
 
 def _shape_ok(actual: torch.Size, shape: Sequence[Dim]) -> bool:
@@ -47,21 +78,21 @@ def tensor(
     ):
         return value
     if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise _error(TypeError, name, f"must be a torch.Tensor, got {type(value).__name__}")
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
         if value.dtype not in allowed:
             want = " or ".join(str(d) for d in allowed)
-            raise TypeError(f"{name} must have dtype {want}, got {value.dtype}")
+            raise _error(TypeError, name, f"must have dtype {want}, got {value.dtype}", dtype=allowed[0])
     if shape is not None and not _shape_ok(value.shape, shape):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {list(value.shape)}")
-    if device is not None and value.device != device:
-        raise ValueError(f"{name} must be on {device}, got {value.device}")
+        raise _error(ValueError, name, f"must have shape {want}, got {list(value.shape)}")
+    if device is not None and not _on(value, device):
+        raise _error(ValueError, name, f"must be on {device}, got {value.device}")
     if contiguous and not value.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+        raise _error(ValueError, name, "must be contiguous")
     if align16 and value.data_ptr() % 16:
-        raise ValueError(f"{name} must start on a 16-byte boundary (got address {value.data_ptr():#x})")
+        raise _error(ValueError, name, f"must start on a 16-byte boundary (got address {value.data_ptr():#x})")
     return value
 
 
@@ -83,23 +114,114 @@ def coefficients(
     return post, comb, pre
 
 
+def integer(name: str, value: object) -> int:
+    """An integral argument (an int, a numpy int, anything with __index__; not a bool) as an int."""
+    if value.__class__ is int:
+        return value  # type: ignore[return-value]
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise _error(TypeError, name, f"must be an int, got {type(value).__name__} {value!r}")
+
+
 def positive_int(name: str, value: object) -> int:
-    """Check a positive int argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    """A positive integral argument as an int."""
+    number = integer(name, value)
+    if number < 1:
+        raise _error(ValueError, name, f"must be a positive int, got {value!r}")
+    return number
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """A non-negative integral argument as an int."""
+    number = integer(name, value)
+    if number < 0:
+        raise _error(ValueError, name, f"must be a non-negative int, got {value!r}")
+    return number
 
 
 def finite_float(name: str, value: object, *, minimum: float | None = None) -> float:
-    """Check a real-number argument (int or float), optionally bounded below."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
+    """A real-number argument (any real but a bool: int, float, numpy scalars) as a float, optionally bounded below."""
+    if value.__class__ is not float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise _error(TypeError, name, f"must be a real number, got {type(value).__name__} {value!r}")
+        value = float(value)
+    if not math.isfinite(value):
+        raise _error(ValueError, name, f"must be finite, got {value}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise _error(ValueError, name, f"must be >= {minimum}, got {value}")
     return value
+
+
+def flag(name: str, value: object) -> bool:
+    """A bool argument: a string or a number is refused (`"no"` is truthy)."""
+    if value.__class__ is not bool:
+        raise _error(TypeError, name, f"must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def device(name: str, value: object) -> torch.device:
+    """A CPU or CUDA device argument that exists on this machine, as a torch.device with the CUDA index filled in
+    (None: the current GPU, else the CPU)."""
+    if value is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        raise _error(TypeError, name, f"must be a torch.device, a str or an int, got {type(value).__name__}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise _error(ValueError, name, f"{value!r} is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise _error(ValueError, name, f"must be a CPU or CUDA device, got {dev}")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise _error(ValueError, name, f"is {dev}, but no CUDA GPU is available here (torch {torch.__version__}, "
+                     f"{build}); pass device='cpu'")  # fmt: skip
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise _error(ValueError, name, f"is {dev}, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return torch.device("cuda", index)
+
+
+def free_bytes(dev: torch.device) -> int | None:
+    """The memory free for new allocations on `dev` (a GPU: the driver's free memory plus what torch's allocator
+    holds unused; the CPU: MemAvailable from /proc/meminfo), or None where it cannot be read."""
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def workspace_capacity(
+    hidden_size: int, max_rows: int, world_size: int, dev: torch.device, *, slots: bool, ranks: int
+) -> None:
+    """Refuse a BoundaryAllReduce workspace (`ranks` ranks' on `dev`, with the receive slots where `slots`) that the
+    memory free on `dev` cannot hold, naming max_rows; log its size otherwise, as a warning from
+    WORKSPACE_WARNING_BYTES up."""
+    from boundary.workspace import workspace_bytes  # workspace imports torch.distributed: only where it is used
+
+    nbytes = ranks * workspace_bytes(hidden_size, max_rows, world_size, slots=slots)
+    free = free_bytes(dev)
+    gib = f"{nbytes / 2**30:.2f} GiB"
+    if free is not None and nbytes > free:
+        raise _error(ValueError, "max_rows", f"is {max_rows}: its workspace needs {nbytes} bytes ({gib}) on {dev}, "
+                     f"but {dev} has {free} bytes ({free / 2**30:.2f} GiB) free: lower max_rows to the most rows "
+                     "one decode step takes")  # fmt: skip
+    level = logging.WARNING if nbytes >= WORKSPACE_WARNING_BYTES else logging.INFO
+    known = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
+    log.log(level, "BoundaryAllReduce workspace: %d bytes (%s) on %s for max_rows=%d at H=%d (free: %s)",
+            nbytes, gib, dev, max_rows, hidden_size, known)  # fmt: skip
 
 
 def pre_delayed_args(
@@ -116,8 +238,10 @@ def pre_delayed_args(
     x: object,
     norm_weight: object,
     norm_eps: object,
-) -> None:
-    """The arguments of mhc_pre_delayed and mhc_pre_delayed_overlap (CONTRACT §3): dtypes, shapes, devices, scalars."""
+) -> tuple[float, float, float, float, int, float]:
+    """The arguments of mhc_pre_delayed and mhc_pre_delayed_overlap (CONTRACT §3): dtypes, shapes, devices, scalars;
+    returns the scalars as Python numbers (rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+    sinkhorn_repeat, norm_eps)."""
     residual = tensor("residual", residual, dtype=torch.bfloat16, shape=(None, None, None))
     rows, hc, hidden = residual.shape
     dev = residual.device
@@ -128,9 +252,11 @@ def pre_delayed_args(
     tensor("hc_base", hc_base, dtype=torch.float32, shape=(hc * (hc + 2),), device=dev)
     optional_tensor("pre_mix", pre_mix, dtype=torch.float32, shape=(rows, hc), device=dev)
     optional_tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=dev)
-    finite_float("rms_eps", rms_eps, minimum=0.0)
-    finite_float("hc_pre_eps", hc_pre_eps, minimum=0.0)
-    finite_float("hc_sinkhorn_eps", hc_sinkhorn_eps, minimum=0.0)
-    finite_float("hc_post_mult_value", hc_post_mult_value)
-    positive_int("sinkhorn_repeat", sinkhorn_repeat)
-    finite_float("norm_eps", norm_eps, minimum=0.0)
+    return (
+        finite_float("rms_eps", rms_eps, minimum=0.0),
+        finite_float("hc_pre_eps", hc_pre_eps, minimum=0.0),
+        finite_float("hc_sinkhorn_eps", hc_sinkhorn_eps, minimum=0.0),
+        finite_float("hc_post_mult_value", hc_post_mult_value),
+        positive_int("sinkhorn_repeat", sinkhorn_repeat),
+        finite_float("norm_eps", norm_eps, minimum=0.0),
+    )

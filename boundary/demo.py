@@ -18,11 +18,22 @@ import torch.distributed as dist
 
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep
 from boundary.all_reduce import BACKENDS
-from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
+from boundary.toy import (
+    ToyConfig,
+    ToyModel,
+    compare,
+    decode_step,
+    decode_step_plain,
+    random_tokens,
+    sharded_widths,
+    world_sizes,
+)
+from cute_kernels.allreduce.protocol import MAX_WORLD
+from cute_kernels.compile import UnsupportedGPUError, arch_for_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The demo's command line."""
+    """The demo's command line, checked before anything runs (`--device auto` is resolved here)."""
     p = argparse.ArgumentParser(prog="python -m boundary.demo", description=__doc__.splitlines()[0])
     p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto: a GPU if present)"
@@ -41,20 +52,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be positive")
     if args.hidden % 256:
         p.error("--hidden must be a multiple of 256")
+    sizes = world_sizes(config(args), MAX_WORLD)
+    if args.tp not in sizes:
+        widths = ", ".join(f"{k}={v}" for k, v in sharded_widths(config(args)).items())
+        p.error(f"--tp must be one of {', '.join(map(str, sizes))} (a divisor of the toy's sharded widths {widths}, "
+                f"and at most {MAX_WORLD} ranks in a TP group), got {args.tp}")  # fmt: skip
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "auto":
+        args.device = "cuda" if gpus >= args.tp else "cpu"
+    if args.device == "cuda" and gpus == 0:
+        p.error("--device cuda: no CUDA GPU is available here")
+    if args.device == "cuda" and gpus < args.tp:
+        p.error(f"--tp {args.tp} on --device cuda needs {args.tp} GPUs; this machine has {gpus}")
+    if args.backend == "kernel" and args.device != "cuda":
+        p.error("--backend kernel needs a CUDA GPU (sm_90a / sm_100a) and none is used here; "
+                "--backend auto or reference runs the reference path on the CPU")  # fmt: skip
+    if args.device == "cuda" and args.backend != "reference":
+        try:
+            arch_for_device(0)
+        except UnsupportedGPUError as exc:
+            p.error(f"{exc}")
     return args
 
 
+def config(args: argparse.Namespace) -> ToyConfig:
+    """The toy model of the command line."""
+    return ToyConfig(hidden_size=args.hidden, num_layers=args.layers)
+
+
 def _device(args: argparse.Namespace, rank: int) -> torch.device:
-    want = args.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.tp else "cpu"
-    if want == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device is available")
-        if torch.cuda.device_count() < args.tp:
-            raise SystemExit(
-                f"--tp {args.tp} on CUDA needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}"
-            )
+    if args.device == "cuda":
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     return torch.device("cpu")
@@ -69,14 +96,15 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
     """Run the steps on this rank; rank 0 prints. Returns whether every step agreed on every rank."""
     device = _device(args, rank)
     world = args.tp
-    config = ToyConfig(hidden_size=args.hidden, num_layers=args.layers)
-    model = ToyModel(config, rank=rank, world_size=world, device=device)
+    model = ToyModel(config(args), rank=rank, world_size=world, device=device)
     all_reduce = BoundaryAllReduce(args.hidden, group=group, max_rows=max(args.rows, 1), device=device,
                                    backend=args.backend)  # fmt: skip
     boundaries = Boundaries(all_reduce)
     step = DecodeStep.for_rows(args.rows)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layers (Engram at {config.engram_layers}), "
+    engram = tuple(layer.index for layer in model.layers if layer.engram)
+    say(f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layer{'s' if args.layers > 1 else ''} "
+        f"({f'Engram at {engram}' if engram else 'no Engram layer'}), "
         f"{args.rows} rows, TP={world}, device={device}, boundary path={all_reduce.path}, "
         f"side streams={'on' if step.side_stream and device.type == 'cuda' else 'off'}")  # fmt: skip
     if device.type != "cuda" or all_reduce.path == "reference":
@@ -115,7 +143,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    use_nccl = _device(args, rank).type == "cuda"
+    use_nccl = args.device == "cuda"
     dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=args.tp)  # fmt: skip
     try:
@@ -138,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(_worker, args=(args, _free_port()), nprocs=args.tp, join=True)
     except mp.ProcessExitedException as exc:
         print(f"a rank failed: {exc}", file=sys.stderr)
+        return 1
+    except mp.ProcessRaisedException as exc:  # its message is the rank's traceback: its last line is the error
+        print(f"rank {exc.error_index} failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     return 0
 

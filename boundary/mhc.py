@@ -104,7 +104,7 @@ def mhc_pre_delayed(
 
     On the kernels, one launch computes both the mixes and (with `norm_weight`) the layer input.
     """
-    checks.pre_delayed_args(
+    rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps = checks.pre_delayed_args(
         residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
         hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
     )  # fmt: skip
@@ -179,7 +179,7 @@ def mhc_pre_delayed_overlap(
     reads post, comb or next_pre. With `layer_input` given, only the mixes run. `stream` None
     (the CPU) runs everything on the current stream.
     """
-    checks.pre_delayed_args(
+    rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps = checks.pre_delayed_args(
         residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
         hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
     )  # fmt: skip

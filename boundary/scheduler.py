@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from boundary import checks, mhc
 from boundary.all_reduce import BoundaryAllReduce
-from boundary.types import MHCLayer, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized_layer_input
+from boundary.types import MHCLayer, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized
 
 # Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
 # the whole step up to 128 rows; from 256 rows inline is 0.8-1.6 % faster.
@@ -41,13 +44,19 @@ class DecodeStep:
     rows: int
     side_stream: bool
 
+    def __post_init__(self) -> None:
+        self.rows = checks.positive_int("DecodeStep.rows", self.rows)
+        checks.flag("DecodeStep.side_stream", self.side_stream)
+
     @classmethod
     def for_rows(cls, rows: int, overlap_max_rows: int | None = None) -> DecodeStep:
         """The step for `rows` rows: coefficients on side streams when CUDA is present and rows are few."""
-        checks.positive_int("rows", rows)
-        limit = MHC_OVERLAP_MAX_ROWS if overlap_max_rows is None else overlap_max_rows
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"overlap_max_rows must be a non-negative int, got {limit!r}")
+        rows = checks.positive_int("rows", rows)
+        limit = (
+            MHC_OVERLAP_MAX_ROWS
+            if overlap_max_rows is None
+            else checks.non_negative_int("overlap_max_rows", overlap_max_rows)
+        )
         return cls(rows=rows, side_stream=torch.cuda.is_available() and rows <= limit)
 
 
@@ -62,8 +71,77 @@ class BoundaryState:
     pending: Tensor | MoEOutput | None = None
 
 
+class _Reads(NamedTuple):
+    """The layer attributes (CONTRACT §5) that entering one sublayer reads, in the order `_mixes` unpacks them,
+    and one getter of them all."""
+
+    names: tuple[str, ...]
+    get: Callable[[Any], tuple[Any, ...]]
+
+
+def _reads(fn: str, kind: str) -> _Reads:
+    names = (fn, f"hc_{kind}_scale", f"hc_{kind}_base", f"{kind}_norm.weight", f"{kind}_norm.variance_epsilon",
+             "rms_norm_eps", "hc_eps", "hc_post_alpha", "hc_sinkhorn_iters", "hc_mult")  # fmt: skip
+    return _Reads(names, attrgetter(*names))
+
+
+FIRST = _reads("hc_attn_fn_broadcast", "attn")
+ATTN = _reads("hc_attn_fn", "attn")
+FFN = _reads("hc_ffn_fn", "ffn")
+
+
+def _layer_names(reads: _Reads) -> dict[str, str]:
+    """The mHC op and boundary arguments that `reads` fill, each mapped to the layer attribute (for messages)."""
+    fn, scale, base, weight, eps, rms, hc_eps, alpha, iters, _ = (f"layer.{a}" for a in reads.names)
+    return {
+        "fn": fn,
+        "hc_scale": scale,
+        "hc_base": base,
+        "norm_weight": weight,
+        "norm_eps": eps,
+        "rms_eps": rms,
+        "hc_pre_eps": hc_eps,
+        "hc_sinkhorn_eps": hc_eps,
+        "hc_post_mult_value": alpha,
+        "sinkhorn_repeat": iters,
+    }
+
+
+def _state_names(state: BoundaryState) -> dict[str, str]:
+    """The boundary arguments that a state fills, each mapped to the state field (for messages)."""
+    names = {"residual": "state.residual", "post": "state.post", "comb": "state.comb", "pre": "state.pre"}
+    pending = state.pending
+    if isinstance(pending, Tensor):
+        names["x"] = "state.pending"
+    elif isinstance(pending, MoEOutput):
+        names["shared_output"] = "state.pending.shared_output"
+        if isinstance(pending.routed, Tensor):
+            names["x"] = "state.pending.routed"
+        else:
+            for field in ("gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx"):
+                names[field] = f"state.pending.routed.{field}"
+    return names
+
+
+def _missing(layer: Any, attrs: tuple[str, ...]) -> None:
+    """Raise a TypeError naming the first of `attrs` (dotted paths) that `layer` lacks; return if it has them all."""
+    for path in attrs:
+        obj = layer
+        for part in path.split("."):
+            if not hasattr(obj, part):
+                raise TypeError(
+                    f"layer.{path} is missing (the layer is a {type(layer).__name__}): a layer provides the mHC "
+                    "attributes of CONTRACT §5 (boundary.types.MHCLayer; boundary/toy.py's ToyLayer has them all)"
+                )
+            obj = getattr(obj, part)
+
+
 class Boundaries:
-    """Drives the boundaries of a decode step: the fused kernel on the main stream, the mixes beside it."""
+    """Drives the boundaries of a decode step: the fused kernel on the main stream, the mixes beside it.
+
+    A boundary consumes the state it reduces: `sublayer` and `post_only` set `state.pending` to None, so that
+    the same partial cannot be reduced twice; carry on with the state they return.
+    """
 
     def __init__(self, all_reduce: BoundaryAllReduce) -> None:
         if not isinstance(all_reduce, BoundaryAllReduce):
@@ -75,12 +153,13 @@ class Boundaries:
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; input = RMSNorm(stream 0)."""
         self._check_step(step)
-        hidden, dev = self.all_reduce.hidden_size, self.all_reduce.device
-        checks.tensor("x", x, dtype=torch.bfloat16, shape=(step.rows, hidden), device=dev)
-        if layer.hc_attn_fn_broadcast is None:
+        ar = self.all_reduce
+        checks.tensor("x", x, dtype=torch.bfloat16, shape=(step.rows, ar.hidden_size), device=ar.device)
+        values = self._layer(layer, FIRST)
+        if values[0] is None:
             raise ValueError("layer.hc_attn_fn_broadcast is None: the first layer needs the [24, H] broadcast fn")
-        residual = x.unsqueeze(1).expand(-1, layer.hc_mult, -1).contiguous()
-        return self._enter(layer, residual, None, layer.hc_attn_fn_broadcast, x, step)
+        residual = x.unsqueeze(1).expand(-1, ar.hc_mult, -1).contiguous()
+        return self._enter(layer, values, FIRST, residual, None, x, step)
 
     def pre(
         self, layer: MHCLayer, residual: Tensor, state: BoundaryState, step: DecodeStep
@@ -88,9 +167,11 @@ class Boundaries:
         """An Engram layer's attention entry on injected streams: mixes, collapse with state.pre, norm."""
         self._check_step(step)
         self._check_state(state, step, pending=False)
-        hidden, dev = self.all_reduce.hidden_size, self.all_reduce.device
-        checks.tensor("residual", residual, dtype=torch.bfloat16, shape=(step.rows, layer.hc_mult, hidden), device=dev)
-        return self._enter(layer, residual, state.pre, layer.hc_attn_fn, None, step)
+        values = self._layer(layer, ATTN)
+        ar = self.all_reduce
+        checks.tensor("residual", residual, dtype=torch.bfloat16, shape=(step.rows, ar.hc_mult, ar.hidden_size),
+                      device=ar.device)  # fmt: skip
+        return self._enter(layer, values, ATTN, residual, state.pre, None, step)
 
     def sublayer(
         self,
@@ -102,70 +183,103 @@ class Boundaries:
         quantize: bool = False,
         capture_aux: bool = False,
     ) -> tuple[BoundaryState, Tensor, QuantizedActivation | None, Tensor | None]:
-        """The fused boundary on state.pending, then the mixes of the sublayer it prepares.
+        """The fused boundary on state.pending (which it consumes), then the mixes of the sublayer it prepares.
 
         Returns the new state, the bf16 layer input, its MXFP8 form with `quantize` and, with
         `capture_aux`, the mean of the new streams (valid after `join`).
         """
         self._check_step(step)
+        if not (ffn.__class__ is quantize.__class__ is capture_aux.__class__ is bool):  # one test when all are bools
+            checks.flag("ffn", ffn)
+            checks.flag("quantize", quantize)
+            checks.flag("capture_aux", capture_aux)
         self._check_state(state, step, pending=True)
-        norm = layer.ffn_norm if ffn else layer.attn_norm
-        fn, scale, base = (
-            (layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
-            if ffn
-            else (layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
-        )
+        reads = FFN if ffn else ATTN
+        values = self._layer(layer, reads)
         rows, hidden, dev = step.rows, self.all_reduce.hidden_size, self.all_reduce.device
-        quantized = empty_quantized_layer_input(rows, hidden, dev) if quantize else None
+        quantized = empty_quantized(rows, hidden, dev) if quantize else None
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
-        residual, layer_input = self._reduce(state, state.pre, norm.weight, norm.variance_epsilon, quantized, aux)
-        post, comb, _, pre = self._mixes(layer, residual, fn, scale, base, None, step, layer_input)
+        try:
+            residual, layer_input = self._reduce(state, state.pre, values[3], values[4], quantized, aux)
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, _layer_names(reads), converted_at_load=True)
+            checks.rename(exc, _state_names(state))
+            raise
+        state.pending = None
+        post, comb, _, pre = self._mixes(layer, values, reads, residual, None, step, layer_input)
         return BoundaryState(residual, post, comb, pre), layer_input, quantized, aux
 
     def post_only(self, state: BoundaryState) -> Tensor:
-        """The residual-only boundary on state.pending: the new streams, with no layer input."""
+        """The residual-only boundary on state.pending (which it consumes): the new streams, with no layer input."""
         if not isinstance(state, BoundaryState):
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         self._check_state(state, None, pending=True)
-        residual, _ = self._reduce(state, None, None, 0.0, None, None)
+        try:
+            residual, _ = self._reduce(state, None, None, 0.0, None, None)
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, _state_names(state))
+            raise
+        state.pending = None
         return residual
 
     def join(self, layer: MHCLayer, step: DecodeStep) -> None:
         """Make the current stream wait for the layer's side stream (only when the step uses it; a no-op on the CPU)."""
         self._check_step(step)
         if self._side(step):
-            torch.cuda.current_stream(self.all_reduce.device).wait_stream(layer.mhc_stream)
+            torch.cuda.current_stream(self.all_reduce.device).wait_stream(self._stream(layer))
+
+    def _layer(self, layer: Any, reads: _Reads) -> tuple[Any, ...]:
+        """The values of `reads` on `layer`, with layer.hc_mult checked (its last)."""
+        try:
+            values = reads.get(layer)
+        except AttributeError:
+            _missing(layer, reads.names)
+            raise
+        hc = values[-1]
+        if hc.__class__ is not int or hc != self.all_reduce.hc_mult:
+            hc = checks.integer("layer.hc_mult", hc)
+            if hc != self.all_reduce.hc_mult:
+                raise ValueError(f"layer.hc_mult is {hc}, but the boundary serves hc_mult={self.all_reduce.hc_mult}")
+        return values
+
+    def _stream(self, layer: Any) -> Any:
+        try:
+            return layer.mhc_stream
+        except AttributeError:
+            _missing(layer, ("mhc_stream",))
+            raise
 
     def _enter(
-        self, layer: MHCLayer, residual: Tensor, pre_mix: Tensor | None, fn: Tensor, x: Tensor | None,
-        step: DecodeStep,
+        self, layer: MHCLayer, values: tuple[Any, ...], reads: _Reads, residual: Tensor,
+        pre_mix: Tensor | None, x: Tensor | None, step: DecodeStep,
     ) -> tuple[BoundaryState, Tensor]:  # fmt: skip
         """Mixes and layer input of a sublayer entered without a reduction (first layer, Engram seam)."""
-        norm = layer.attn_norm
-        post, comb, layer_input, pre = self._mixes(
-            layer, residual, fn, layer.hc_attn_scale, layer.hc_attn_base, pre_mix, step, None, x=x,
-            norm_weight=norm.weight, norm_eps=norm.variance_epsilon,
-        )  # fmt: skip
+        post, comb, layer_input, pre = self._mixes(layer, values, reads, residual, pre_mix, step, None, x=x)
         return BoundaryState(residual, post, comb, pre), layer_input
 
     def _mixes(
-        self, layer: MHCLayer, residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+        self, layer: MHCLayer, values: tuple[Any, ...], reads: _Reads, residual: Tensor,
         pre_mix: Tensor | None, step: DecodeStep, layer_input: Tensor | None, *, x: Tensor | None = None,
-        norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-        """post, comb, layer input, next pre: on the side stream for small steps, inline otherwise."""
-        args = (
-            residual, fn, scale, base, layer.rms_norm_eps, layer.hc_eps, layer.hc_eps, layer.hc_post_alpha,
-            layer.hc_sinkhorn_iters, pre_mix, x, norm_weight, norm_eps,
-        )  # fmt: skip
-        if self._side(step):
-            if not isinstance(layer.mhc_stream, torch.cuda.Stream):
-                raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
-            return mhc.mhc_pre_delayed_overlap(*args, stream=layer.mhc_stream, layer_input=layer_input,
-                                               backend=self.backend)  # fmt: skip
-        if layer_input is not None:
-            return mhc.mhc_pre_delayed_overlap(*args, stream=None, layer_input=layer_input, backend=self.backend)
-        return mhc.mhc_pre_delayed(*args, backend=self.backend)
+        """post, comb, layer input, next pre: on the side stream for small steps, inline otherwise. Without
+        `layer_input` the layer input is computed here, with the sublayer's norm."""
+        fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
+        norm_weight, norm_eps = (weight, eps) if layer_input is None else (None, 1e-6)
+        args = (residual, fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters, pre_mix, x, norm_weight, norm_eps)
+        try:
+            if self._side(step):
+                stream = self._stream(layer)
+                if not isinstance(stream, torch.cuda.Stream):
+                    raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
+                return mhc.mhc_pre_delayed_overlap(*args, stream=stream, layer_input=layer_input,
+                                                   backend=self.backend)  # fmt: skip
+            if layer_input is not None:
+                return mhc.mhc_pre_delayed_overlap(*args, stream=None, layer_input=layer_input, backend=self.backend)
+            return mhc.mhc_pre_delayed(*args, backend=self.backend)
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, _layer_names(reads), converted_at_load=True)
+            checks.rename(exc, {"pre_mix": "state.pre"})
+            raise
 
     def _reduce(
         self, state: BoundaryState, pre: Tensor | None, norm_weight: Tensor | None, norm_eps: float,
@@ -191,18 +305,28 @@ class Boundaries:
     def _check_step(self, step: object) -> None:
         if not isinstance(step, DecodeStep):
             raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
+        if step.rows > self.all_reduce.max_rows:
+            raise ValueError(f"step.rows ({step.rows}) exceed the boundary's capacity max_rows="
+                             f"{self.all_reduce.max_rows}: build the BoundaryAllReduce with max_rows >= the largest "
+                             "step")  # fmt: skip
 
     def _check_state(self, state: object, step: DecodeStep | None, *, pending: bool) -> None:
         if not isinstance(state, BoundaryState):
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         if step is not None and state.residual.shape[0] != step.rows:
             raise ValueError(f"state.residual has {state.residual.shape[0]} rows but step.rows is {step.rows}")
-        if pending:
-            if state.pending is None:
-                raise ValueError("state.pending is None: set it to the sublayer's output before the boundary")
-            if not isinstance(state.pending, (Tensor, MoEOutput)):
-                raise TypeError(f"state.pending must be a Tensor or a MoEOutput, got {type(state.pending).__name__}")
-            if isinstance(state.pending, MoEOutput) and not isinstance(
-                state.pending.routed, (Tensor, UnfinalizedMoEOutput)
-            ):
-                raise TypeError("state.pending.routed must be a Tensor or an UnfinalizedMoEOutput")
+        if not pending:
+            if state.pending is not None:
+                raise ValueError("state.pending is set: reduce it with post_only(state) before pre() (pre enters a "
+                                 "sublayer on the streams post_only returned, and reduces nothing)")  # fmt: skip
+            return
+        if state.pending is None:
+            raise ValueError("state.pending is None: set it to the sublayer's output before each boundary; a boundary "
+                             "consumes it (sublayer and post_only set it to None), so carry on with the state that "
+                             "sublayer returned")  # fmt: skip
+        if not isinstance(state.pending, (Tensor, MoEOutput)):
+            raise TypeError(f"state.pending must be a Tensor or a MoEOutput, got {type(state.pending).__name__}")
+        if isinstance(state.pending, MoEOutput) and not isinstance(
+            state.pending.routed, (Tensor, UnfinalizedMoEOutput)
+        ):
+            raise TypeError("state.pending.routed must be a Tensor or an UnfinalizedMoEOutput")

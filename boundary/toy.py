@@ -94,6 +94,16 @@ class StepOutput(NamedTuple):
     aux: Tensor
 
 
+def sharded_widths(config: ToyConfig) -> dict[str, int]:
+    """The widths that the toy splits over the TP ranks: each must divide by the world size."""
+    return {"attn_width": config.attn_width, "expert_width": config.expert_width, "shared_width": config.shared_width}
+
+
+def world_sizes(config: ToyConfig, limit: int) -> list[int]:
+    """The TP world sizes up to `limit` that every sharded width divides by."""
+    return [w for w in range(1, limit + 1) if all(width % w == 0 for width in sharded_widths(config).values())]
+
+
 def _shard(full: Tensor, dim: int, rank: int, world: int) -> Tensor:
     size = full.shape[dim] // world
     return full.narrow(dim, rank * size, size).contiguous()
@@ -104,8 +114,7 @@ class ToyModel:
 
     def __init__(self, config: ToyConfig, *, rank: int = 0, world_size: int = 1, device: Any = "cpu") -> None:
         c = config
-        for name, width in (("attn_width", c.attn_width), ("expert_width", c.expert_width),
-                            ("shared_width", c.shared_width)):  # fmt: skip
+        for name, width in sharded_widths(c).items():
             if width % world_size:
                 raise ValueError(f"{name}={width} must divide by the TP world size {world_size}")
         self.config, self.rank, self.world_size = c, rank, world_size
@@ -358,4 +367,6 @@ __all__ = [
     "decode_step",
     "decode_step_plain",
     "random_tokens",
+    "sharded_widths",
+    "world_sizes",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from boundary import checks
 from boundary.reference import mxfp8_scale_bytes
 
 MXFP8_QUANT_KEY = "mxfp8_e4m3_e8m0_swizzled_128x4"
@@ -43,10 +44,15 @@ class QuantizedActivation:
 
 def empty_quantized_layer_input(num_tokens: int, hidden_size: int, device: Any) -> QuantizedActivation:
     """An uninitialised MXFP8 layer input for `num_tokens` rows, for a boundary to write into."""
-    if not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
-    if not isinstance(hidden_size, int) or hidden_size < 32 or hidden_size % 32:
+    num_tokens = checks.positive_int("num_tokens", num_tokens)
+    hidden_size = checks.positive_int("hidden_size", hidden_size)
+    if hidden_size % 32:
         raise ValueError(f"hidden_size must be a positive multiple of 32, got {hidden_size!r}")
+    return empty_quantized(num_tokens, hidden_size, checks.device("device", device))
+
+
+def empty_quantized(num_tokens: int, hidden_size: int, device: torch.device) -> QuantizedActivation:
+    """empty_quantized_layer_input on checked arguments (the scheduler's, every sublayer with `quantize`)."""
     data = torch.empty(num_tokens, hidden_size, dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty(mxfp8_scale_bytes(num_tokens, hidden_size), dtype=torch.uint8, device=device)
     return QuantizedActivation(data, scale, torch.bfloat16, torch.Size((num_tokens, hidden_size)), MXFP8_QUANT_KEY)

@@ -35,7 +35,7 @@ def test_construction_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="timeout_us must be at most"):
         BoundaryAllReduce(512, device="cpu", timeout_us=2**31)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs a CUDA device"):
+        with pytest.raises(ValueError, match="simulated ranks need a CUDA GPU"):
             BoundaryAllReduce.simulated(512, 2, device="cpu")
     for world in (1, 3, 16):
         with pytest.raises(ValueError, match=r"world_size must be one of \(2, 4, 8\), got"):
