@@ -1,6 +1,7 @@
 """`make bench`: the boundary benchmarks, with their baselines measured in the same run."""
 
-from cute_kernels.compile import eager_module_loading
+import os
 
-# Simulated ranks share one CUDA context: every kernel must be loaded before a boundary spins (CONTRACT §7).
-eager_module_loading()
+# Simulated ranks share one CUDA context: every kernel must be loaded before a boundary spins (CONTRACT §7). Set
+# before anything (cutlass's import included) initialises CUDA; an explicit $CUDA_MODULE_LOADING wins.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")

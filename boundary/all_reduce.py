@@ -12,18 +12,18 @@ from torch import Tensor
 
 from boundary import checks, mhc, reference
 from boundary.types import QuantizedActivation
-from boundary.workspace import Workspace, peers_can_map
+from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
 from cute_kernels.allreduce.protocol import (
     ERROR_MISSING,
     ERROR_MOE_INDEX,
     ERROR_MOE_ROW,
     MAX_WORLD,
     PEER_WORLD_SIZES,
+    PROTOCOLS,
 )
-from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.boundary.config import default_config
-from cute_kernels.compile import arch_for_device, warmup
+from cute_kernels.compile import arch_for_device, lazy_module_loading, warmup
 
 log = logging.getLogger("boundary")
 
@@ -61,6 +61,8 @@ class BoundaryAllReduce:
     it raises, naming the GPU, and `backend="reference"` is the way out.
     """
 
+    _warned_lazy = False  # simulated() has said that CUDA loads kernels lazily in this process
+
     def __init__(
         self,
         hidden_size: int,
@@ -71,12 +73,14 @@ class BoundaryAllReduce:
         device: Any = None,
         backend: str = "auto",
         timeout_us: int = DEFAULT_TIMEOUT_US,
+        protocol: str | None = None,
     ) -> None:
         if group is not None and not dist.is_initialized():
             raise ValueError("group was given but torch.distributed is not initialised")
         rank = dist.get_rank(group) if group is not None else 0
         world = dist.get_world_size(group) if group is not None else 1
         self._setup(hidden_size, max_rows, hc_mult, device, backend, timeout_us, rank, world, group)
+        self.protocol = protocol
         why = ""
         if self.arch is None:
             self.path = "reference"
@@ -87,9 +91,14 @@ class BoundaryAllReduce:
         else:
             self.path, why = multi_rank_path(self.world_size, lambda: peers_can_map(group, self.device))
             if self.path == "peer":
-                config = default_config(hidden_size, self.arch, 1, self.world_size)
+                sharing = ranks_on_each_device(group, self.device)
+                config = default_config(hidden_size, self.arch, sharing, self.world_size)
                 launch = (config.cluster_n, config.threads, config.max_clusters)
-                self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us, launch)
+                if sharing > 1:  # processes sharing a GPU: CUDA IPC (symmetric memory takes one rank per GPU)
+                    self.workspace = Workspace.ipc(hidden_size, max_rows, self.device, group, timeout_us, launch,
+                                                   sharing)  # fmt: skip
+                else:
+                    self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us, launch)
             else:
                 self.workspace = Workspace(hidden_size, max_rows, self.device)
         self._log_path(why)
@@ -99,15 +108,16 @@ class BoundaryAllReduce:
         world: int, group: Any,
     ) -> None:  # fmt: skip
         """Check the construction arguments once and set what every path shares (the arch: None on the reference)."""
-        checks.positive_int("hidden_size", hidden_size)
+        hidden_size = checks.positive_int("hidden_size", hidden_size)
         if hidden_size % 256:
             raise ValueError(f"hidden_size must be a multiple of 256, got {hidden_size}")
-        checks.positive_int("max_rows", max_rows)
+        max_rows = checks.positive_int("max_rows", max_rows)
+        hc_mult = checks.integer("hc_mult", hc_mult)
         if hc_mult != 4:
             raise ValueError(f"hc_mult must be 4 (the mHC models this boundary serves), got {hc_mult!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        checks.positive_int("timeout_us", timeout_us)
+        timeout_us = checks.positive_int("timeout_us", timeout_us)
         if world > MAX_WORLD:
             raise ValueError(f"the TP group has {world} ranks; the peer boundary serves at most {MAX_WORLD}")
         if timeout_us > MAX_TIMEOUT_US:
@@ -120,18 +130,20 @@ class BoundaryAllReduce:
         self.world_size = world
         self.timeout_us = timeout_us
         self.simulated_ranks = False
-        self._peer_args: dict[str, boundary_api.PeerArgs] = {}
+        self._peer_args: boundary_api.PeerArgs | None = None
+        self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = checks.device("device", device)
         self.arch: str | None = None
         if backend == "kernel" and self.device.type != "cuda":
-            raise ValueError(f"backend='kernel' needs a CUDA device, got {self.device}")
+            raise ValueError(f"backend='kernel' needs a CUDA device, got device={self.device}")
         if backend != "reference" and self.device.type == "cuda":
             self.arch = arch_for_device(self.device)  # raises on GPUs without the kernels
+        # Checked where the path is not known yet: with the receive slots wherever the peer path may run, and for
+        # simulated ranks (no group) every rank's buffers on the one GPU, once.
+        if group is not None or rank == 0:
+            checks.workspace_capacity(hidden_size, max_rows, world, self.device, slots=world in PEER_WORLD_SIZES
+                                      and self.arch is not None, ranks=world if group is None else 1)  # fmt: skip
 
     def _log_path(self, why: str) -> None:
         how = {
@@ -146,26 +158,52 @@ class BoundaryAllReduce:
         log.log(level, "BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
                 self.rank, self.world_size, self.device, self.hidden_size, self.path, how)  # fmt: skip
 
+    @property
+    def protocol(self) -> str | None:
+        """The protocol every peer call takes: "oneshot", "twoshot", or None (the switch's choice by rows, the
+        default). Set it on every rank alike, and warm up after setting it."""
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, value: str | None) -> None:
+        if value is not None and value not in PROTOCOLS:
+            raise ValueError(f"protocol must be None (the switch's choice) or one of {PROTOCOLS}, got {value!r}")
+        self._protocol = value
+        self._peer_args = None
+
     @classmethod
     def simulated(
         cls, hidden_size: int, world_size: int, *, max_rows: int = 512, device: Any = None,
-        timeout_us: int = DEFAULT_TIMEOUT_US,
+        timeout_us: int = DEFAULT_TIMEOUT_US, protocol: str | None = None,
     ) -> list[BoundaryAllReduce]:  # fmt: skip
         """W ranks inside this process on one GPU (CONTRACT §5): separate receive slots, one object and one
         stream per rank, the "peer" path. Their timings are "simulated": the ranks share one GPU's SMs and
         HBM, never NVLink. Issue every rank's call before waiting for any: `run_simulated`."""
-        checks.positive_int("world_size", world_size)
+        world_size = checks.positive_int("world_size", world_size)
         if world_size not in PEER_WORLD_SIZES:
             raise ValueError(f"simulated ranks run the peer protocol: world_size must be one of {PEER_WORLD_SIZES}, "
                              f"got {world_size}")  # fmt: skip
+        need = "simulated ranks need a CUDA GPU (sm_90a / sm_100a): they run the peer kernels side by side on one GPU"
+        if not torch.cuda.is_available():
+            raise ValueError(f"{need}, and none is available here")
+        if checks.device("device", device).type != "cuda":
+            raise ValueError(f"{need}, got device={device!r}")
         ranks = []
         for rank in range(world_size):
             ar = cls.__new__(cls)
             ar._setup(hidden_size, max_rows, 4, device, "kernel", timeout_us, rank, world_size, None)
             ar.simulated_ranks = True
             ar.path = "peer"
+            ar.protocol = protocol
             ar.stream = torch.cuda.Stream(ar.device)
             ranks.append(ar)
+        if lazy_module_loading() and not BoundaryAllReduce._warned_lazy:
+            BoundaryAllReduce._warned_lazy = True  # once per process
+            log.warning(
+                "simulated ranks share one CUDA context, and CUDA loads kernels lazily here: a kernel launched for the "
+                "first time (torch's, cuBLAS's or yours) while a boundary spins can stall every rank to timeout_us. "
+                "Set CUDA_MODULE_LOADING=EAGER before CUDA initialises, and call warmup() (CONTRACT §7)"
+            )
         spaces = Workspace.simulated(hidden_size, world_size, max_rows, ranks[0].device, timeout_us)
         for ar, ws in zip(ranks, spaces):
             ar.workspace = ws
@@ -274,13 +312,13 @@ class BoundaryAllReduce:
             log.info("BoundaryAllReduce.warmup: the %s path has nothing to compile", self.path)
             return
         world = self.world_size if self.path == "peer" else 1
-        protocols = protocols_up_to(world, self.hidden_size, rows) if world > 1 else ("oneshot",)
+        protocols = boundary_api.warmup_protocols(world, self.hidden_size, rows, self._protocol) if world > 1 else ()
         jobs = boundary_api.warmup_jobs(
             self.hidden_size, arch=self.arch, world_size=world, ranks_per_device=self.workspace.ranks_per_device,
             protocols=protocols,
         ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)  # fmt: skip
-        warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}")
         mhc.prepare_workspace(self.hidden_size, rows, self.device)
+        warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
 
     def check(self) -> None:
         """Raise if a boundary of this rank gave up waiting for a peer or met a MoE index outside [-1, P).
@@ -380,12 +418,17 @@ class BoundaryAllReduce:
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
         peer = None
         if self.path == "peer":
-            protocol = protocol_for(self.world_size, self.hidden_size, rows)
-            peer = self._peer_args.get(protocol)
-            if peer is None:  # made once per protocol: this runs ~100 times per decode step
+            peer = self._peer_args
+            if peer is None:  # made once: this runs ~100 times per decode step
                 ws = self.workspace
-                peer = self._peer_args[protocol] = boundary_api.PeerArgs(
-                    ws.slots, ws.peers, ws.state, self.world_size, protocol, ws.ranks_per_device
+                peer = self._peer_args = boundary_api.PeerArgs(
+                    ws.slots,
+                    ws.peers,
+                    ws.state,
+                    self.world_size,
+                    self._protocol,
+                    ws.ranks_per_device,
+                    ws.shared_context,
                 )
         boundary_api.fused_boundary(
             residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,

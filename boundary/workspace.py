@@ -46,7 +46,8 @@ class Workspace:
     slots: Tensor | None = None  # [generations, W + 1, max_rows, H] bf16: what the peers push into
     peers: Tensor | None = None  # [W] int64: every rank's slot base address (this rank's included)
     state: Tensor | None = None  # [3] int32: call counter, rank, timeout (us)
-    ranks_per_device: int = 1  # > 1: simulated ranks sharing one GPU
+    ranks_per_device: int = 1  # > 1: ranks sharing one GPU (simulated, or processes through CUDA IPC)
+    shared_context: bool = False  # the ranks share this process's CUDA context (simulated ranks)
 
     def __post_init__(self) -> None:
         self.mailbox = torch.zeros(self.max_rows, self.hidden_size, dtype=torch.bfloat16, device=self.device)
@@ -82,7 +83,8 @@ class Workspace:
         peers = [b.data_ptr() for b in buffers]
         spaces = []
         for rank, buf in enumerate(buffers):
-            ws = cls(hidden_size, max_rows, device, world_size, rank, timeout_us, ranks_per_device=world_size)
+            ws = cls(hidden_size, max_rows, device, world_size, rank, timeout_us, ranks_per_device=world_size,
+                     shared_context=True)  # fmt: skip
             ws._attach(buf, peers)
             spaces.append(ws)
         torch.cuda.synchronize(device)
@@ -98,12 +100,7 @@ class Workspace:
 
         unicast_only()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        shapes: list[Any] = [None] * world
-        dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us, tuple(launch)), group=group)
-        if len(set(shapes)) > 1:
-            raise ValueError(f"every rank must build its BoundaryAllReduce with the same hidden_size, max_rows and "
-                             f"timeout_us, on GPUs with the same launch shape (CTAs per row, threads, cluster cap: "
-                             f"the SM count, or ${SM_COUNT_ENV}); the ranks gave {shapes}")  # fmt: skip
+        _same_everywhere(group, hidden_size, max_rows, timeout_us, launch)
         buf = symm_mem.empty(slot_elements(world, max_rows, hidden_size), dtype=torch.bfloat16, device=device)
         handle = symm_mem.rendezvous(buf, group)
         # Where this tensor starts in its symmetric allocation; a pooling allocator may differ by rank.
@@ -115,6 +112,45 @@ class Workspace:
         torch.cuda.synchronize(device)
         dist.barrier(group)  # no peer pushes before every rank has armed its slots
         return ws
+
+    @classmethod
+    def ipc(cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int,
+            launch: tuple[int, ...], ranks_per_device: int) -> Workspace:  # fmt: skip
+        """This rank's buffers for a TP group whose processes share GPUs (torch's symmetric memory refuses several
+        ranks on one device): plain allocations whose CUDA IPC handles travel through the group; collective."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        _same_everywhere(group, hidden_size, max_rows, timeout_us, launch)
+        buf = torch.empty(slot_elements(world, max_rows, hidden_size), dtype=torch.bfloat16, device=device)
+        handles: list[Any] = [None] * world
+        dist.all_gather_object(handles, buf.untyped_storage()._share_cuda_(), group=group)
+        opened = {p: torch.UntypedStorage._new_shared_cuda(*handles[p]) for p in range(world) if p != rank}
+        ws = cls(hidden_size, max_rows, device, world, rank, timeout_us, ranks_per_device=ranks_per_device)
+        ws._attach(buf, [buf.data_ptr() if p == rank else opened[p].data_ptr() for p in range(world)])
+        ws._handle = (buf, opened)  # keeps this rank's buffer and the peers' mappings alive
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # no peer pushes before every rank has armed its slots
+        return ws
+
+
+def _same_everywhere(group: Any, hidden_size: int, max_rows: int, timeout_us: int, launch: tuple[int, ...]) -> None:
+    """Raise unless every rank of `group` builds its workspace alike (collective)."""
+    shapes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us, tuple(launch)), group=group)
+    if len(set(shapes)) > 1:
+        raise ValueError(f"every rank must build its BoundaryAllReduce with the same hidden_size, max_rows and "
+                         f"timeout_us, on GPUs with the same launch shape (CTAs per row, threads, cluster cap: "
+                         f"the SM count, or ${SM_COUNT_ENV}); the ranks gave {shapes}")  # fmt: skip
+
+
+def ranks_on_each_device(group: Any, device: torch.device) -> int:
+    """How many ranks of `group` share a GPU, the most on any one (1: a GPU each); collective."""
+    try:
+        me: Any = (socket.gethostname(), _pci_bus_id(device))
+    except Exception as exc:  # every rank must reach the collective
+        me = (socket.gethostname(), f"unknown ({type(exc).__name__}: {exc})")
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    return max(everyone.count(who) for who in everyone)
 
 
 def unicast_only() -> None:
@@ -167,3 +203,12 @@ def _pci_bus_id(device: torch.device) -> str:
     if err != runtime.cudaError_t.cudaSuccess:
         raise RuntimeError(f"cudaDeviceGetPCIBusId({device.index}) failed: {err}")
     return bus.decode().rstrip("\x00").lower() if isinstance(bus, bytes) else str(bus).lower()
+
+
+def workspace_bytes(hidden_size: int, max_rows: int, world_size: int = 1, *, slots: bool = False) -> int:
+    """The device bytes of one rank's Workspace: the mailbox and the error word, and with `slots` the receive
+    slots, the peers' addresses and the state."""
+    nbytes = max_rows * hidden_size * 2 + ERROR_WORDS * 4
+    if slots:
+        nbytes += slot_elements(world_size, max_rows, hidden_size) * 2 + world_size * 8 + STATE_WORDS * 4
+    return nbytes

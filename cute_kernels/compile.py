@@ -198,15 +198,6 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
-MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
-
-
-def eager_module_loading() -> None:
-    """Have CUDA load each module's kernels when the module loads, not at a kernel's first launch: sets
-    $CUDA_MODULE_LOADING=EAGER unless it is set; it takes effect only if CUDA has not initialised yet."""
-    os.environ.setdefault(MODULE_LOADING_ENV, "EAGER")
-
-
 def lazy_module_loading() -> bool:
     """Whether this process's CUDA loads kernels lazily, at their first launch (the driver's default)."""
     from cuda.bindings import driver
@@ -276,13 +267,7 @@ def warmup(
     # Only a jit_cache compile leaves its object where this process finds it.
     missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
     if workers > 1 and len(missing) > 1 and disk_cache_enabled():
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(workers, len(missing)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending = [pool.submit(_compile_only, job) for job in missing]
-            _progress(pending, progress, desc + f" (compiling {len(missing)} in {min(workers, len(missing))} processes)",
-                      lambda f: f.result())  # fmt: skip
+        _compile_in_processes(missing, min(workers, len(missing)), progress, desc)
     if device is None:
         _progress(jobs, progress, desc, lambda job: job.run())
         return len(jobs)
@@ -294,15 +279,67 @@ def warmup(
     return len(jobs)
 
 
+def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, desc: str) -> None:
+    """Compile `jobs` into the disk cache in `workers` fresh interpreters (not multiprocessing: that would re-run a
+    caller's unguarded main script in every worker), each taking every workers-th job; a progress bar counts them."""
+    import subprocess
+    import threading
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(_KERNEL_DIR.parent), os.environ.get(
+        "PYTHONPATH", "")) if p))  # fmt: skip
+    logs = [tempfile.TemporaryFile() for _ in range(workers)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "import cute_kernels.compile as c; c._worker_main()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+        for log in logs
+    ]  # fmt: skip
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc=f"{desc} (compiling {len(jobs)} in {workers} processes)", unit="kernel",
+                   file=sys.stderr)  # fmt: skip
+    lock = threading.Lock()
+
+    def follow(proc: subprocess.Popen) -> None:
+        for _ in proc.stdout:  # one line per compiled job
+            if bar is not None:
+                with lock:
+                    bar.update(1)
+
+    readers = []
+    for k, proc in enumerate(procs):
+        proc.stdin.write(pickle.dumps(jobs[k::workers]))
+        proc.stdin.close()
+        readers.append(threading.Thread(target=follow, args=(proc,), daemon=True))
+        readers[-1].start()
+    failed = []
+    for proc, reader, log in zip(procs, readers, logs):
+        reader.join()
+        if proc.wait() != 0:
+            log.seek(0)
+            failed.append(log.read().decode(errors="replace")[-4000:])
+        log.close()
+    if bar is not None:
+        bar.close()
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {workers} compile processes failed; the last lines of the first:\n"
+                           f"{failed[0]}")  # fmt: skip
+
+
+def _worker_main() -> None:
+    """A compile process of `_compile_in_processes`: compiles the pickled jobs on stdin, a line on stdout for each."""
+    for job in pickle.loads(sys.stdin.buffer.read()):
+        job.run()
+        sys.stdout.write(job.name + "\n")
+        sys.stdout.flush()
+
+
 def _load_onto(job: WarmupJob, device: Any) -> None:
     fn = job.run()
     if job.load is not None and not launched(fn):
         job.load(fn, device)
         mark_launched(fn)
-
-
-def _compile_only(job: WarmupJob) -> None:
-    job.run()
 
 
 def _progress(items: list, progress: bool, desc: str, step: Callable[[Any], object]) -> None:

@@ -72,7 +72,8 @@ class Delays:
         torch.cuda._sleep(max(1, int(ms * self.sleep_cycles_per_ms)))
 
     def gemms(self, ms: float) -> None:
-        """About `ms` of back-to-back GEMMs on the current stream."""
+        """About `ms` of back-to-back GEMMs on the current stream (at `gemm_ms` each: calibrate it where the GEMMs
+        run, e.g. beside spinning peers, which take SMs from them)."""
         for _ in range(max(1, math.ceil(ms / self.gemm_ms))):
             torch.matmul(self.a, self.b)
 
@@ -103,13 +104,22 @@ def mode_inputs(world: int, mode: str, seed: int) -> tuple[list[sim.RankInputs],
     return inputs, call_mode, protocol
 
 
-def trial(ranks: list[BoundaryAllReduce], mode: str, late: int, make_late: Callable[[], None], seed: int) -> str:
-    """One boundary of `mode` with rank `late` made late by `make_late` (run on its stream, host and device):
-    "" when every rank's check() is clean and the bits hold to the reference, else what went wrong."""
+@dataclass
+class Outcome:
+    """One trial: what went wrong ("" when every rank was clean and exact) and how late the late rank really was
+    (ms from its peers' issue to its boundary's start on its stream: the host pause and the kernels ahead)."""
+
+    error: str
+    late_ms: float
+
+
+def trial(ranks: list[BoundaryAllReduce], mode: str, late: int, make_late: Callable[[], None], seed: int) -> Outcome:
+    """One boundary of `mode` with rank `late` made late by `make_late` (run on its stream, host and device)."""
     world = len(ranks)
     inputs, call_mode, protocol = mode_inputs(world, mode, seed)
     main = torch.cuda.current_stream()
     outputs: list[sim.RankOutputs | None] = [None] * world
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with forced_protocol(ranks, protocol):
         for ar in ranks:
             ar.stream.wait_stream(main)
@@ -117,11 +127,17 @@ def trial(ranks: list[BoundaryAllReduce], mode: str, late: int, make_late: Calla
         for r in [r for r in range(world) if r != late] + [late]:
             with torch.cuda.stream(ranks[r].stream):
                 if r == late:
+                    start.record()
                     make_late()
+                    end.record()
                 outputs[r] = sim.call(ranks[r], inputs[r], call_mode)
         for ar in ranks:
             main.wait_stream(ar.stream)
         torch.cuda.synchronize()
+    return Outcome(_verdict(ranks, outputs, inputs, call_mode), start.elapsed_time(end))
+
+
+def _verdict(ranks: list[BoundaryAllReduce], outputs: list, inputs: list[sim.RankInputs], call_mode: str) -> str:
     errors = []
     for ar in ranks:
         try:
@@ -133,7 +149,7 @@ def trial(ranks: list[BoundaryAllReduce], mode: str, late: int, make_late: Calla
             ar.reset()
         return " | ".join(errors)
     try:
-        sim.check(outputs, inputs, call_mode)  # type: ignore[arg-type]
+        sim.check(outputs, inputs, call_mode)
     except AssertionError as exc:
         return f"wrong bits: {exc}"
     return ""

@@ -3,8 +3,9 @@ one trial each, the late rank launches a kernel for the first time in the proces
 
 `python -m tests.late_rank_case --world 4 --late 3 --loading eager` prints one JSON line: per kind, "" when every
 rank was clean and exact, else what went wrong. `--loading lazy` is the negative control (CUDA's default).
-Kinds: "sleep" (torch's sleep kernel), "gemm" (the process's first cuBLAS GEMM), "compile" (a CuTe DSL kernel
-compiled on the late rank's host before its boundary, launched only after it).
+Kinds: "sleep" (torch's sleep kernel), "gemm" (a GEMM kernel's first launch, after a warm-up GEMM of another
+shape made the cuBLAS handle), "compile" (a CuTe DSL kernel compiled on the late rank's host before its boundary,
+launched only after it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def main() -> int:
     ms = args.lateness_ms
     clock_khz = sm_clock_khz()  # read from the driver: calibrating would launch the sleep kernel first
     a = torch.randn(4096, 4096, device="cuda").to(torch.bfloat16)  # randn and the cast: torch kernels, launched now
+    # The engine's warm-up step: the process's first cuBLAS call (it makes the handle) must come before any boundary
+    # spins, eager loading or not (measured: it stalls the peers every time). The 4096^3 GEMM below is then the first
+    # launch of its kernel, on the late rank's stream.
+    torch.matmul(a[:64, :64], a[:64, :64])
+    torch.cuda.synchronize()
 
     def compile_late() -> None:
         # A width no earlier process compiled: the host-side compile is the lateness; its first launch comes later.
@@ -56,7 +62,7 @@ def main() -> int:
     }
     result = {}
     for k, (kind, make_late) in enumerate(kinds.items()):
-        result[kind] = late_rank.trial(ranks, "oneshot", args.late, make_late, seed=args.seed * 10 + k)
+        result[kind] = late_rank.trial(ranks, "oneshot", args.late, make_late, seed=args.seed * 10 + k).error
     print(json.dumps(result))
     sys.stdout.flush()
     return 0

@@ -1,10 +1,10 @@
 """Whether CUDA has loaded each fused-boundary kernel onto the GPU, asked of the driver (cuFuncIsLoaded), in a
 fresh process with lazy module loading (CUDA's default), before and after BoundaryAllReduce.warmup().
 
-`python -m tests.module_loading_case` prints one JSON line: per variant, its loading state when its first call
-is captured into a CUDA graph before any warmup (the negative control: "unloaded"), and after warmup() in the same
-process for the variants it had not captured ("loaded" is the claim). A captured call records its launch and runs
-nothing, so it loads nothing.
+`python -m tests.module_loading_case` prints one JSON line: the loading state of torch's sleep kernel captured
+into a CUDA graph before it ever launched (the probe's control: "unloaded"), of two variants whose first call is
+captured (that call initialises the kernel's library, which loads it), and of two variants captured after warmup()
+(the claim: "loaded"). A captured call records its launches and runs nothing.
 """
 
 from __future__ import annotations
@@ -72,10 +72,14 @@ def main() -> int:
             call()
         return kernel_loading_states(graph.raw_cuda_graph())
 
-    before = {name: captured_states(calls[name]) for name in ("pre", "residual-only")}
+    # The probe's control: torch's sleep kernel, never launched in this process, is not loaded (lazy loading).
+    control = captured_states(lambda: torch.cuda._sleep(1000))
+    # Ours: a variant's first call loads its library and sets its kernel's attributes, which loads the kernel; the
+    # hazard was that first call while a peer spins. warmup() makes every first call.
+    first_call = {name: captured_states(calls[name]) for name in ("pre", "residual-only")}
     ar.warmup(progress=False)
     after = {name: captured_states(calls[name]) for name in ("mxfp8", "shared")}
-    print(json.dumps({"before_warmup": before, "after_warmup": after}))
+    print(json.dumps({"control_never_launched": control, "at_first_call": first_call, "after_warmup": after}))
     return 0
 
 

@@ -9,7 +9,6 @@ error naming it, and the race test must fail with one buffer generation fewer.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import time
 from dataclasses import dataclass

@@ -157,8 +157,8 @@ def _compile_first(world: int, one_gpu: bool) -> None:
     """Compile what every rank's warmup needs here, once, so that the ranks only load it from the disk cache."""
     from cute_kernels.allreduce.protocol import PROTOCOLS
     from cute_kernels.boundary import api
-    from cute_kernels.compile import arch_for_device, warmup
     from cute_kernels.coefficients import api as coefficients
+    from cute_kernels.compile import arch_for_device, warmup
 
     arch = arch_for_device(torch.device("cuda"))
     jobs = api.warmup_jobs(4096, arch=arch, world_size=world, ranks_per_device=world if one_gpu else 1,

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from cute_kernels import compile as cc
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_arch_for_capability() -> None:
@@ -58,3 +63,27 @@ def test_warmup_runs_every_job(capsys) -> None:
     assert cc.warmup(jobs, progress=True, desc="test") == 3
     assert seen == [(0, "sm_90a"), (1, "sm_90a"), (2, "sm_90a")]
     assert "test" in capsys.readouterr().err
+
+
+def test_a_parallel_warmup_compiles_in_other_processes_and_runs_an_unguarded_script_once(tmp_path) -> None:
+    """warmup(workers=2) compiles the jobs missing from the disk cache in two fresh interpreters (this process only
+    loads them), and a caller's script without a main guard runs once: the workers are not multiprocessing children
+    that re-run it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import cute_kernels.compile as cc\n"
+        "from tests.tiny_kernel import compile_tiny\n"
+        "print('script body ran', flush=True)\n"
+        "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in (384, 640)]\n"
+        "cc.warmup(jobs, workers=2, progress=False)\n"
+        "print('compiled here:', cc.STATS.compiles, 'from disk:', cc.STATS.disk_hits, flush=True)\n"
+    )
+    env = dict(os.environ, MHC_BOUNDARY_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("script body ran") == 1, out.stdout
+    assert "compiled here: 0 from disk: 2" in out.stdout, out.stdout
+    assert len(list((tmp_path / "cache").rglob("*.o"))) == 2

@@ -43,9 +43,16 @@ def _write(name: str, cells: dict) -> None:
         (Path(MATRIX_OUT) / f"{name}.json").write_text(json.dumps(cells, indent=1))
 
 
-def _table(cells: dict[str, list[str]]) -> str:
-    return "\n".join(f"{cell}: {len(r)} trials, {sum(bool(e) for e in r)} failed {[e for e in r if e][:2]}"
-                     for cell, r in sorted(cells.items()))  # fmt: skip
+def _table(cells: dict[str, list]) -> str:
+    def line(cell: str, trials: list) -> str:
+        errors = [t[0] if isinstance(t, list) else t for t in trials]
+        late = [t[1] for t in trials if isinstance(t, list)]
+        most = f", late up to {max(late):.1f} ms" if late else ""
+        return (
+            f"{cell}: {len(trials)} trials, {sum(bool(e) for e in errors)} failed{most} {[e for e in errors if e][:2]}"
+        )
+
+    return "\n".join(line(cell, trials) for cell, trials in sorted(cells.items()))
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +68,33 @@ def ranks_by_world() -> dict[int, list[BoundaryAllReduce]]:
     return out
 
 
+GEMM_CALIBRATION = 10  # GEMMs of the trial that times them beside the peers' waiting grids
+
+
 def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]]) -> None:
     delays = late_rank.Delays.calibrate()
-    cells: dict[str, list[str]] = defaultdict(list)
+    timeout_ms = late_rank.TIMEOUT_US / 1000
+    cells: dict[str, list] = defaultdict(list)
     seed = 0
+
+    def record(world: int, mode: str, kind: str, ms: float, late: int, outcome: late_rank.Outcome) -> None:
+        trial = [outcome.error, round(outcome.late_ms, 3)]
+        where = "first" if late == 0 else "last" if late == world - 1 else "middle"
+        cells_of = [f"W{world} {mode} {kind}", f"W{world} late rank {where}"] + ([f"W{world} {ms:g} ms"] if ms else [])
+        for cell in cells_of:
+            cells[cell].append(trial)
+
     for world, ranks in ranks_by_world.items():
         positions = (0, world // 2, world - 1)
         for mode in late_rank.MODES:
+            # The GEMMs share the GPU with the peers' waiting grids, which take SMs from them: their rate there (this
+            # mode's grids at this W) sets how many GEMMs make a lateness. The timing trial is a cell of its own.
+            seed += 1
+            timing = late_rank.trial(ranks, mode, world - 1, lambda: delays.gemms(GEMM_CALIBRATION * delays.gemm_ms),
+                                     seed)  # fmt: skip
+            record(world, mode, "gemm timing", 0.0, world - 1, timing)
+            gemm_ms = delays.gemm_ms
+            delays.gemm_ms = timing.late_ms / GEMM_CALIBRATION
             # Its first call after warmup() (the compile and the load were warmup's), then every kind and lateness,
             # the late rank's position cycling so that each kind meets all three.
             plan = [("first call", 5.0, positions[seed % 3])]
@@ -77,21 +104,21 @@ def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]])
                 seed += 1
                 make = (lambda ms=ms: delays.make("host", ms)) if kind == "first call" else (
                     lambda kind=kind, ms=ms: delays.make(kind, ms))  # fmt: skip
-                error = late_rank.trial(ranks, mode, late, make, seed)
-                cells[f"W{world} {mode} {kind}"].append(error)
-                cells[f"W{world} late rank {'first' if late == 0 else 'last' if late == world - 1 else 'middle'}"
-                      ].append(error)  # fmt: skip
-                cells[f"W{world} {ms:g} ms"].append(error)
+                record(world, mode, kind, ms, late, late_rank.trial(ranks, mode, late, make, seed))
+            delays.gemm_ms = gemm_ms
     # A first-call compile: the late rank compiles a kernel (its first launch after its boundary) while its peers wait.
     for world, ranks in ranks_by_world.items():
         for k in range(3):
             seed += 1
             width = 2048 + 8 * (seed + os.getpid() % 1000 * 64)
-            error = late_rank.trial(ranks, "oneshot", (0, world // 2, world - 1)[k],
-                                    lambda width=width, ar=ranks[0]: compile_tiny(width, arch=ar.arch), seed)  # fmt: skip
-            cells[f"W{world} first-call compile"].append(error)
+            late = (0, world // 2, world - 1)[k]
+            outcome = late_rank.trial(ranks, "oneshot", late, lambda width=width, ar=ranks[0]: compile_tiny(width, arch=ar.arch),
+                                      seed)  # fmt: skip
+            record(world, "oneshot", "first-call compile", 0.0, late, outcome)
     _write("lateness_matrix", cells)
-    failed = {c: r for c, r in cells.items() if any(r)}
+    past = {c: t for c, t in cells.items() if any(late_ms >= 0.9 * timeout_ms for _, late_ms in t)}
+    assert not past, "trials later than the timeout allows (the lateness is not what the cell names):\n" + _table(past)
+    failed = {c: t for c, t in cells.items() if any(error for error, _ in t)}
     assert not failed, "late ranks failed:\n" + _table(failed)
 
 
@@ -106,8 +133,9 @@ def _fresh(world: int, late: int, loading: str, seed: int) -> dict[str, str]:
 
 
 def test_first_launches_in_fresh_processes_stall_no_rank() -> None:
-    """Ten fresh processes per W, each launching torch's sleep kernel, its first cuBLAS GEMM and a freshly
-    compiled kernel for the first time on its late rank: with eager module loading no trial fails."""
+    """Ten fresh processes per W, each launching torch's sleep kernel and a GEMM kernel for the first time on its
+    late rank, and compiling a kernel there: with eager module loading (and the cuBLAS handle made by a warm-up GEMM
+    before any boundary spins) no trial fails."""
     cells: dict[str, list[str]] = defaultdict(list)
     plan = [(world, (0, world // 2, world - 1)[k % 3], k) for world in WORLDS for k in range(FRESH_PROCESSES)]
     with ThreadPoolExecutor(4) as pool:  # four processes at a time share the GPU (its contexts time-slice)
@@ -139,18 +167,40 @@ def test_negative_control_a_rank_absent_past_the_timeout_is_reported() -> None:
     for ar in ranks:
         warmup_every_protocol(ar)
     delays = late_rank.Delays.calibrate()
-    error = late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(400.0), seed=7)
-    assert "gave up waiting for rank(s) [2]" in error, error
-    assert late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(5.0), seed=8) == "", "after reset(): exact"
+    outcome = late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(400.0), seed=7)
+    assert outcome.late_ms > 50 and "gave up waiting for rank(s) [2]" in outcome.error, outcome
+    assert late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(5.0), seed=8).error == "", "after reset(): exact"
 
 
 def test_warmup_loads_every_variant_onto_the_gpu() -> None:
-    """Asked of the driver in a fresh process with lazy loading: a variant's kernel is not loaded before its first
-    launch (the negative control), and warmup() has loaded the kernels of the variants nothing had launched."""
+    """Asked of the driver in a fresh process with lazy loading: a kernel never launched reads "unloaded" (the
+    probe's control), and the kernels of variants nothing but warmup() had launched read "loaded"."""
     out = subprocess.run([sys.executable, "-m", "tests.module_loading_case"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     states = json.loads(out.stdout.strip().splitlines()[-1])
     _write("module_loading", states)
-    assert all(s and set(s) == {"unloaded"} for s in states["before_warmup"].values()), states
+    assert states["control_never_launched"] == ["unloaded"], f"the probe cannot see an unloaded kernel: {states}"
     assert all(s and set(s) == {"loaded"} for s in states["after_warmup"].values()), states
+
+
+def test_a_peer_kernel_never_loaded_raises_before_it_launches() -> None:
+    """Simulated ranks share one context: a peer call of a variant warmup() never loaded raises NotLoadedError,
+    naming warmup() and the variant, before anything launches (H 1536: no other test compiles it)."""
+    from cute_kernels.boundary.api import NotLoadedError
+
+    hidden, world = 1536, 2
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=16, device="cuda", timeout_us=late_rank.TIMEOUT_US)
+    inputs = sim_inputs = late_rank.sim.make_inputs(world, 4, hidden, "partial", seed=3)
+    with pytest.raises(NotLoadedError, match=r"H=1536 x pre W=2 oneshot was never loaded .* call warmup\(\)"):
+        late_rank.sim.call(ranks[0], inputs[0], "partial")
+    torch.cuda.synchronize()
+    assert int(ranks[0].workspace.state[0]) == 0, "nothing launched: the call counter never moved"
+    for ar in ranks:
+        ar.warmup(progress=False)
+    outputs = BoundaryAllReduce.run_simulated(ranks, [lambda ar: late_rank.sim.call(ar, sim_inputs[ar.rank], "partial")]
+                                              * world)  # fmt: skip
+    torch.cuda.synchronize()
+    late_rank.sim.check(outputs, inputs, "partial")
+    for ar in ranks:
+        ar.check()

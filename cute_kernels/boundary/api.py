@@ -277,9 +277,10 @@ def fused_boundary(
             if peer.shared_context:
                 # The ranks share this context: loading the module here could wait for a peer spinning on this
                 # very launch, until its timeout.
+                config = default_config(H, arch, peer.ranks_per_device, peer.world_size)
+                staged = " staged" if staged_call(variant, config, rows) else ""
                 raise NotLoadedError(
-                    f"the peer boundary kernel for H={H} {variant_name(variant)} W={peer.world_size} {protocol}"
-                    f"{' staged' if staged_call(variant, default_config(H, arch, peer.ranks_per_device, peer.world_size), rows) else ''}"
+                    f"the peer boundary kernel for H={H} {variant_name(variant)} W={peer.world_size} {protocol}{staged}"
                     " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
                     "(with the max_rows and protocol of these calls) before the first boundary"
                 )

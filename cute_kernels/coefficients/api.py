@@ -104,13 +104,16 @@ def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) 
                 name = f"coefficients H={H} {variant} layer_input={mode} tile={config.rows_per_tile}"
                 name += " split" if config.row_split > 1 else ""
                 key = (H, variant, mode, sinkhorn_repeat, config)
-                load = functools.partial(load_coefficients, H=H, broadcast=broadcast, mode=mode, rows=rows, config=config)
+                load = functools.partial(
+                    load_coefficients, H=H, broadcast=broadcast, mode=mode, rows=rows, config=config
+                )
                 jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
     for variant, mode in (("standard", "carried"), ("standard", "one_hot"), ("broadcast", "one_hot")):
         load = functools.partial(load_layer_input, H=H, broadcast=variant == "broadcast", mode=mode)
         jobs.append(
-            WarmupJob(f"layer input H={H} {variant} {mode}", compile_layer_input, (H, variant, mode), (("arch", arch),),
-                      load)  # fmt: skip
+            WarmupJob(
+                f"layer input H={H} {variant} {mode}", compile_layer_input, (H, variant, mode), (("arch", arch),), load
+            )
         )
     return jobs
 
