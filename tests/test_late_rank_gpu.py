@@ -204,3 +204,18 @@ def test_a_peer_kernel_never_loaded_raises_before_it_launches() -> None:
     late_rank.sim.check(outputs, inputs, "partial")
     for ar in ranks:
         ar.check()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "staged", "moe"])
+def test_a_rank_that_comes_after_its_peers_gave_up(world: int, mode: str) -> None:
+    """The late rank's boundary runs after every peer's wait gave up (its pushes land in slots nobody waits on any
+    more): the peers report it, reset() re-arms every rank, and the next boundary is exact on every rank."""
+    ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=512, device="cuda", timeout_us=30_000)
+    for ar in ranks:
+        warmup_every_protocol(ar)
+    late = world - 1
+    outcome = late_rank.trial(ranks, mode, late, lambda: late_rank.time.sleep(0.2), seed=11)
+    assert f"gave up waiting for rank(s) [{late}]" in outcome.error, outcome  # trial() has reset every rank
+    for seed in range(12, 15):
+        assert late_rank.trial(ranks, mode, late, lambda: None, seed=seed).error == "", f"after reset(), seed {seed}"
