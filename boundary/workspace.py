@@ -144,13 +144,20 @@ def _same_everywhere(group: Any, hidden_size: int, max_rows: int, timeout_us: in
 
 def ranks_on_each_device(group: Any, device: torch.device) -> int:
     """How many ranks of `group` share a GPU, the most on any one (1: a GPU each); collective."""
+    everyone = _placements(group, device)
+    return max(everyone.count(who) for who in everyone)
+
+
+def _placements(group: Any, device: torch.device) -> list[Any]:
+    """Every rank's (host, PCI bus id of its GPU); collective. A failing probe is caught, so that no rank leaves
+    the collective and hangs the others."""
     try:
         me: Any = (socket.gethostname(), _pci_bus_id(device))
-    except Exception as exc:  # every rank must reach the collective
+    except Exception as exc:
         me = (socket.gethostname(), f"unknown ({type(exc).__name__}: {exc})")
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, me, group=group)
-    return max(everyone.count(who) for who in everyone)
+    return everyone
 
 
 def unicast_only() -> None:
@@ -167,13 +174,8 @@ def peers_can_map(group: Any, device: torch.device) -> tuple[bool, str]:
 
     Every rank gets the same answer, and the reason when it is no.
     """
-    # Every local probe is caught, so that no rank leaves the two collectives below and hangs the others.
-    try:
-        me: Any = (socket.gethostname(), _pci_bus_id(device))
-    except Exception as exc:
-        me = (socket.gethostname(), f"unknown ({type(exc).__name__}: {exc})")
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, me, group=group)
+    # Every local probe is caught, so that no rank leaves the two collectives and hangs the others.
+    everyone = _placements(group, device)
     hosts = {host for host, _ in everyone}
     try:
         if len(hosts) > 1:
