@@ -2,6 +2,7 @@
 
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.mhc import mhc_post, mhc_pre_delayed, mhc_pre_delayed_overlap
+from boundary.params import MHCParams
 from boundary.reference import mxfp8_scale_bytes
 from boundary.scheduler import MHC_OVERLAP_MAX_ROWS, Boundaries, BoundaryState, DecodeStep
 from boundary.types import MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized_layer_input
@@ -12,6 +13,7 @@ __all__ = [
     "Boundaries",
     "BoundaryState",
     "DecodeStep",
+    "MHCParams",
     "MoEOutput",
     "QuantizedActivation",
     "UnfinalizedMoEOutput",

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from boundary.params import MHCParams
+
 Dim = int | None  # None: any size
 log = logging.getLogger("boundary")
 # A workspace from this size up is logged as a warning (a default logging set-up shows it): far more than a
@@ -224,39 +226,35 @@ def workspace_capacity(
             nbytes, gib, dev, max_rows, hidden_size, known)  # fmt: skip
 
 
-def pre_delayed_args(
-    residual: object,
-    fn: object,
-    hc_scale: object,
-    hc_base: object,
-    rms_eps: object,
-    hc_pre_eps: object,
-    hc_sinkhorn_eps: object,
-    hc_post_mult_value: object,
-    sinkhorn_repeat: object,
-    pre_mix: object,
-    x: object,
-    norm_weight: object,
-    norm_eps: object,
-) -> tuple[float, float, float, float, int, float]:
+def mhc_params(params: MHCParams, hc: int, width: int, dev: torch.device) -> MHCParams:
+    """Check the mHC parameters for streams of `hc` and a projection over `width` columns on `dev`; returns them with
+    the scalars as Python numbers. Messages name the CONTRACT §5 arguments (fn, hc_scale, ...)."""
+    fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat = params
+    tensor("fn", fn, dtype=torch.float32, shape=(hc * (hc + 2), width), device=dev)
+    tensor("hc_scale", scale, dtype=torch.float32, shape=(3,), device=dev)
+    tensor("hc_base", base, dtype=torch.float32, shape=(hc * (hc + 2),), device=dev)
+    return MHCParams(
+        fn,
+        scale,
+        base,
+        finite_float("rms_eps", rms_eps, minimum=0.0),
+        finite_float("hc_pre_eps", pre_eps, minimum=0.0),
+        finite_float("hc_sinkhorn_eps", sinkhorn_eps, minimum=0.0),
+        finite_float("hc_post_mult_value", post_mult),
+        positive_int("sinkhorn_repeat", repeat),
+    )
+
+
+def pre_delayed(
+    residual: object, params: MHCParams, pre_mix: object, x: object, norm_weight: object, norm_eps: object
+) -> tuple[MHCParams, float]:
     """The arguments of mhc_pre_delayed and mhc_pre_delayed_overlap (CONTRACT §3): dtypes, shapes, devices, scalars;
-    returns the scalars as Python numbers (rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-    sinkhorn_repeat, norm_eps)."""
+    returns the parameters and norm_eps with the scalars as Python numbers."""
     residual = tensor("residual", residual, dtype=torch.bfloat16, shape=(None, None, None))
     rows, hc, hidden = residual.shape
     dev = residual.device
     x = optional_tensor("x", x, dtype=torch.bfloat16, shape=(rows, hidden), device=dev)
-    width = hidden if x is not None else hc * hidden
-    tensor("fn", fn, dtype=torch.float32, shape=(hc * (hc + 2), width), device=dev)
-    tensor("hc_scale", hc_scale, dtype=torch.float32, shape=(3,), device=dev)
-    tensor("hc_base", hc_base, dtype=torch.float32, shape=(hc * (hc + 2),), device=dev)
+    params = mhc_params(params, hc, hidden if x is not None else hc * hidden, dev)
     optional_tensor("pre_mix", pre_mix, dtype=torch.float32, shape=(rows, hc), device=dev)
     optional_tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=dev)
-    return (
-        finite_float("rms_eps", rms_eps, minimum=0.0),
-        finite_float("hc_pre_eps", hc_pre_eps, minimum=0.0),
-        finite_float("hc_sinkhorn_eps", hc_sinkhorn_eps, minimum=0.0),
-        finite_float("hc_post_mult_value", hc_post_mult_value),
-        positive_int("sinkhorn_repeat", sinkhorn_repeat),
-        finite_float("norm_eps", norm_eps, minimum=0.0),
-    )
+    return params, finite_float("norm_eps", norm_eps, minimum=0.0)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from boundary import checks, reference
+from boundary.params import MHCParams
 from cute_kernels import coefficients
 from cute_kernels.boundary.api import fused_boundary
 from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
@@ -100,31 +101,36 @@ def mhc_pre_delayed(
     *,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(post, comb, layer_input, next_pre) of CONTRACT §3: `pre_delayed` with the parameters spelled out."""
+    params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
+    return pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=backend)
+
+
+def pre_delayed(
+    residual: Tensor,
+    params: MHCParams,
+    pre_mix: Tensor | None = None,
+    x: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    *,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(post, comb, layer_input, next_pre) of CONTRACT §3: the mixes of the streams and the delayed collapse.
 
     On the kernels, one launch computes both the mixes and (with `norm_weight`) the layer input.
     """
-    rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps = checks.pre_delayed_args(
-        residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-        hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
-    )  # fmt: skip
+    params, norm_eps = checks.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
     arch = kernel_arch(residual.device, backend)
     inline = norm_weight is not None
-    if arch is not None:
-        _check_kernel_args(residual, x, fn, pre_mix, norm_weight, arch, inline=inline, layer_input_kernel=inline)
     if arch is None:
-        return reference.mhc_pre_delayed(
-            residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-            hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
-        )  # fmt: skip
+        return reference.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
+    _check_kernel_args(residual, x, params.fn, pre_mix, norm_weight, arch, inline=inline, layer_input_kernel=inline)
     layer_input = (
         torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
     )
-    post, comb, pre = _kernel_coefficients(
-        residual, x, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-        sinkhorn_repeat, arch, pre_mix=pre_mix if inline else None, norm_weight=norm_weight, norm_eps=norm_eps,
-        layer_input=layer_input,
-    )  # fmt: skip
+    post, comb, pre = _kernel_coefficients(residual, x, params, arch, pre_mix=pre_mix if inline else None,
+                                           norm_weight=norm_weight, norm_eps=norm_eps, layer_input=layer_input)  # fmt: skip
     if not inline:  # the collapse alone, with no norm: torch ops
         layer_input = delayed_layer_input(residual, pre_mix, None, norm_eps)
     return post, comb, layer_input, pre
@@ -172,17 +178,32 @@ def mhc_pre_delayed_overlap(
     layer_input: Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """mhc_pre_delayed split in two: the layer input on the current stream, the mixes on `stream`.
+    """mhc_pre_delayed split in two (`pre_delayed_overlap` with the parameters spelled out)."""
+    params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
+    return pre_delayed_overlap(residual, params, pre_mix, x, norm_weight, norm_eps, stream=stream,
+                               layer_input=layer_input, backend=backend)  # fmt: skip
+
+
+def pre_delayed_overlap(
+    residual: Tensor,
+    params: MHCParams,
+    pre_mix: Tensor | None = None,
+    x: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    *,
+    stream: Any,
+    layer_input: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """pre_delayed split in two: the layer input on the current stream, the mixes on `stream`.
 
     `stream` waits for the current stream first; the streams (and `x`) are recorded on it. The
     caller keeps the weights alive and makes the current stream wait for `stream` before it
     reads post, comb or next_pre. With `layer_input` given, only the mixes run. `stream` None
     (the CPU) runs everything on the current stream.
     """
-    rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps = checks.pre_delayed_args(
-        residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-        hc_post_mult_value, sinkhorn_repeat, pre_mix, x, norm_weight, norm_eps,
-    )  # fmt: skip
+    params, norm_eps = checks.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
     if stream is not None and not isinstance(stream, torch.cuda.Stream):
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
     if stream is not None and residual.device.type != "cuda":
@@ -190,41 +211,43 @@ def mhc_pre_delayed_overlap(
     arch = kernel_arch(residual.device, backend)
     if arch is not None:
         reads = layer_input is None and norm_weight is not None  # the layer-input-only kernel runs
-        _check_kernel_args(residual, x, fn, pre_mix, norm_weight, arch, inline=False, layer_input_kernel=reads)
+        _check_kernel_args(residual, x, params.fn, pre_mix, norm_weight, arch, inline=False, layer_input_kernel=reads)
     if layer_input is None:
         layer_input = _layer_input(residual, x, pre_mix, norm_weight, norm_eps, arch)
     else:
         checks.tensor("layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]),
                       device=residual.device)  # fmt: skip
-    args = (residual, x, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-            sinkhorn_repeat, arch)  # fmt: skip
     if stream is None:
-        post, comb, pre = _coefficients(*args)
+        post, comb, pre = _coefficients(residual, x, params, arch)
         return post, comb, layer_input, pre
     stream.wait_stream(torch.cuda.current_stream(residual.device))
     with torch.cuda.stream(stream):
-        post, comb, pre = _coefficients(*args)
+        post, comb, pre = _coefficients(residual, x, params, arch)
     (x if x is not None else residual).record_stream(stream)
     return post, comb, layer_input, pre
 
 
-def _coefficients(
-    residual: Tensor, x: Tensor | None, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float,
-    pre_eps: float, sinkhorn_eps: float, post_mult: float, repeat: int, arch: str | None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def mixes(residual: Tensor, params: MHCParams, x: Tensor | None = None, *, backend: str = "auto"
+          ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """post, comb and next_pre alone (no layer input), on the current stream: one launch on the kernels."""
+    params, _ = checks.pre_delayed(residual, params, None, x, None, 0.0)
+    arch = kernel_arch(residual.device, backend)
+    if arch is not None:
+        _check_kernel_args(residual, x, params.fn, None, None, arch, inline=False, layer_input_kernel=False)
+    return _coefficients(residual, x, params, arch)
+
+
+def _coefficients(residual: Tensor, x: Tensor | None, params: MHCParams, arch: str | None
+                  ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """post, comb and next pre of one projection input, on the current stream."""
     if arch is None:
-        source = x if x is not None else residual.reshape(residual.shape[0], -1)
-        return tuple(reference.mhc_coefficients(source, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps,
-                                                post_mult, repeat))  # fmt: skip
-    return _kernel_coefficients(residual, x, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, arch)
+        return tuple(reference.coefficients(x if x is not None else residual.reshape(residual.shape[0], -1), params))
+    return _kernel_coefficients(residual, x, params, arch)
 
 
 def _kernel_coefficients(
-    residual: Tensor, x: Tensor | None, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float,
-    pre_eps: float, sinkhorn_eps: float, post_mult: float, repeat: int, arch: str, *,
-    pre_mix: Tensor | None = None, norm_weight: Tensor | None = None, norm_eps: float | None = None,
-    layer_input: Tensor | None = None,
+    residual: Tensor, x: Tensor | None, params: MHCParams, arch: str, *, pre_mix: Tensor | None = None,
+    norm_weight: Tensor | None = None, norm_eps: float | None = None, layer_input: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """One launch of the coefficients kernel (inline when `layer_input` is given); the args are checked."""
     rows, hc, hidden = residual.shape
@@ -234,8 +257,9 @@ def _kernel_coefficients(
     pre = torch.empty(rows, hc, dtype=F32, device=dev)
     inline = layer_input is not None
     mhc_coefficients(
-        x if x is not None else residual, fn, scale, base, rms_eps=rms_eps, pre_eps=pre_eps,
-        sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, sinkhorn_repeat=repeat, broadcast=x is not None,
+        x if x is not None else residual, params.fn, params.scale, params.base, rms_eps=params.rms_eps,
+        pre_eps=params.pre_eps, sinkhorn_eps=params.sinkhorn_eps, post_mult=params.post_mult,
+        sinkhorn_repeat=params.sinkhorn_repeat, broadcast=x is not None,
         workspace=prepare_workspace(hidden, rows, dev), post_out=post, comb_out=comb, pre_out=pre,
         pre_mix=pre_mix, norm_weight=norm_weight if inline else None, norm_eps=norm_eps if inline else None,
         layer_input_out=layer_input, arch=arch,
@@ -276,7 +300,7 @@ def _check_kernel_args(
     residual: Tensor, x: Tensor | None, fn: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, arch: str,
     *, inline: bool, layer_input_kernel: bool,
 ) -> None:  # fmt: skip
-    """What the coefficients kernels need beyond _check_pre_delayed_args (dtypes, shapes, contiguity and the
+    """What the coefficients kernels need beyond checks.pre_delayed (dtypes, shapes, contiguity and the
     device are checked there; the outputs and the workspace are allocated here): hc 4 and H a positive
     multiple of 256, the row limit, at most 65535 clusters per launch, and 16-byte alignment of what they
     read 16 bytes at a time. `inline`: the coefficients launch writes the layer input too;

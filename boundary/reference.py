@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from boundary.params import MHCParams
 from cute_kernels import HC
 
 MIX_WIDTH = HC * (HC + 2)  # 24: pre (4), post (4), comb (16)
@@ -202,22 +203,13 @@ class Coefficients(NamedTuple):
     pre: Tensor
 
 
-def mhc_coefficients(
-    x: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    rms_eps: float,
-    pre_eps: float,
-    sinkhorn_eps: float,
-    post_mult: float,
-    sinkhorn_repeat: int,
-) -> Coefficients:
+def coefficients(x: Tensor, params: MHCParams) -> Coefficients:
     """post, comb and pre from a [T, K] projection input (CONTRACT §3); the RMS is over K columns.
 
     Pass the streams flattened to [T, hc*H] with `fn`, or the first layer's embedding [T, H]
     with `fn_broadcast`.
     """
+    fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, sinkhorn_repeat = params
     rows, width = x.shape
     xf = x.to(F32)
     mixes = xf @ fn.to(F32).t()
@@ -236,11 +228,46 @@ def mhc_coefficients(
     return Coefficients(post, comb, pre)
 
 
+def mhc_coefficients(
+    x: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    rms_eps: float,
+    pre_eps: float,
+    sinkhorn_eps: float,
+    post_mult: float,
+    sinkhorn_repeat: int,
+) -> Coefficients:
+    """`coefficients` with the parameters spelled out."""
+    return coefficients(x, MHCParams(fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, sinkhorn_repeat))
+
+
 def one_hot_pre(rows: int, hc: int = HC, device: torch.device | str = "cpu") -> Tensor:
     """The first layer's identity pre-mix [1, 0, 0, 0] per row: the collapse is stream 0 exactly."""
     pre = torch.zeros(rows, hc, dtype=F32, device=device)
     pre[:, 0] = 1.0
     return pre
+
+
+def pre_delayed(
+    residual: Tensor,
+    params: MHCParams,
+    pre_mix: Tensor | None = None,
+    x: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(post, comb, layer_input, next_pre): mixes from the streams, collapse with the carried pre_mix.
+
+    The projection reads `x` when given (the first layer's embedding with fn_broadcast), else the
+    streams. Without `pre_mix` the collapse is stream 0 exactly (the one-hot pre).
+    """
+    rows, hc, hidden = residual.shape
+    coeffs = coefficients(x if x is not None else residual.reshape(rows, hc * hidden), params)
+    c = residual[:, 0].clone() if pre_mix is None else collapse(residual, pre_mix)
+    layer_input = c if norm_weight is None else rms_norm(c, norm_weight, norm_eps)
+    return coeffs.post, coeffs.comb, layer_input, coeffs.pre
 
 
 def mhc_pre_delayed(
@@ -258,19 +285,9 @@ def mhc_pre_delayed(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(post, comb, layer_input, next_pre): mixes from the streams, collapse with the carried pre_mix.
-
-    The projection reads `x` when given (the first layer's embedding with fn_broadcast), else the
-    streams. Without `pre_mix` the collapse is stream 0 exactly (the one-hot pre).
-    """
-    rows, hc, hidden = residual.shape
-    source = x if x is not None else residual.reshape(rows, hc * hidden)
-    coeffs = mhc_coefficients(
-        source, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat
-    )
-    c = residual[:, 0].clone() if pre_mix is None else collapse(residual, pre_mix)
-    layer_input = c if norm_weight is None else rms_norm(c, norm_weight, norm_eps)
-    return coeffs.post, coeffs.comb, layer_input, coeffs.pre
+    """`pre_delayed` with the parameters spelled out (the CONTRACT §5 signature)."""
+    params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
+    return pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
 
 
 def final_collapse(residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float) -> Tensor:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from boundary import checks, mhc
 from boundary.all_reduce import BoundaryAllReduce
+from boundary.params import MHCParams
 from boundary.types import MHCLayer, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized
 
 # Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
@@ -264,18 +265,19 @@ class Boundaries:
         """post, comb, layer input, next pre: on the side stream for small steps, inline otherwise. Without
         `layer_input` the layer input is computed here, with the sublayer's norm."""
         fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
+        params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
         norm_weight, norm_eps = (weight, eps) if layer_input is None else (None, 1e-6)
-        args = (residual, fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters, pre_mix, x, norm_weight, norm_eps)
         try:
             if self._side(step):
                 stream = self._stream(layer)
                 if not isinstance(stream, torch.cuda.Stream):
                     raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
-                return mhc.mhc_pre_delayed_overlap(*args, stream=stream, layer_input=layer_input,
-                                                   backend=self.backend)  # fmt: skip
+                return mhc.pre_delayed_overlap(residual, params, pre_mix, x, norm_weight, norm_eps, stream=stream,
+                                               layer_input=layer_input, backend=self.backend)  # fmt: skip
             if layer_input is not None:
-                return mhc.mhc_pre_delayed_overlap(*args, stream=None, layer_input=layer_input, backend=self.backend)
-            return mhc.mhc_pre_delayed(*args, backend=self.backend)
+                return mhc.pre_delayed_overlap(residual, params, pre_mix, x, norm_weight, norm_eps, stream=None,
+                                               layer_input=layer_input, backend=self.backend)  # fmt: skip
+            return mhc.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=self.backend)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, {"pre_mix": "state.pre"})

@@ -15,8 +15,10 @@ from boundary import (
     Boundaries,
     BoundaryAllReduce,
     DecodeStep,
+    MHCParams,
     MoEOutput,
     empty_quantized_layer_input,
+    mhc,
     mhc_post,
     mhc_pre_delayed,
     mhc_pre_delayed_overlap,
@@ -47,7 +49,7 @@ def boundary_inputs(rows: int, hidden: int, seed: int = 0) -> dict[str, torch.Te
 def test_public_names_are_exported() -> None:
     for name in ("Boundaries", "BoundaryState", "BoundaryAllReduce", "DecodeStep", "MHC_OVERLAP_MAX_ROWS",
                  "QuantizedActivation", "MoEOutput", "UnfinalizedMoEOutput", "empty_quantized_layer_input",
-                 "mxfp8_scale_bytes", "mhc_pre_delayed", "mhc_pre_delayed_overlap", "mhc_post"):  # fmt: skip
+                 "mxfp8_scale_bytes", "MHCParams", "mhc_pre_delayed", "mhc_pre_delayed_overlap", "mhc_post"):  # fmt: skip
         assert hasattr(boundary, name), name
     assert boundary.MHC_OVERLAP_MAX_ROWS == 128 or "MHC_OVERLAP_MAX_ROWS" in os.environ
 
@@ -113,8 +115,12 @@ def test_public_mhc_ops_match_the_reference() -> None:
     got = mhc_pre_delayed(*args, **kwargs)
     want = ref.mhc_pre_delayed(*args, **kwargs)
     overlap = mhc_pre_delayed_overlap(*args, **kwargs, stream=None)
-    for a, b, c in zip(got, want, overlap):
-        assert bitwise_equal(a, b) and bitwise_equal(a, c)
+    params = MHCParams(*args[1:])
+    grouped = mhc.pre_delayed(inp["residual"], params, inp["pre"], None, inp["norm_weight"], 1e-20)
+    for a, b, c, d in zip(got, want, overlap, grouped):
+        assert bitwise_equal(a, b) and bitwise_equal(a, c) and bitwise_equal(a, d)
+    for a, b in zip(mhc.mixes(inp["residual"], params), (got[0], got[1], got[3])):
+        assert bitwise_equal(a, b)
     assert bitwise_equal(mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]),
                          ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]))  # fmt: skip
 
