@@ -5,7 +5,14 @@ from boundary.mhc import mhc_post, mhc_pre_delayed, mhc_pre_delayed_overlap
 from boundary.params import MHCParams
 from boundary.reference import mxfp8_scale_bytes
 from boundary.scheduler import MHC_OVERLAP_MAX_ROWS, Boundaries, BoundaryState, DecodeStep
-from boundary.types import MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized_layer_input
+from boundary.types import (
+    Fp8GroupActivation,
+    MoEOutput,
+    QuantizedActivation,
+    UnfinalizedMoEOutput,
+    empty_fp8_group_layer_input,
+    empty_quantized_layer_input,
+)
 
 __all__ = [
     "MHC_OVERLAP_MAX_ROWS",
@@ -13,10 +20,12 @@ __all__ = [
     "Boundaries",
     "BoundaryState",
     "DecodeStep",
+    "Fp8GroupActivation",
     "MHCParams",
     "MoEOutput",
     "QuantizedActivation",
     "UnfinalizedMoEOutput",
+    "empty_fp8_group_layer_input",
     "empty_quantized_layer_input",
     "mhc_post",
     "mhc_pre_delayed",

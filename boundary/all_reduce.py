@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from boundary import checks, mhc, reference
-from boundary.types import QuantizedActivation
+from boundary.types import Fp8GroupActivation, QuantizedActivation
 from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
 from cute_kernels.allreduce.protocol import (
     ERROR_MISSING,
@@ -246,10 +246,12 @@ class BoundaryAllReduce:
         *,
         shared_output: Tensor | None = None,
         aux_out: Tensor | None = None,
+        fp8_out: Fp8GroupActivation | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The boundary on a bf16 partial `x`: (new residual, layer input or None when pre is None).
 
-        With `shared_output` the rank's partial is bf16(x + shared_output) (a combined MoE output).
+        With `shared_output` the rank's partial is bf16(x + shared_output) (a combined MoE output). `fp8_out` (the
+        FP8 1x128 form, beside or instead of `mxfp8_out`) is written on the reference path only, for now.
         """
         residual = self._check_residual(residual)
         rows = residual.shape[0]
@@ -257,9 +259,9 @@ class BoundaryAllReduce:
         checks.tensor("x", x, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align16=a16)
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size),
                                device=self.device, align16=a16)  # fmt: skip
-        args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out)
+        args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in ("kernel", "peer"):
-            return self._kernel(residual, *args, x=x, shared=shared_output)
+            return self._kernel(residual, *args[:-1], x=x, shared=shared_output)
         y = self._reduce(reference.add_shared(x, shared_output))
         return self._epilogue(y, residual, *args)
 
@@ -278,6 +280,7 @@ class BoundaryAllReduce:
         mxfp8_out: QuantizedActivation | None,
         *,
         aux_out: Tensor | None = None,
+        fp8_out: Fp8GroupActivation | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The boundary on an unfinalized MoE output: the top-k combine + shared add, then as __call__."""
         residual = self._check_residual(residual)
@@ -290,10 +293,10 @@ class BoundaryAllReduce:
                       shape=(rows, top_k), device=dev)  # fmt: skip
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev,
                                align16=a16)  # fmt: skip
-        args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out)
+        args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in ("kernel", "peer"):
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
-            return self._kernel(residual, *args, moe=moe, shared=shared_output)
+            return self._kernel(residual, *args[:-1], moe=moe, shared=shared_output)
         partial = reference.moe_finalize(
             gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, self.workspace.error
         )
@@ -378,12 +381,18 @@ class BoundaryAllReduce:
         norm_eps: object,
         mxfp8_out: object,
         aux_out: object,
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, float, QuantizedActivation | None, Tensor | None]:
+        fp8_out: object,
+    ) -> tuple[
+        Tensor, Tensor, Tensor | None, Tensor | None, float, QuantizedActivation | None, Tensor | None,
+        Fp8GroupActivation | None,
+    ]:  # fmt: skip
         dev, hidden, a16 = self.device, self.hidden_size, self.arch is not None
         post, comb, pre = checks.coefficients(rows, self.hc_mult, dev, post, comb, pre)
         if pre is None:
-            if norm_weight is not None or mxfp8_out is not None:
-                raise ValueError("the residual-only boundary (pre=None) takes no norm_weight and no mxfp8_out")
+            if norm_weight is not None or mxfp8_out is not None or fp8_out is not None:
+                raise ValueError(
+                    "the residual-only boundary (pre=None) takes no norm_weight, no mxfp8_out and no fp8_out"
+                )
         else:
             checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev, align16=a16)
         norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
@@ -395,7 +404,24 @@ class BoundaryAllReduce:
             nbytes = reference.mxfp8_scale_bytes(rows, hidden)
             checks.tensor("mxfp8_out.scale", mxfp8_out.scale, dtype=torch.uint8, shape=(nbytes,), device=dev)
         checks.optional_tensor("aux_out", aux_out, dtype=BF16, shape=(rows, hidden), device=dev, align16=a16)
-        return post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out  # type: ignore[return-value]
+        if fp8_out is not None:
+            self._check_fp8_out(rows, fp8_out)
+        return post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out  # type: ignore[return-value]
+
+    def _check_fp8_out(self, rows: int, fp8_out: object) -> None:
+        if not isinstance(fp8_out, Fp8GroupActivation):
+            raise TypeError(f"fp8_out must be an Fp8GroupActivation or None, got {type(fp8_out).__name__}")
+        checks.tensor("fp8_out.data", fp8_out.data, dtype=torch.float8_e4m3fn, shape=(rows, self.hidden_size),
+                      device=self.device)  # fmt: skip
+        checks.tensor("fp8_out.scale", fp8_out.scale, dtype=F32, shape=(self.hidden_size // reference.FP8_GROUP,
+                      reference.fp8_group_scale_rows(rows)), device=self.device)  # fmt: skip
+        checks.flag("fp8_out.ue8m0", fp8_out.ue8m0)
+        if self.path != "reference":
+            raise NotImplementedError(
+                f"fp8_out (the FP8 1x128 layer input, CONTRACT §4b) is written on the reference path only for now; "
+                f"the fused kernel of the {self.path!r} path does not write it yet: use mxfp8_out (quantize='mxfp8'), "
+                "or backend='reference'"
+            )
 
     def _kernel(
         self,
@@ -466,15 +492,20 @@ class BoundaryAllReduce:
         norm_eps: float,
         mxfp8_out: QuantizedActivation | None,
         aux_out: Tensor | None,
+        fp8_out: Fp8GroupActivation | None,
     ) -> tuple[Tensor, Tensor | None]:
         if self.path == "nccl+kernel":
             return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, x=y)
         result = reference.boundary(
-            y, residual, post, comb, pre, norm_weight, norm_eps, mxfp8=mxfp8_out is not None, aux=aux_out is not None
-        )
+            y, residual, post, comb, pre, norm_weight, norm_eps, mxfp8=mxfp8_out is not None, aux=aux_out is not None,
+            fp8_group=fp8_out is not None, ue8m0=fp8_out is not None and fp8_out.ue8m0,
+        )  # fmt: skip
         if mxfp8_out is not None:
             mxfp8_out.data.copy_(result.mxfp8[0])
             mxfp8_out.scale.copy_(result.mxfp8[1])
+        if fp8_out is not None:
+            fp8_out.data.copy_(result.fp8_group[0])
+            fp8_out.scale.copy_(result.fp8_group[1])
         if aux_out is not None:
             aux_out.copy_(result.aux)
         return result.residual, result.layer_input

@@ -164,6 +164,16 @@ def flag(name: str, value: object) -> bool:
     return value  # type: ignore[return-value]
 
 
+def choice(name: str, value: object, allowed: tuple[str, ...]) -> str | None:
+    """None or one of the names `allowed` (a bool is refused: these are named values, not a flag)."""
+    if value is None or (value.__class__ is str and value in allowed):
+        return value  # type: ignore[return-value]
+    names = ", ".join(repr(a) for a in allowed)
+    if not isinstance(value, str):
+        raise _error(TypeError, name, f"must be None or one of {names}, got {type(value).__name__} {value!r}")
+    raise _error(ValueError, name, f"must be None or one of {names}, got {value!r}")
+
+
 def device(name: str, value: object) -> torch.device:
     """A CPU or CUDA device argument that exists on this machine, as a torch.device with the CUDA index filled in
     (None: the current GPU, else the CPU)."""

@@ -18,6 +18,7 @@ from cute_kernels import HC
 
 MIX_WIDTH = HC * (HC + 2)  # 24: pre (4), post (4), comb (16)
 MXFP8_BLOCK = 32
+FP8_GROUP = 128  # columns per scale of the FP8 1x128 form (CONTRACT §4b)
 E4M3_MAX = 448.0
 
 BF16 = torch.bfloat16
@@ -164,6 +165,37 @@ def mxfp8_quantize(out: Tensor) -> tuple[Tensor, Tensor]:
     return data, scale
 
 
+def fp8_group_scale_rows(num_tokens: int) -> int:
+    """T_pad: the rows of one column of 1x128 scales, T rounded up to a multiple of 4 (16-byte aligned columns)."""
+    return -(-num_tokens // 4) * 4
+
+
+def ceil_to_ue8m0(sf: Tensor) -> Tensor:
+    """A finite positive fp32 scale rounded up to a power of two from its bits: exponent + 1 if the mantissa is
+    non-zero, clamped to [1, 254]; NaN and Inf pass through (as torch's pow(2, ceil(log2(sf))) gives them)."""
+    bits = sf.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    e = (exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(1, 254)
+    return torch.where(sf.isfinite(), (e << 23).view(F32), sf)
+
+
+def fp8_group_quantize(out: Tensor, *, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """FP8 1x128 of a [T, H] bf16 tensor (CONTRACT §4b): e4m3 data [T, H] and fp32 scales [H/128, T_pad], column-major
+    (scale[g, t] for token t, group g); the padding columns are 0."""
+    rows, hidden = out.shape
+    groups = out.to(F32).reshape(rows, hidden // FP8_GROUP, FP8_GROUP)
+    amax = groups.abs().amax(-1).clamp(min=1e-4)  # NaN propagates through both
+    # Tensor divisors: a CUDA division by a Python scalar multiplies by its reciprocal, which is not IEEE division.
+    sf = amax / torch.full_like(amax, E4M3_MAX)
+    if ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    inverse = torch.ones_like(sf) / sf
+    data = (groups * inverse.unsqueeze(-1)).reshape(rows, hidden).to(torch.float8_e4m3fn)
+    scale = torch.zeros(hidden // FP8_GROUP, fp8_group_scale_rows(rows), dtype=F32, device=out.device)
+    scale[:, :rows] = sf.t()
+    return data, scale
+
+
 class BoundaryResult(NamedTuple):
     """What one boundary produces: the new streams and, unless residual-only, the next input."""
 
@@ -171,6 +203,7 @@ class BoundaryResult(NamedTuple):
     layer_input: Tensor | None
     mxfp8: tuple[Tensor, Tensor] | None
     aux: Tensor | None
+    fp8_group: tuple[Tensor, Tensor] | None = None
 
 
 def boundary(
@@ -184,15 +217,19 @@ def boundary(
     *,
     mxfp8: bool = False,
     aux: bool = False,
+    fp8_group: bool = False,
+    ue8m0: bool = False,
 ) -> BoundaryResult:
-    """CONTRACT §2 steps 2-6 on an already reduced y; residual-only when pre is None."""
+    """CONTRACT §2 steps 2-6 on an already reduced y; residual-only when pre is None. `fp8_group`: the FP8 1x128
+    form too (§4b; `ue8m0`: power-of-two scales)."""
     new_residual = mhc_post(y, residual, post, comb)
     mean = mean_of_streams(new_residual) if aux else None
     if pre is None:
         return BoundaryResult(new_residual, None, None, mean)
     layer_input = rms_norm(collapse(new_residual, pre), norm_weight, norm_eps)
     quantized = mxfp8_quantize(layer_input) if mxfp8 else None
-    return BoundaryResult(new_residual, layer_input, quantized, mean)
+    grouped = fp8_group_quantize(layer_input, ue8m0=ue8m0) if fp8_group else None
+    return BoundaryResult(new_residual, layer_input, quantized, mean, grouped)
 
 
 class Coefficients(NamedTuple):

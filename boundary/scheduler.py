@@ -14,7 +14,15 @@ from torch import Tensor
 from boundary import checks, mhc
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.params import MHCParams
-from boundary.types import MHCLayer, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput, empty_quantized
+from boundary.types import (
+    Fp8GroupActivation,
+    MHCLayer,
+    MoEOutput,
+    QuantizedActivation,
+    UnfinalizedMoEOutput,
+    empty_fp8_group,
+    empty_quantized,
+)
 
 # Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
 # the whole step up to 128 rows; from 256 rows inline is 0.8-1.6 % faster.
@@ -36,6 +44,9 @@ def _overlap_max_rows_default() -> int:
 
 MHC_OVERLAP_MAX_ROWS: int = _overlap_max_rows_default()
 """Steps of at most this many rows compute the coefficients on the layers' side streams."""
+
+QUANTIZE = ("mxfp8", "fp8_1x128", "fp8_1x128_ue8m0")
+"""The named forms `sublayer(quantize=)` writes the layer input in beside bf16 (CONTRACT §4, §4b); None: bf16 only."""
 
 
 @dataclass
@@ -181,24 +192,31 @@ class Boundaries:
         state: BoundaryState,
         step: DecodeStep,
         *,
-        quantize: bool = False,
+        quantize: str | None = None,
         capture_aux: bool = False,
-    ) -> tuple[BoundaryState, Tensor, QuantizedActivation | None, Tensor | None]:
+    ) -> tuple[BoundaryState, Tensor, QuantizedActivation | Fp8GroupActivation | None, Tensor | None]:
         """The fused boundary on state.pending (which it consumes), then the mixes of the sublayer it prepares.
 
-        Returns the new state, the bf16 layer input, its MXFP8 form with `quantize` and, with
-        `capture_aux`, the mean of the new streams (valid after `join`).
+        Returns the new state, the bf16 layer input, its `quantize` form ("mxfp8": a QuantizedActivation;
+        "fp8_1x128" / "fp8_1x128_ue8m0": an Fp8GroupActivation, the reference path only for now; None: none) and,
+        with `capture_aux`, the mean of the new streams.
         """
         self._check_step(step)
-        if not (ffn.__class__ is quantize.__class__ is capture_aux.__class__ is bool):  # one test when all are bools
+        if not (ffn.__class__ is capture_aux.__class__ is bool):  # one test when both are bools
             checks.flag("ffn", ffn)
-            checks.flag("quantize", quantize)
             checks.flag("capture_aux", capture_aux)
+        if quantize is not None:
+            checks.choice("quantize", quantize, QUANTIZE)
         self._check_state(state, step, pending=True)
         reads = FFN if ffn else ATTN
         values = self._layer(layer, reads)
         rows, hidden, dev = step.rows, self.all_reduce.hidden_size, self.all_reduce.device
-        quantized = empty_quantized(rows, hidden, dev) if quantize else None
+        if quantize is None:
+            quantized = None
+        elif quantize == "mxfp8":
+            quantized = empty_quantized(rows, hidden, dev)
+        else:
+            quantized = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
         try:
             residual, layer_input = self._reduce(state, state.pre, values[3], values[4], quantized, aux)
@@ -285,20 +303,23 @@ class Boundaries:
 
     def _reduce(
         self, state: BoundaryState, pre: Tensor | None, norm_weight: Tensor | None, norm_eps: float,
-        quantized: QuantizedActivation | None, aux: Tensor | None,
+        quantized: QuantizedActivation | Fp8GroupActivation | None, aux: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """The fused boundary on whatever the sublayer left pending."""
         ar, pending = self.all_reduce, state.pending
+        fp8 = None
+        if quantized is not None and quantized.__class__ is Fp8GroupActivation:
+            quantized, fp8 = None, quantized
         common = (state.residual, state.post, state.comb, pre, norm_weight, norm_eps, quantized)
         if isinstance(pending, Tensor):
-            return ar(pending, *common, aux_out=aux)
+            return ar(pending, *common, aux_out=aux, fp8_out=fp8)
         routed = pending.routed
         if isinstance(routed, UnfinalizedMoEOutput):
             return ar.finalize(
                 routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx,
-                pending.shared_output, *common, aux_out=aux,
+                pending.shared_output, *common, aux_out=aux, fp8_out=fp8,
             )  # fmt: skip
-        return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux)
+        return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8)
 
     def _side(self, step: DecodeStep) -> bool:
         """Whether this step's mixes run on side streams: they fall away on a CPU boundary."""

@@ -234,7 +234,12 @@ def decode_step(
         state.pending = model.attention(layer, x)
         boundaries.join(layer, step)
         state, x, q, a = boundaries.sublayer(
-            layer, True, state, step, quantize=capture_mxfp8 and index == last, capture_aux=index == last
+            layer,
+            True,
+            state,
+            step,
+            quantize="mxfp8" if capture_mxfp8 and index == last else None,
+            capture_aux=index == last,
         )
         if index == last:
             quantized, aux = q, a

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor
 
 from boundary import checks
-from boundary.reference import mxfp8_scale_bytes
+from boundary.reference import FP8_GROUP, fp8_group_scale_rows, mxfp8_scale_bytes
 
 MXFP8_QUANT_KEY = "mxfp8_e4m3_e8m0_swizzled_128x4"
+FP8_GROUP_QUANT_KEY = "fp8_e4m3_fp32_1x128_colmajor"
+FP8_GROUP_UE8M0_QUANT_KEY = "fp8_e4m3_ue8m0_1x128_colmajor"  # fp32 scales that are powers of two
 
 
 @dataclass
@@ -56,6 +58,41 @@ def empty_quantized(num_tokens: int, hidden_size: int, device: torch.device) -> 
     data = torch.empty(num_tokens, hidden_size, dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty(mxfp8_scale_bytes(num_tokens, hidden_size), dtype=torch.uint8, device=device)
     return QuantizedActivation(data, scale, torch.bfloat16, torch.Size((num_tokens, hidden_size)), MXFP8_QUANT_KEY)
+
+
+@dataclass
+class Fp8GroupActivation:
+    """A layer input in FP8 1x128 (CONTRACT §4b): e4m3 data [T, H], fp32 scales [H/128, T_pad] (column-major)."""
+
+    data: Tensor
+    scale: Tensor
+    orig_dtype: torch.dtype
+    orig_shape: torch.Size
+    quant_key: str
+    ue8m0: bool = False
+
+    @property
+    def gemm_scale(self) -> Tensor:
+        """The scales as the [T, H/128] view with strides (1, T_pad) that DeepGEMM's SM90 FP8 GEMMs take."""
+        return self.scale[:, : self.data.shape[0]].t()
+
+
+def empty_fp8_group_layer_input(num_tokens: int, hidden_size: int, device: Any, ue8m0: bool = False
+                                ) -> Fp8GroupActivation:  # fmt: skip
+    """An uninitialised FP8 1x128 layer input for `num_tokens` rows, for a boundary to write into."""
+    num_tokens = checks.positive_int("num_tokens", num_tokens)
+    hidden_size = checks.positive_int("hidden_size", hidden_size)
+    if hidden_size % FP8_GROUP:
+        raise ValueError(f"hidden_size must be a positive multiple of {FP8_GROUP}, got {hidden_size!r}")
+    return empty_fp8_group(num_tokens, hidden_size, checks.device("device", device), checks.flag("ue8m0", ue8m0))
+
+
+def empty_fp8_group(num_tokens: int, hidden_size: int, device: torch.device, ue8m0: bool) -> Fp8GroupActivation:
+    """empty_fp8_group_layer_input on checked arguments (the scheduler's, a sublayer with an FP8 1x128 `quantize`)."""
+    data = torch.empty(num_tokens, hidden_size, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(hidden_size // FP8_GROUP, fp8_group_scale_rows(num_tokens), dtype=torch.float32, device=device)
+    key = FP8_GROUP_UE8M0_QUANT_KEY if ue8m0 else FP8_GROUP_QUANT_KEY
+    return Fp8GroupActivation(data, scale, torch.bfloat16, torch.Size((num_tokens, hidden_size)), key, ue8m0)
 
 
 class Norm(Protocol):

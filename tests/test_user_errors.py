@@ -270,8 +270,7 @@ def test_layer_hc_mult_is_checked(model: ToyModel, entry: str, hc: Any, error: t
 
 @pytest.mark.parametrize(
     "flag,value",
-    [("ffn", "yes"), ("ffn", "no"), ("ffn", "False"), ("ffn", 1.5), ("ffn", 1), ("quantize", "no"),
-     ("capture_aux", 1)],
+    [("ffn", "yes"), ("ffn", "no"), ("ffn", "False"), ("ffn", 1.5), ("ffn", 1), ("capture_aux", 1)],
 )  # fmt: skip
 def test_sublayer_flags_must_be_bools(model: ToyModel, flag: str, value: Any) -> None:
     b, step = boundaries(), DecodeStep.for_rows(ROWS)
@@ -281,6 +280,21 @@ def test_sublayer_flags_must_be_bools(model: ToyModel, flag: str, value: Any) ->
     ffn = kwargs.pop("ffn")
     with pytest.raises(TypeError, match=rf"^{flag} must be a bool \(True or False\), got {type(value).__name__}"):
         b.sublayer(model.layers[0], ffn, state, step, **kwargs)
+    assert state.pending is not None, "nothing was consumed"
+
+
+@pytest.mark.parametrize(
+    "value,error,match",
+    [(True, TypeError, "got bool True"), (False, TypeError, "got bool False"), (1, TypeError, "got int 1"),
+     ("no", ValueError, "got 'no'"), ("MXFP8", ValueError, "got 'MXFP8'")],
+)  # fmt: skip
+def test_quantize_takes_a_named_form_not_a_flag(model: ToyModel, value: Any, error: type, match: str) -> None:
+    b, step = boundaries(), DecodeStep.for_rows(ROWS)
+    state, x = b.first(model.layers[0], model.embed[:ROWS], step)
+    state.pending = model.attention(model.layers[0], x)
+    with pytest.raises(error, match=rf"^quantize must be None or one of 'mxfp8', 'fp8_1x128', 'fp8_1x128_ue8m0', "
+                       rf"{match}"):  # fmt: skip
+        b.sublayer(model.layers[0], True, state, step, quantize=value)
     assert state.pending is not None, "nothing was consumed"
 
 
