@@ -241,6 +241,22 @@ class Boundaries:
         state.pending = None
         return residual
 
+    def final(self, state: BoundaryState, norm_weight: Tensor, eps: float) -> Tensor:
+        """The last boundary (CONTRACT §4c) on state.pending (which it consumes): RMSNorm(collapse(streams, pre))."""
+        if not isinstance(state, BoundaryState):
+            raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
+        self._check_state(state, None, pending=True)
+        # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
+        # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).
+        try:
+            _, hidden = self._reduce(state, state.pre, norm_weight, eps, None, None)
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, {"norm_eps": "eps"})
+            checks.rename(exc, _state_names(state))
+            raise
+        state.pending = None
+        return hidden
+
     def join(self, layer: MHCLayer, step: DecodeStep) -> None:
         """Make the current stream wait for the layer's side stream (only when the step uses it; a no-op on the CPU)."""
         self._check_step(step)

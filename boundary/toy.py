@@ -245,8 +245,7 @@ def decode_step(
             quantized, aux = q, a
         state.pending = model.moe(layer, x)
         boundaries.join(layer, step)
-    streams = boundaries.post_only(state)
-    hidden = reference.final_collapse(streams, state.pre, model.final_norm.weight, model.final_norm.variance_epsilon)
+    hidden = boundaries.final(state, model.final_norm.weight, model.final_norm.variance_epsilon)
     return StepOutput(hidden, quantized, aux)
 
 
