@@ -253,9 +253,13 @@ def default_workers() -> int:
 
 
 def warmup(
-    jobs: Iterable[WarmupJob], *, progress: bool = True, desc: str = "compiling mHC kernels", workers: int | None = None,
+    jobs: Iterable[WarmupJob],
+    *,
+    progress: bool = True,
+    desc: str = "compiling mHC kernels",
+    workers: int | None = None,
     device: Any = None,
-) -> int:  # fmt: skip
+) -> int:
     """Compile or load every job, with a progress bar on stderr; returns how many ran.
 
     The jobs not yet in the disk cache compile in `workers` spawned processes (default: the cores available),
@@ -285,20 +289,31 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
     import subprocess
     import threading
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(_KERNEL_DIR.parent), os.environ.get(
-        "PYTHONPATH", "")) if p))  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(_KERNEL_DIR.parent), os.environ.get("PYTHONPATH", "")) if p),
+    )
     logs = [tempfile.TemporaryFile() for _ in range(workers)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", "import cute_kernels.compile as c; c._worker_main()"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", "import cute_kernels.compile as c; c._worker_main()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+        )
         for log in logs
-    ]  # fmt: skip
+    ]
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc=f"{desc} (compiling {len(jobs)} in {workers} processes)", unit="kernel",
-                   file=sys.stderr)  # fmt: skip
+        bar = tqdm(
+            total=len(jobs),
+            desc=f"{desc} (compiling {len(jobs)} in {workers} processes)",
+            unit="kernel",
+            file=sys.stderr,
+        )
     lock = threading.Lock()
 
     def follow(proc: subprocess.Popen) -> None:
@@ -323,8 +338,9 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
     if bar is not None:
         bar.close()
     if failed:
-        raise RuntimeError(f"{len(failed)} of {workers} compile processes failed; the last lines of the first:\n"
-                           f"{failed[0]}")  # fmt: skip
+        raise RuntimeError(
+            f"{len(failed)} of {workers} compile processes failed; the last lines of the first:\n{failed[0]}"
+        )
 
 
 def _worker_main() -> None:

@@ -18,6 +18,7 @@ REGISTERS_PER_SM = 65536
 SHARED_BYTES_PER_SM = 228 * 1024
 SHARED_BYTES_RESERVED_PER_CTA = 1024  # the driver's share of each CTA's shared memory
 MAX_CLUSTER = 8  # the portable thread-block cluster size
+MAX_GRID_Y = 65535  # a launch grid's y extent
 FLAGSHIP_SMS = {"sm_90a": 132, "sm_100a": 148}
 SM_COUNT_ENV = "MHC_BOUNDARY_SM_COUNT"
 
@@ -37,16 +38,25 @@ def _device_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def env_int(name: str, minimum: int) -> int | None:
+    """Environment variable `name` as an int of at least `minimum`; None where it is unset or empty."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {raw!r}")
+    return value
+
+
 def for_arch(arch: str) -> Hardware:
-    """The hardware a kernel for `arch` is sized for: the current GPU if it is of that arch, else the override or the flagship."""
-    override = os.environ.get(SM_COUNT_ENV)
-    if override:
-        try:
-            count = int(override)
-        except ValueError:
-            raise ValueError(f"{SM_COUNT_ENV} must be a positive int, got {override!r}") from None
-        if count < 1:
-            raise ValueError(f"{SM_COUNT_ENV} must be a positive int, got {override!r}")
+    """The hardware a kernel for `arch` is sized for: the current GPU if it is of that arch, else the override or
+    the flagship."""
+    count = env_int(SM_COUNT_ENV, 1)
+    if count is not None:
         return Hardware(arch, count)
     import torch
 

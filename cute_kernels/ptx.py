@@ -30,20 +30,23 @@ def _f32(x, loc, ip):
     return Float32(x).ir_value(loc=loc, ip=ip)
 
 
+def _f32_op(asm: str, *operands: Float32, loc, ip) -> Float32:
+    """One side-effect-free instruction `asm` of f32 operands ($1, $2, ...) into an f32 result ($0)."""
+    constraints = ",".join(["=f"] + ["f"] * len(operands))
+    operands = [_f32(x, loc, ip) for x in operands]
+    return Float32(inline_asm(T.f32(), operands, asm, constraints, side_effects=False, loc=loc, ip=ip))
+
+
 @dsl_user_op
 def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a * b rounded once, never fused into an FMA (matches torch's separate multiply)."""
-    res = inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f",
-               side_effects=False, loc=loc, ip=ip)  # fmt: skip
-    return Float32(res)
+    return _f32_op("mul.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a + b rounded once, never fused into an FMA (matches torch's separate add)."""
-    res = inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "add.rn.f32 $0, $1, $2;", "=f,f,f",
-               side_effects=False, loc=loc, ip=ip)  # fmt: skip
-    return Float32(res)
+    return _f32_op("add.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -55,43 +58,40 @@ def mul_add_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Floa
 @dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a / b, IEEE round-to-nearest-even, subnormals kept."""
-    res = inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
-               side_effects=False, loc=loc, ip=ip)  # fmt: skip
-    return Float32(res)
+    return _f32_op("div.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def rsqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """1/sqrt(x) by the MUFU unit (what CUDA's rsqrtf and torch.rsqrt use), subnormals kept."""
-    res = inline_asm(T.f32(), [_f32(x, loc, ip)], "rsqrt.approx.f32 $0, $1;", "=f,f",
-               side_effects=False, loc=loc, ip=ip)  # fmt: skip
-    return Float32(res)
+    return _f32_op("rsqrt.approx.f32 $0, $1;", x, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def rcp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """1/x by the MUFU unit (about 1 ulp), subnormals flushed."""
-    res = inline_asm(
-        T.f32(), [_f32(x, loc, ip)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip
-    )
-    return Float32(res)
+    return _f32_op("rcp.approx.ftz.f32 $0, $1;", x, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """2^x by the MUFU unit, subnormals flushed."""
-    res = inline_asm(
-        T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip
-    )
-    return Float32(res)
+    return _f32_op("ex2.approx.ftz.f32 $0, $1;", x, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def cvt_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """Two fp32 -> two bf16 (RNE; Inf kept, NaN stays NaN) packed in a word, `lo` in the low half."""
     # cvt.bf16x2 puts its first source in the upper half, hence the swapped operands.
-    res = inline_asm(T.i32(), [_f32(lo, loc, ip), _f32(hi, loc, ip)], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
-               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    res = inline_asm(
+        T.i32(),
+        [_f32(lo, loc, ip), _f32(hi, loc, ip)],
+        "cvt.rn.bf16x2.f32 $0, $2, $1;",
+        "=r,f,f",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
     return Uint32(res)
 
 
@@ -210,8 +210,9 @@ def st_global_v2_b32(addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=None) 
 @dsl_user_op
 def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
     """An L2 cache policy (createpolicy) that makes every line it touches evict-first."""
-    res = inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
-               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+    res = inline_asm(
+        T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", side_effects=False, loc=loc, ip=ip
+    )
     return Int64(res)
 
 
@@ -274,16 +275,18 @@ def st_global_v4_b32(
 @dsl_user_op
 def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     """x, through a move the compiler cannot see into (so nothing derived from it is strength-reduced or hoisted)."""
-    res = inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-               side_effects=True, loc=loc, ip=ip)  # fmt: skip
+    res = inline_asm(
+        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r", side_effects=True, loc=loc, ip=ip
+    )
     return Int32(res)
 
 
 @dsl_user_op
 def opaque_u32(x: Uint32, *, loc=None, ip=None) -> Uint32:
     """x, through a move the compiler cannot see into (so nothing derived from it is hoisted out of a loop)."""
-    res = inline_asm(T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-               side_effects=True, loc=loc, ip=ip)  # fmt: skip
+    res = inline_asm(
+        T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r", side_effects=True, loc=loc, ip=ip
+    )
     return Uint32(res)
 
 

@@ -10,10 +10,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
-from cute_kernels import ptx
+from cute_kernels import MXFP8_BLOCK, SCALE_WORD_COLS, ptx
 
-MXFP8_BLOCK = 32
-SCALE_WORD_COLS = 4 * MXFP8_BLOCK  # columns of one 4-byte word of scales
 E4M3_NAN_WORD = 0x7F7F7F7F
 
 

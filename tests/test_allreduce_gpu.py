@@ -614,7 +614,7 @@ class _Stalled(PeerReduce):
 
     @cute.jit
     def stall(self, ctx):
-        if ctx.rank == 0:
+        if ctx.peer.rank == 0:
             until = cute.arch.globaltimer() + 60_000
             while cute.arch.globaltimer() < until:
                 pass

@@ -42,9 +42,21 @@ from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.boundary.loads import RowLoads
 
 EVENTS = (
-    "released", "gen", "loaded", "pushed", "arrived", "rearmed", "computed", "summed", "row done", "all arrived",
-    "at wait", "all computed", "all sent", "sm",
-)  # fmt: skip
+    "released",
+    "gen",
+    "loaded",
+    "pushed",
+    "arrived",
+    "rearmed",
+    "computed",
+    "summed",
+    "row done",
+    "all arrived",
+    "at wait",
+    "all computed",
+    "all sent",
+    "sm",
+)
 # Thread 0's events, in order; "all arrived": the last warp's wait exit (W > 1); "at wait": thread 0 reaching
 # griddepcontrol.wait (a CTA that reaches it after the previous grid's end runs its prologue on the chain);
 # W > 1: "all computed" / "all sent": the last warp's new streams stored / its sum of squares pushed to the
@@ -164,8 +176,17 @@ class WarpStamps:
                 ptx.st_global_v2_b32(addr + 8, Uint32(c & 0xFFFFFFFF), Uint32(c >> 32))
 
 
-def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: str, base: int, calls: int,
-                  trigger: str = "shipped", warp_base: int | None = None):  # fmt: skip
+def traced_kernel(
+    hidden: int,
+    world: int,
+    protocol: str,
+    staged: bool,
+    arch: str,
+    base: int,
+    calls: int,
+    trigger: str = "shipped",
+    warp_base: int | None = None,
+):
     """The shipped kernel (bf16 partial in, bf16 out; W > 1: the peer kernel, inline or staged) with the stamps of
     `Stamps` at `base`. `trigger` "end": the PDL trigger after each CTA's last row instead of where it ships (a
     diagnostic: whether the next grid's launch, which the trigger sets off, disturbs this one's epilogue)."""
@@ -173,17 +194,17 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
     warp_stamps = None if warp_base is None or world == 1 else WarpStamps(warp_base, stamps)
 
     def rank_of(ctx) -> Int32:
-        return Int32(0) if ctx.rank is None else ctx.rank
+        return Int32(0) if ctx.peer is None else ctx.peer.rank
 
     class TracedLoads(RowLoads):
         @cute.jit
-        def load_row(self, ctx, regs, row: Int32):
+        def load_row(self, ctx, regs, row: Int32, partial: bool = True):
             if const_expr(not stamps.begun):  # the kernel's first load (unstaged): right after the wait
                 stamps.begun = True
                 stamps.released = (ptx.globaltimer(), ptx.clock64())
                 if const_expr(world == 1):
                     stamps.count_call()
-            RowLoads.load_row(self, ctx, regs, row)
+            RowLoads.load_row(self, ctx, regs, row, partial)
 
         @cute.jit
         def partial(self, ctx, regs, row: Int32) -> cute.Tensor:
@@ -215,18 +236,18 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
 
         @cute.jit
         def wait(self, ctx, rIn: cute.Tensor, row: Int32, sources: list, deadline: Int64, pending=None):
-            stamps.stamp(ctx.rank, "pushed")
+            stamps.stamp(ctx.peer.rank, "pushed")
             PeerReduce.wait(self, ctx, rIn, row, sources, deadline, pending)
-            stamps.stamp(ctx.rank, "arrived")
+            stamps.stamp(ctx.peer.rank, "arrived")
             if const_expr(warp_stamps is not None):
-                warp_stamps.stamp(ctx.rank, "arrived")
+                warp_stamps.stamp(ctx.peer.rank, "arrived")
             if const_expr(warp_stamps is None):  # per-warp stamps replace the atomic ones
-                stamps.stamp_latest(ctx.rank, "all arrived")
+                stamps.stamp_latest(ctx.peer.rank, "all arrived")
 
         @cute.jit
         def rearm(self, ctx, row: Int32, sources: list):
             PeerReduce.rearm(self, ctx, row, sources)
-            stamps.stamp(ctx.rank, "rearmed")
+            stamps.stamp(ctx.peer.rank, "rearmed")
 
     real_trigger = cute.arch.griddepcontrol_launch_dependents
 
@@ -282,8 +303,16 @@ def traced_kernel(hidden: int, world: int, protocol: str, staged: bool, arch: st
     config = default_config(hidden, arch, world, world)
     kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
     kernel.loads = TracedLoads(hidden, kernel.vpt, y_source="x", shared=False, pre=True)
-    kernel.epilogue = TracedEpilogue(hidden, config.cluster_n, config.threads, kernel.vpt, pre=True, mxfp8=False,
-                                     aux=False, spin=kernel.epilogue.spin)  # fmt: skip
+    kernel.epilogue = TracedEpilogue(
+        hidden,
+        config.cluster_n,
+        config.threads,
+        kernel.vpt,
+        pre=True,
+        mxfp8=False,
+        aux=False,
+        spin=kernel.epilogue.spin,
+    )
     if world > 1:
         kernel.attach_allreduce(TracedPeer(hidden, world, protocol, kernel.vpt, kernel.cluster_n, staged=staged))
     variant = api.BoundaryVariant("x", False, True, False, False)
@@ -315,8 +344,25 @@ def every_rank_launch(ranks: list[BoundaryAllReduce], fn, sets: list, outs: list
         peer = (None, None, None, None) if ws is None else (ws.slots, ws.peers, ws.state, ws.error)
         for s, (new, out) in zip(sets, outs[rank]):
             x = s[rank]
-            fn(x["residual"], x["post"], x["comb"], x["pre"], x["w"], x["x"], None, None, None, None, new, out, None,
-               None, None, *peer, 1e-6)  # fmt: skip
+            fn(
+                x["residual"],
+                x["post"],
+                x["comb"],
+                x["pre"],
+                x["w"],
+                x["x"],
+                None,
+                None,
+                None,
+                None,
+                new,
+                out,
+                None,
+                None,
+                None,
+                *peer,
+                1e-6,
+            )
 
     def every_rank() -> None:
         if ranks:
@@ -327,8 +373,9 @@ def every_rank_launch(ranks: list[BoundaryAllReduce], fn, sets: list, outs: list
     return every_rank
 
 
-def trace_point(ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int,
-                calls: int) -> torch.Tensor:  # fmt: skip
+def trace_point(
+    ranks: list[BoundaryAllReduce], fn, trace: torch.Tensor, counts: torch.Tensor, hidden: int, rows: int, calls: int
+) -> torch.Tensor:
     """The stamps ([W, RING, CTAs, events, (ns, cycles)]) of the last RING of `calls` back-to-back boundaries on every
     rank (no `ranks`: one rank alone, W = 1), from a CUDA graph replay, launched as the bench launches them (a
     stream per rank)."""
@@ -440,10 +487,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protocol", nargs="+", default=["oneshot", "twoshot"])
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--dump", type=str, default=None, help="save every point's raw stamps (torch.save) here")
-    p.add_argument("--trigger", choices=["shipped", "end"], default="shipped",
-                   help="end: the PDL trigger after each CTA's last row (a diagnostic)")  # fmt: skip
-    p.add_argument("--warp-stamps", action="store_true",
-                   help="W > 1: every warp also stamps its wait's exit, streams, shuffles, pushes and cluster sum")  # fmt: skip
+    p.add_argument(
+        "--trigger",
+        choices=["shipped", "end"],
+        default="shipped",
+        help="end: the PDL trigger after each CTA's last row (a diagnostic)",
+    )
+    p.add_argument(
+        "--warp-stamps",
+        action="store_true",
+        help="W > 1: every warp also stamps its wait's exit, streams, shuffles, pushes and cluster sum",
+    )
     args = p.parse_args(argv)
     if args.calls < RING + 8:
         p.error(f"--calls must be at least {RING + 8}: the last {RING} calls are kept, after 8 or more to settle")
@@ -451,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     arch = arch_for_device(device)
     raw = {}
     warp_raw = {}
-    print(f"W > 1: SIMULATED ranks on one GPU (not NVLink); medians over ranks, the last {RING} calls and CTAs, us; "
-          f"PDL trigger: {args.trigger}")  # fmt: skip
+    print(
+        f"W > 1: SIMULATED ranks on one GPU (not NVLink); medians over ranks, the last {RING} calls and CTAs, us; "
+        f"PDL trigger: {args.trigger}"
+    )
     for world in args.world:
         trace = torch.zeros(world, RING, MAX_CTAS, len(EVENTS), 2, dtype=torch.int64, device=device)
         warps = None
@@ -460,16 +516,25 @@ def main(argv: list[str] | None = None) -> int:
             warps = torch.zeros(world, RING, WARP_CTAS, WARPS, len(WARP_EVENTS), 2, dtype=torch.int64, device=device)
         counts = torch.zeros(MAX_CTAS, dtype=torch.int32, device=device)
         for hidden in args.hidden:
-            ranks = [] if world == 1 else BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows),
-                                                                     device=device)  # fmt: skip
+            ranks = (
+                [] if world == 1 else BoundaryAllReduce.simulated(hidden, world, max_rows=max(args.rows), device=device)
+            )
             for protocol in ["oneshot"] if world == 1 else args.protocol:
                 with forced_protocol(protocol):
                     for rows in args.rows:
                         config = default_config(hidden, arch, world, world)
                         staged = world > 1 and config.clusters(rows) < rows
-                        fn, _ = traced_kernel(hidden, world, protocol, staged, arch, trace.data_ptr(),
-                                              counts.data_ptr(), trigger=args.trigger,
-                                              warp_base=None if warps is None else warps.data_ptr())  # fmt: skip
+                        fn, _ = traced_kernel(
+                            hidden,
+                            world,
+                            protocol,
+                            staged,
+                            arch,
+                            trace.data_ptr(),
+                            counts.data_ptr(),
+                            trigger=args.trigger,
+                            warp_base=None if warps is None else warps.data_ptr(),
+                        )
                         if warps is not None:
                             warps.zero_()
                         ctas = config.cluster_n * config.clusters(rows)

@@ -31,13 +31,14 @@ look.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
-from cute_kernels import ptx
+from cute_kernels import VEC, ptx
 from cute_kernels.allreduce.protocol import (
     CALL_SHIFT,
     CALL_UNIT,
@@ -47,12 +48,26 @@ from cute_kernels.allreduce.protocol import (
     SENTINEL_WORD,
     STATE_CALLS,
 )
-from cute_kernels.boundary.config import VEC
-from cute_kernels.boundary.loads import RowRegs
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """The exchange's part of a kernel's Ctx (W > 1), made by FusedBoundaryKernel.kernel: the workspace's tensors,
+    what it reads of them at its start, and this call's generation and deadlines."""
+
+    mSlots: cute.Tensor  # [generations, W + 1, max_rows, H] bf16, this rank's receive slots
+    mPeers: cute.Tensor  # [W] int64, every rank's receive-slot base address
+    mState: cute.Tensor  # [3] int32: the call counter, rank, timeout (us)
+    table: list | None  # mPeers as read at the kernel's start; None: read where pushed (peer_table)
+    rank: Int32  # this rank, read from mState at the kernel's start
+    gen: Int32  # this call's slot generation (call_generation)
+    deadline: Int64  # every wait's: the call's start + the workspace's timeout
+    deadline_y: Int64  # a two-shot wait for y: half a timeout more (see the module's docstring)
 
 
 class PeerReduce:
-    """y of a row for this thread's `vpt` vectors, through the receive slots of `world_size` ranks."""
+    """y of a row for this thread's `vpt` vectors, through the receive slots of `world_size` ranks. Its `ctx` is the
+    kernel's (cute_kernels/boundary/loads.py Ctx): the row part, and this role's own in `ctx.peer` (PeerState)."""
 
     generations = GENERATIONS  # a class attribute, so that a test can build the one-generation control
 
@@ -71,7 +86,6 @@ class PeerReduce:
         self.slots_with_row = staged and (protocol == "twoshot" or world_size <= 4)
         self.window = max(1, min(4, 8 // (world_size * vpt)))
         self.staged = staged  # every row's exchange goes out before the row loop (a ready partial x)
-        self.loads = None  # the kernel's loads role (set by the kernel: the staged phases load partials)
 
     @cute.jit
     def read_counter(self, mState: cute.Tensor) -> Int32:
@@ -80,8 +94,8 @@ class PeerReduce:
         return Int32(ptx.ld_relaxed_gpu_b32_pred(addr, cute.arch.lane_idx() == 0))
 
     def adds_after_push(self) -> bool:
-        """Whether a warp adds its share of the call counter after its first row's pushes (the inline one-shot:
-        0.05-0.12 us faster at W 4 and 8, docs/perf-log.md v19) rather than right after its read."""
+        """Whether a warp adds its share of the call counter after its first row's pushes (the inline one-shot, so
+        that the pushes go out first: docs/PERF.md decisions: adds_after_push) rather than right after its read."""
         return not self.staged and self.protocol == "oneshot"
 
     @cute.jit
@@ -158,25 +172,26 @@ class PeerReduce:
         return [[canonical(ptx.cvt_bf16x2(y[v, e], y[v, e + 1])) for e in range(0, VEC, 2)] for v in range(self.vpt)]
 
     @cute.jit
-    def push_rows(self, ctx, first_row: Int32):
-        """Push the partial of each of this cluster's rows to whoever sums it, `push_depth` rows' loads in flight."""
+    def push_rows(self, ctx, loads, first_row: Int32):
+        """Push the partial of each of this cluster's rows to whoever sums it, `push_depth` rows' loads (by the
+        kernel's loads role `loads`) in flight."""
         depth = const_expr(self.push_depth)
-        bufs = [RowRegs(self.loads) for _ in range(depth)]
+        bufs = [loads.regs() for _ in range(depth)]
         for d in cutlass.range_constexpr(depth):
             r = first_row + d * ctx.clusters
             if r < ctx.rows:
                 if self.sends_partial(ctx, r):  # a two-shot owner's own partial is loaded when it sums
-                    self.loads.load_partial(ctx, bufs[d], r)
+                    loads.load_partial(ctx, bufs[d], r)
         row = first_row
         while row < ctx.rows:
             for d in cutlass.range_constexpr(depth):
                 r = row + d * ctx.clusters
                 if r < ctx.rows:
-                    words = self.words(self.loads.partial(ctx, bufs[d], r))
+                    words = self.words(loads.partial(ctx, bufs[d], r))
                     ahead = r + depth * ctx.clusters
                     if ahead < ctx.rows:
                         if self.sends_partial(ctx, ahead):
-                            self.loads.load_partial(ctx, bufs[d], ahead)
+                            loads.load_partial(ctx, bufs[d], ahead)
                     if const_expr(self.protocol == "oneshot"):
                         self.push_partial(ctx, words, r)
                     else:
@@ -188,18 +203,18 @@ class PeerReduce:
         """Whether this rank pushes its partial of `row` in a staged call (two-shot: unless it owns the segment)."""
         sends = cutlass.Boolean(True)
         if const_expr(self.protocol == "twoshot"):
-            sends = self.owner(ctx, row) != ctx.rank
+            sends = self.owner(ctx, row) != ctx.peer.rank
         return sends
 
     @cute.jit
-    def reduce_owned(self, ctx, first_row: Int32):
+    def reduce_owned(self, ctx, loads, first_row: Int32):
         """Two-shot: for each of this cluster's rows whose segment this rank owns, wait for the other partials,
         sum, and push y to every peer and into this rank's own y slot (read back and re-armed by this same thread
-        in the row loop). Rows go `window` at a time: the owned ones' partial loads and first polls all go out
-        before the first is checked."""
+        in the row loop). Rows go `window` at a time: the owned ones' partial loads (by the kernel's loads role
+        `loads`) and first polls all go out before the first is checked."""
         vpt = const_expr(self.vpt)
         window = const_expr(self.window)
-        bufs = [RowRegs(self.loads) for _ in range(window)]
+        bufs = [loads.regs() for _ in range(window)]
         rIns = [cute.make_rmem_tensor((self.W, vpt, 4), Uint32) for _ in range(window)]
         rY = cute.make_rmem_tensor((vpt, 4), Uint32)
         sources = self.partial_sources(ctx)
@@ -208,15 +223,15 @@ class PeerReduce:
             for d in cutlass.range_constexpr(window):
                 r = row + d * ctx.clusters
                 if r < ctx.rows:
-                    if self.owner(ctx, r) == ctx.rank:
-                        self.loads.load_partial(ctx, bufs[d], r)
+                    if self.owner(ctx, r) == ctx.peer.rank:
+                        loads.load_partial(ctx, bufs[d], r)
                         self.issue(ctx, rIns[d], r, sources)
             for d in cutlass.range_constexpr(window):
                 r = row + d * ctx.clusters
                 if r < ctx.rows:
-                    if self.owner(ctx, r) == ctx.rank:
-                        self.wait(ctx, rIns[d], r, sources, ctx.deadline, self.missing(ctx, rIns[d], sources))
-                        self.rank_sum(ctx, self.words(self.loads.partial(ctx, bufs[d], r)), rIns[d], rY)
+                    if self.owner(ctx, r) == ctx.peer.rank:
+                        self.wait(ctx, rIns[d], r, sources, ctx.peer.deadline, self.missing(ctx, rIns[d], sources))
+                        self.rank_sum(ctx, self.words(loads.partial(ctx, bufs[d], r)), rIns[d], rY)
                         self.send_y(ctx, rY, r, keep=True)
                         self.rearm(ctx, r, sources)
             row = row + window * ctx.clusters
@@ -236,9 +251,9 @@ class PeerReduce:
     @cute.jit
     def prefetch_y(self, ctx, rSlot: cute.Tensor, row: Int32):
         """Issue the load of a staged two-shot row's y slot with the row's other loads."""
-        base = ctx.mSlots.iterator.toint()
+        base = ctx.peer.mSlots.iterator.toint()
         for v in cutlass.range_constexpr(self.vpt):
-            addr = base + self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
+            addr = base + self.offset(ctx.peer.mSlots, ctx.peer.gen, self.W, row, ctx.vcols[v])
             want = self.real(ctx, v)
             w = ptx.ld_sys_v4_pred(addr, cutlass.Boolean(True) if want is None else want)
             for k in cutlass.range_constexpr(4):
@@ -253,9 +268,9 @@ class PeerReduce:
             sources = self.partial_sources(ctx)
             if const_expr(self.slots_with_row):
                 rIn = rSlot
-                self.wait(ctx, rIn, row, sources, ctx.deadline, self.missing(ctx, rIn, sources))
+                self.wait(ctx, rIn, row, sources, ctx.peer.deadline, self.missing(ctx, rIn, sources))
             else:
-                self.wait(ctx, rIn, row, sources, ctx.deadline)
+                self.wait(ctx, rIn, row, sources, ctx.peer.deadline)
             self.rank_sum(ctx, words, rIn, rY)
             self.rearm(ctx, row, sources)
         else:
@@ -263,7 +278,7 @@ class PeerReduce:
             for v in cutlass.range_constexpr(self.vpt):
                 for k in cutlass.range_constexpr(4):
                     rY[v, k] = rSlot[v, k]
-            if owner != ctx.rank:
+            if owner != ctx.peer.rank:
                 late = cutlass.Boolean(False)
                 for v in cutlass.range_constexpr(self.vpt):
                     want = self.real(ctx, v)
@@ -282,10 +297,10 @@ class PeerReduce:
         self.push_partial(ctx, words, row)
         if const_expr(self.adds_after_push()):
             if row < ctx.clusters:  # this cluster's first row
-                self.add_share(ctx.mState, self.warp_share())
+                self.add_share(ctx.peer.mState, self.warp_share())
         taken = later()
         sources = self.partial_sources(ctx)
-        self.wait(ctx, rIn, row, sources, ctx.deadline)
+        self.wait(ctx, rIn, row, sources, ctx.peer.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         self.rearm(ctx, row, sources)
         return taken
@@ -296,15 +311,15 @@ class PeerReduce:
         premix: last), wait for y in slot W. The owner: do `later`, wait for the W - 1 other partials, sum, push y to
         every peer."""
         # Without the premix (its cells absent: a MoE partial) `later` is the coefficient shuffles alone, done after
-        # the exchange (v15).
+        # the exchange, where they delay no push (docs/PERF.md decisions: PeerReduce.twoshot).
         premix = ctx.sMix is not None
         owner = self.owner(ctx, row)
-        if owner != ctx.rank:
+        if owner != ctx.peer.rank:
             self.push_partial(ctx, words, row, owner)
         taken = None
         if const_expr(premix):
             taken = later()
-        if owner != ctx.rank:
+        if owner != ctx.peer.rank:
             self.wait_y(ctx, row, owner, rIn, rY)
             self.rearm(ctx, row, [(self.W, owner, None)])
         else:
@@ -317,19 +332,19 @@ class PeerReduce:
     def reduce_and_send(self, ctx, words: list, row: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Two-shot, the owner: the W - 1 other partials, the rank-order sum, y into slot W of every peer."""
         sources = self.partial_sources(ctx)
-        self.wait(ctx, rIn, row, sources, ctx.deadline)
+        self.wait(ctx, rIn, row, sources, ctx.peer.deadline)
         self.rank_sum(ctx, words, rIn, rY)
         self.send_y(ctx, rY, row, keep=False)
         self.rearm(ctx, row, sources)
 
     def partial_sources(self, ctx) -> list:
         """The wait sources of every rank's partial of a row: (slot, rank it comes from, needed: not this rank's)."""
-        return [(s, Int32(s), ctx.rank != s) for s in range(self.W)]
+        return [(s, Int32(s), ctx.peer.rank != s) for s in range(self.W)]
 
     @cute.jit
     def wait_y(self, ctx, row: Int32, owner: Int32, rIn: cute.Tensor, rY: cute.Tensor):
         """Two-shot, not the owner: wait for the owner's y in slot W of `row` and take it into rY."""
-        self.wait(ctx, rIn, row, [(self.W, owner, None)], ctx.deadline_y)
+        self.wait(ctx, rIn, row, [(self.W, owner, None)], ctx.peer.deadline_y)
         for v in cutlass.range_constexpr(self.vpt):
             for k in cutlass.range_constexpr(4):
                 rY[v, k] = rIn[0, v, k]
@@ -341,35 +356,35 @@ class PeerReduce:
         peers = self.peer_table(ctx)
         peer = None if const_expr(owner is None) else self.peer_base(peers, owner)
         for v in cutlass.range_constexpr(self.vpt):
-            mine = self.offset(ctx.mSlots, ctx.gen, ctx.rank, row, ctx.vcols[v])
+            mine = self.offset(ctx.peer.mSlots, ctx.peer.gen, ctx.peer.rank, row, ctx.vcols[v])
             if const_expr(owner is None):
                 for p in cutlass.range_constexpr(self.W):
-                    self.push(ctx, peers[p] + mine, words[v], self.real(ctx, v, ctx.rank != p))
+                    self.push(ctx, peers[p] + mine, words[v], self.real(ctx, v, ctx.peer.rank != p))
             else:
-                self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.rank if owned_here else None))
+                self.push(ctx, peer + mine, words[v], self.real(ctx, v, owner != ctx.peer.rank if owned_here else None))
 
     @cute.jit
     def send_y(self, ctx, rY: cute.Tensor, row: Int32, keep: bool):
         """The owner's y into slot W of every other rank and, with `keep` (staged), of its own, which this same
         thread reads back. y travels (and is used) in canonical words, so that every rank has the same zero signs."""
-        base = ctx.mSlots.iterator.toint() if const_expr(keep) else None
+        base = ctx.peer.mSlots.iterator.toint() if const_expr(keep) else None
         peers = self.peer_table(ctx)
         for v in cutlass.range_constexpr(self.vpt):
             y_words = [canonical(rY[v, k]) for k in range(4)]
             for k in cutlass.range_constexpr(4):
                 rY[v, k] = y_words[k]
-            reduced = self.offset(ctx.mSlots, ctx.gen, self.W, row, ctx.vcols[v])
+            reduced = self.offset(ctx.peer.mSlots, ctx.peer.gen, self.W, row, ctx.vcols[v])
             for p in cutlass.range_constexpr(self.W):
-                self.push(ctx, peers[p] + reduced, y_words, self.real(ctx, v, ctx.rank != p))
+                self.push(ctx, peers[p] + reduced, y_words, self.real(ctx, v, ctx.peer.rank != p))
             if const_expr(keep):
                 ptx.st_global_v4_pred(base + reduced, *y_words, self.real(ctx, v))
 
     def peer_table(self, ctx) -> list:
-        """Every rank's receive-slot base address: as the kernel read them at its start, or (ctx.peers None) loaded
-        here, all before any is used."""
-        if ctx.peers is not None:
-            return ctx.peers
-        return [ctx.mPeers[p] for p in range(self.W)]
+        """Every rank's receive-slot base address: as the kernel read them at its start, or (no table) loaded here, all
+        before any is used."""
+        if ctx.peer.table is not None:
+            return ctx.peer.table
+        return [ctx.peer.mPeers[p] for p in range(self.W)]
 
     def peer_base(self, peers: list, rank: Int32) -> Int64:
         """Rank `rank`'s receive-slot base address from the table."""
@@ -394,12 +409,12 @@ class PeerReduce:
     def issue(self, ctx, rIn: cute.Tensor, row: Int32, sources: list):
         """One round of loads of slots `sources` = [(slot, rank it comes from, needed)] of `row` into rIn[i];
         nothing waits for them here."""
-        base = ctx.mSlots.iterator.toint()
+        base = ctx.peer.mSlots.iterator.toint()
         for i in cutlass.range_constexpr(len(sources)):
             slot, _, needed = sources[i]
             for v in cutlass.range_constexpr(self.vpt):
                 want = self.real(ctx, v, needed)
-                addr = base + self.offset(ctx.mSlots, ctx.gen, slot, row, ctx.vcols[v])
+                addr = base + self.offset(ctx.peer.mSlots, ctx.peer.gen, slot, row, ctx.vcols[v])
                 w = ptx.ld_sys_v4_pred(addr, cutlass.Boolean(True) if want is None else want)
                 for k in cutlass.range_constexpr(4):
                     rIn[i, v, k] = w[k]
@@ -426,8 +441,8 @@ class PeerReduce:
         passed (then the missing ranks go to the error word). `pending`: the mask of a round issued and checked
         already (earlier, with the row's loads): nothing more when it is 0, else the wait starts afresh."""
         if const_expr(pending is None and self.W <= 4):
-            # A loop whose first look is its own body: measured faster at W 2 and 4 than the form below, which
-            # is faster at W 8 (docs/perf-log.md v15).
+            # A loop whose first look is its own body at W 2 and 4, the form below at W 8: each where it is the
+            # faster (docs/PERF.md decisions: PeerReduce.wait).
             pending = Int32(1)
             while pending != 0:
                 self.issue(ctx, rIn, row, sources)  # every slot's loads are in flight before any is checked
@@ -466,7 +481,7 @@ class PeerReduce:
                 for h in cutlass.range_constexpr(2):
                     acc = Float32(0.0)
                     for s in cutlass.range_constexpr(self.W):
-                        word = Uint32(cutlass.select_(ctx.rank == s, words[v][k], rIn[s, v, k]))
+                        word = Uint32(cutlass.select_(ctx.peer.rank == s, words[v][k], rIn[s, v, k]))
                         term = ptx.bf16_lo(word) if h == 0 else ptx.bf16_hi(word)
                         acc = term if s == 0 else ptx.add_rn(acc, term)
                     halves.append(acc)
@@ -475,12 +490,12 @@ class PeerReduce:
     @cute.jit
     def rearm(self, ctx, row: Int32, sources: list):
         """Write the sentinel back into the slots this call consumed (no peer writes them before call k + 2)."""
-        base = ctx.mSlots.iterator.toint()
+        base = ctx.peer.mSlots.iterator.toint()
         s = Uint32(SENTINEL_WORD)
         for i in cutlass.range_constexpr(len(sources)):
             slot, _, needed = sources[i]
             for v in cutlass.range_constexpr(self.vpt):
-                addr = base + self.offset(ctx.mSlots, ctx.gen, slot, row, ctx.vcols[v])
+                addr = base + self.offset(ctx.peer.mSlots, ctx.peer.gen, slot, row, ctx.vcols[v])
                 ptx.st_global_v4_pred(addr, s, s, s, s, self.real(ctx, v, needed))
 
 

@@ -1,9 +1,9 @@
 """Which protocol a call of the peer all-reduce takes: one-shot for small payloads, two-shot for large ones.
 
 The switch is a row count per (world size, H), measured on simulated ranks (W kernels sharing one
-H200, docs/PERF.md "Multi-rank boundary"), where every byte of the exchange goes through one HBM; on
-NVLink the one-shot's extra bytes cost less and the two-shot's extra hop more, so a multi-GPU machine
-may move it (the multi-GPU benchmark measures it there).
+GPU), where every byte of the exchange goes through one HBM; on NVLink the one-shot's extra bytes cost
+less and the two-shot's extra hop more, so a multi-GPU machine may move it (the multi-GPU benchmark
+measures it there).
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ import functools
 EVERY_CALL = 2**31 - 1
 
 # Calls of at most this many rows take the one-shot protocol, per (world size, H); other H: the
-# nearest measured H of that world size. Measured rows: 1, 4, 16, 64, 256, 512 (docs/PERF.md, per call
-# in a long graph, the sweep of perf-log v19): at W 2 the one-shot is ahead everywhere (0.45-1.0 us at 1-16
-# rows, 2.4-6.5 at 256 and 512); at W 4 one-shot up to 16 rows (0.6-1.0 us ahead there), at H 4096 up to 64
-# (0.85 us ahead; 0.1-0.7 behind at H 5120 / 7168); at W 8 one-shot up to 4 rows (0.3-0.7 us ahead there;
-# at 16 rows 0.07-3.1 behind).
+# nearest measured H of that world size. The one-shot's single hop wins at few rows, the two-shot's
+# fewer bytes at many (docs/PERF.md decisions: ONESHOT_MAX_ROWS).
 ONESHOT_MAX_ROWS: dict[tuple[int, int], int] = {
-    (2, 4096): EVERY_CALL, (2, 5120): EVERY_CALL, (2, 7168): EVERY_CALL,
-    (4, 4096): 64, (4, 5120): 16, (4, 7168): 16,
-    (8, 4096): 4, (8, 5120): 4, (8, 7168): 4,
-}  # fmt: skip
+    (2, 4096): EVERY_CALL,
+    (2, 5120): EVERY_CALL,
+    (2, 7168): EVERY_CALL,
+    (4, 4096): 64,
+    (4, 5120): 16,
+    (4, 7168): 16,
+    (8, 4096): 4,
+    (8, 5120): 4,
+    (8, 7168): 4,
+}
 
 
 @functools.cache

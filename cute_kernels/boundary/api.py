@@ -15,6 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
+from cute_kernels import HC
 from cute_kernels.allreduce.protocol import (
     ERROR_WORDS,
     GENERATIONS,
@@ -25,7 +26,7 @@ from cute_kernels.allreduce.protocol import (
     STATE_WORDS,
 )
 from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
-from cute_kernels.boundary.config import HC, BoundaryConfig, default_config
+from cute_kernels.boundary.config import BoundaryConfig, default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import (
     WarmupJob,
@@ -97,31 +98,56 @@ def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
     )
 
 
-def compile_boundary_kernel(kernel: FusedBoundaryKernel, H: int, variant: BoundaryVariant, world_size: int, *,
-                            arch: str) -> Callable[..., Any]:  # fmt: skip
+def compile_boundary_kernel(
+    kernel: FusedBoundaryKernel, H: int, variant: BoundaryVariant, world_size: int, *, arch: str
+) -> Callable[..., Any]:
     """Compile a fused-boundary kernel object (uncached; tests build modified ones) with the TVM-FFI call path."""
     return compile_kernel(kernel, *fake_args(H, variant, world_size), fake_stream(), arch=arch)
 
 
 @jit_cache
 def compile_fused_boundary(
-    H: int, y_source: str, shared: bool, pre: bool, mxfp8: bool, aux: bool, config: BoundaryConfig,
-    world_size: int, protocol: str, staged: bool = False, *, arch: str,
-) -> Callable[..., Any]:  # fmt: skip
+    H: int,
+    y_source: str,
+    shared: bool,
+    pre: bool,
+    mxfp8: bool,
+    aux: bool,
+    config: BoundaryConfig,
+    world_size: int,
+    protocol: str,
+    staged: bool = False,
+    *,
+    arch: str,
+) -> Callable[..., Any]:
     """Compile one fused-boundary variant: the flags, the launch shape, the world size, the protocol and whether
     the exchange is staged."""
     variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux)
     kernel = FusedBoundaryKernel(
-        H, config, y_source=y_source, shared=shared, pre=pre, mxfp8=mxfp8, aux=aux, world_size=world_size,
-        protocol=protocol, staged=staged,
-    )  # fmt: skip
+        H,
+        config,
+        y_source=y_source,
+        shared=shared,
+        pre=pre,
+        mxfp8=mxfp8,
+        aux=aux,
+        world_size=world_size,
+        protocol=protocol,
+        staged=staged,
+    )
     return compile_boundary_kernel(kernel, H, variant, world_size, arch=arch)
 
 
 def compiled_boundary(
-    H: int, variant: BoundaryVariant, *, arch: str, world_size: int = 1, protocol: str = "oneshot",
-    ranks_per_device: int = 1, rows: int = 1,
-) -> Callable[..., Any]:  # fmt: skip
+    H: int,
+    variant: BoundaryVariant,
+    *,
+    arch: str,
+    world_size: int = 1,
+    protocol: str = "oneshot",
+    ranks_per_device: int = 1,
+    rows: int = 1,
+) -> Callable[..., Any]:
     """The compiled kernel of one variant at the shipped launch shape for a call of `rows` rows (compiled or loaded
     on first use): with peers, staged when the clusters take several rows each and the partial is a ready x."""
     config = default_config(H, arch, ranks_per_device, world_size)
@@ -155,9 +181,14 @@ def variant_name(v: BoundaryVariant) -> str:
 
 
 def warmup_jobs(
-    H: int, *, arch: str, world_size: int = 1, ranks_per_device: int = 1,
-    variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS, protocols: Sequence[str] = PROTOCOLS,
-) -> list[WarmupJob]:  # fmt: skip
+    H: int,
+    *,
+    arch: str,
+    world_size: int = 1,
+    ranks_per_device: int = 1,
+    variants: Sequence[BoundaryVariant] = ENGINE_VARIANTS,
+    protocols: Sequence[str] = PROTOCOLS,
+) -> list[WarmupJob]:
     """One warmup job per variant (and, with W > 1, per protocol of `protocols`, inline and, for a ready partial,
     staged) an engine may launch at hidden size H; each loads its kernel with one scratch launch (`load_boundary`)."""
     config = default_config(H, arch, ranks_per_device, world_size)
@@ -169,7 +200,7 @@ def warmup_jobs(
                 (H, *v, config, 1, "oneshot"),
                 (("arch", arch),),
                 functools.partial(load_boundary, H=H, variant=v, world_size=1),
-            )  # fmt: skip
+            )
             for v in variants
         ]
     return [
@@ -201,16 +232,27 @@ def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: Bound
         state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         state[STATE_CALLS], state[STATE_RANK], state[STATE_TIMEOUT_US] = 0, 0, 1000
     fn(
-        bf16(1, HC, H), f32(1, HC), f32(1, HC, HC), f32(1, HC) if pre else None, bf16(H) if pre else None,
-        None if moe else bf16(1, H), bf16(1, H) if shared else None, bf16(1, H) if moe else None,
-        f32(1, 1) if moe else None, torch.zeros(1, 1, dtype=torch.int32, device=device) if moe else None,
-        bf16(1, HC, H), bf16(1, H) if pre else None,
+        bf16(1, HC, H),
+        f32(1, HC),
+        f32(1, HC, HC),
+        f32(1, HC) if pre else None,
+        bf16(H) if pre else None,
+        None if moe else bf16(1, H),
+        bf16(1, H) if shared else None,
+        bf16(1, H) if moe else None,
+        f32(1, 1) if moe else None,
+        torch.zeros(1, 1, dtype=torch.int32, device=device) if moe else None,
+        bf16(1, HC, H),
+        bf16(1, H) if pre else None,
         torch.zeros(1, H, dtype=torch.float8_e4m3fn, device=device) if mxfp8 else None,
         torch.zeros(mxfp8_scale_bytes(1, H), dtype=torch.uint8, device=device) if mxfp8 else None,
-        bf16(1, H) if aux else None, slots,
-        torch.full((world_size,), slots.data_ptr(), dtype=torch.int64, device=device) if peers else None, state,
-        torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device) if peers or moe else None, 1e-6,
-    )  # fmt: skip
+        bf16(1, H) if aux else None,
+        slots,
+        torch.full((world_size,), slots.data_ptr(), dtype=torch.int64, device=device) if peers else None,
+        state,
+        torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device) if peers or moe else None,
+        1e-6,
+    )
 
 
 class NotLoadedError(RuntimeError):
@@ -270,8 +312,15 @@ def fused_boundary(
         slots = peers = state = None
     else:
         protocol = call_protocol(peer.world_size, H, rows, peer.protocol)
-        fn = compiled_boundary(H, variant, arch=arch, world_size=peer.world_size, protocol=protocol,
-                               ranks_per_device=peer.ranks_per_device, rows=rows)  # fmt: skip
+        fn = compiled_boundary(
+            H,
+            variant,
+            arch=arch,
+            world_size=peer.world_size,
+            protocol=protocol,
+            ranks_per_device=peer.ranks_per_device,
+            rows=rows,
+        )
         slots, peers, state = peer.slots, peer.peers, peer.state
         if not launched(fn):
             if peer.shared_context:
@@ -286,7 +335,24 @@ def fused_boundary(
                 )
             mark_launched(fn)  # a rank of its own GPU: this first launch loads it, which only delays this rank
     fn(
-        residual, post.view(rows, HC), comb, pre, norm_weight if pre is not None else None, x, shared, g, ew, idx,
-        new_residual, out, mxfp8_data, mxfp8_scale, aux, slots, peers, state, error if moe is not None or peer else None,
+        residual,
+        post.view(rows, HC),
+        comb,
+        pre,
+        norm_weight if pre is not None else None,
+        x,
+        shared,
+        g,
+        ew,
+        idx,
+        new_residual,
+        out,
+        mxfp8_data,
+        mxfp8_scale,
+        aux,
+        slots,
+        peers,
+        state,
+        error if moe is not None or peer else None,
         float(norm_eps),
-    )  # fmt: skip
+    )

@@ -5,13 +5,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from cute_kernels import HC, hardware
+from cute_kernels import HC, SCALE_WORD_COLS, VEC, hardware
 
-VEC = 8  # bf16 elements per thread vector: one 16-byte access
-MXFP8_BLOCK = 32
-SCALE_WORD_COLS = 4 * MXFP8_BLOCK  # columns of one 4-byte word of MXFP8 scales
 COEFS = HC + HC * HC + HC  # post, comb ([src, dst], row-major) and pre of one row
-MAX_GRID_Y = 65535  # clusters of one launch (the grid's y extent)
 # Launch bounds cap the registers at this many per thread, so that a known number of CTAs fit on an SM.
 # The peer exchange holds W slot vectors besides the row: 96 registers spill there (ptxas remarks).
 REGISTER_BUDGET = 96
@@ -61,8 +57,8 @@ def row_split(H: int) -> tuple[int, int]:
     allows 2..8 of them, else the widest cluster (<= 8) whose CTAs own >= 512 columns in multiples of 128.
 
     Every CTA's chunk is a multiple of 128 columns, so MXFP8 blocks and 4-block scale words never
-    straddle two CTAs. Measured on the H200 (docs/perf-log.md v1, v3): 128-thread CTAs with no idle
-    lane beat the widest split by 5-12 % at 512 rows and tie it at few rows.
+    straddle two CTAs. 128-thread CTAs with no idle lane over the widest split: docs/PERF.md decisions:
+    row_split.
     """
     if H % 1024 == 0 and 2 <= H // 1024 <= hardware.MAX_CLUSTER:
         cluster_n = H // 1024
@@ -95,4 +91,4 @@ def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int
     )
     sms = hardware.for_arch(arch).sm_count
     cap = int(RESIDENT_SHARE * (sms * ctas_per_sm // cluster_n)) // ranks_per_device
-    return BoundaryConfig(cluster_n, threads, max(1, min(cap, MAX_GRID_Y)), ctas_per_sm)
+    return BoundaryConfig(cluster_n, threads, max(1, min(cap, hardware.MAX_GRID_Y)), ctas_per_sm)

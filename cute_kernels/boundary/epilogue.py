@@ -8,8 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 
-from cute_kernels import ptx, reduce
-from cute_kernels.boundary.config import HC, VEC
+from cute_kernels import HC, VEC, ptx, reduce
 from cute_kernels.boundary.loads import Ctx, row_major
 from cute_kernels.quant import Mxfp8Writer
 
@@ -186,9 +185,8 @@ class Epilogue:
         base = const_expr(stage * self.slots)
         if const_expr(self.use_cluster):
             if const_expr(self.spin):
-                # No warp spins before every warp of its CTA has sent its sum: warps spinning on try_wait held a
-                # warp of their CTA that was still reducing its sum for ~1.2 us, in 1-2 % of the warps
-                # (peer_trace --warp-stamps; docs/perf-log.md v19).
+                # No warp spins before every warp of its CTA has sent its sum: warps spinning on try_wait held up
+                # a warp of their CTA that was still reducing its sum (docs/PERF.md decisions: gather_sum barrier).
                 cute.arch.barrier()
                 done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
                 while not done:

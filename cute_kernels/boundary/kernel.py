@@ -15,21 +15,25 @@ row stay in flight while the current row is reduced and stored. The exchange slo
 are double-buffered by row parity. The per-row arithmetic and reduction order do not depend on the
 schedule, so the schedule never changes a bit.
 
-Roles: `loads.RowLoads` (a row's loads and this rank's partial), `epilogue.Epilogue` (post, collapse,
-aux, RMSNorm, MXFP8 through `cute_kernels.quant`).
+Roles: `loads.RowLoads` (a row's loads and this rank's partial), `allreduce.peer.PeerReduce` (W > 1: y
+from every rank's partial), `epilogue.Epilogue` (post, collapse, aux, RMSNorm, MXFP8 through
+`cute_kernels.quant`). The kernel hands each role what it needs (`loads.Ctx`, the loads role to the
+peer role's staged phases); no role holds another.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
-from cute_kernels import ptx
-from cute_kernels.allreduce.peer import PeerReduce
+from cute_kernels import VEC, ptx
+from cute_kernels.allreduce.peer import PeerReduce, PeerState
 from cute_kernels.allreduce.protocol import CALL_UNIT, STATE_RANK, STATE_TIMEOUT_US
-from cute_kernels.boundary.config import VEC, BoundaryConfig
+from cute_kernels.boundary.config import BoundaryConfig
 from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.loads import Ctx, RowLoads, RowRegs, row_major
 
@@ -63,9 +67,9 @@ class FusedBoundaryKernel:
         # Threads past the chunk on their last vector: they load a clamped duplicate and store nothing.
         self.tail = self.vpt * self.threads != self.vecs
         # The unstaged peer kernel of a ready partial x, where every cluster takes one row (api.staged_call),
-        # spins on the cluster sum (up to 7 % faster at <= 16 rows); the one-rank kernel, the staged kernel
-        # and the MoE peer kernel, whose clusters loop over rows at many rows, sleep (the spin was 1-6 %
-        # slower at 256 and 512 rows: docs/perf-log.md v17).
+        # spins on the cluster sum; the one-rank kernel, the staged kernel and the MoE peer kernel, whose
+        # clusters loop over rows at many rows, sleep, where the spin costs more than it saves
+        # (docs/PERF.md decisions: spin).
         spin = world_size > 1 and not staged and y_source == "x"
         self.epilogue = Epilogue(
             H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux, spin=spin
@@ -78,9 +82,9 @@ class FusedBoundaryKernel:
             raise ValueError("only the peer exchange of a ready partial x is staged")
         # The peer kernels of a ready partial x mix the streams (sum_k comb[k, j] * R[k]) while they wait for the
         # peers (Epilogue.premix, into shared memory: in registers it spilled beside the polls at W 4 and 8), in
-        # every protocol and row schedule of H alike, so that a row's bits depend on neither: 0.1-1.4 us off at
-        # 1-16 rows, -1 to +5 % at 256-512 (docs/perf-log.md v18). Not where its shared memory would cost
-        # residency (one CTA per row of many vectors per thread, at H no model uses).
+        # every protocol and row schedule of H alike, so that a row's bits depend on neither (docs/PERF.md
+        # decisions: premix). Not where its shared memory would cost residency (one CTA per row of many vectors
+        # per thread, at H no model uses).
         self.premix = world_size > 1 and y_source == "x" and config.premix_fits(H)
         self.allreduce = None
         if world_size > 1:
@@ -96,8 +100,19 @@ class FusedBoundaryKernel:
     def attach_allreduce(self, allreduce: PeerReduce) -> None:
         """Make `allreduce` this kernel's peer role (the constructor's own; a test attaches a modified one)."""
         self.allreduce = allreduce
-        allreduce.loads = self.loads  # the staged phases load partials
-        self.loads.slots = allreduce if allreduce.slots_with_row else None  # a staged row loads its slots with it
+
+    def row_slots(self) -> bool:
+        """Whether a row loads its slot words with its other loads (a staged peer kernel: PeerReduce.slots_with_row)."""
+        return self.allreduce is not None and self.allreduce.slots_with_row
+
+    @cute.jit
+    def load_row(self, ctx: Ctx, regs: RowRegs, row: Int32):
+        """Issue every load of one row: the loads role's and, where the row loads them too, its slot words."""
+        slots = const_expr(self.row_slots())
+        # A staged two-shot row takes y from its slot, not from the partial.
+        self.loads.load_row(ctx, regs, row, partial=not (slots and self.allreduce.protocol == "twoshot"))
+        if const_expr(slots):
+            self.allreduce.prefetch_slots(ctx, regs.rSlot, row)
 
     @cute.jit
     def __call__(
@@ -149,7 +164,7 @@ class FusedBoundaryKernel:
             mState,
             mError,
             eps,
-        ).launch(  # fmt: skip
+        ).launch(
             grid=[self.cluster_n, clusters, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster_n, 1, 1] if const_expr(self.epilogue.use_cluster) else None,
@@ -222,7 +237,7 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
-        rank, timeout_us, deadline, deadline_y, peers = None, None, None, None, None
+        rank, timeout_us, table = None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants (the call counter is written by the previous call: read after the wait).
             rank = mState[STATE_RANK]
@@ -230,36 +245,59 @@ class FusedBoundaryKernel:
             # The peer table is set when the workspace is made: read it here, so that no push waits for it (at
             # W 8 and with a MoE partial, whose registers it would crowd, it is read, all at once, where pushed).
             if const_expr(self.allreduce.W <= 4 and not self.moe):
-                peers = [mPeers[p] for p in range(self.allreduce.W)]
+                table = [mPeers[p] for p in range(self.allreduce.W)]
         rows, clusters = mR.shape[0], cute.arch.grid_dim()[1]
-        fields = dict(
-            mR=mR, mPost=mPost, mComb=mComb, mPre=mPre, mX=mX, mShared=mShared, mG=mG, mEW=mEW, mIdx=mIdx,
-            mNewR=mNewR, mOut=mOut, mQ=mQ, mScale=mScale, mAux=mAux, eps=eps, rows=rows, cta=cta,
-            tidx=tidx, vcols=vcols, valid=valid, rW=rW, sRed=sRed, sMix=sMix, mbar=mbar, mSlots=mSlots, mPeers=mPeers, peers=peers,
-            mError=mError, rank=rank, clusters=clusters, mState=mState,
-        )  # fmt: skip
+        ctx = Ctx(
+            mR=mR,
+            mPost=mPost,
+            mComb=mComb,
+            mPre=mPre,
+            mX=mX,
+            mShared=mShared,
+            mG=mG,
+            mEW=mEW,
+            mIdx=mIdx,
+            mNewR=mNewR,
+            mOut=mOut,
+            mQ=mQ,
+            mScale=mScale,
+            mAux=mAux,
+            mError=mError,
+            eps=eps,
+            rows=rows,
+            clusters=clusters,
+            cta=cta,
+            tidx=tidx,
+            vcols=vcols,
+            valid=valid,
+            rW=rW,
+            sRed=sRed,
+            sMix=sMix,
+            mbar=mbar,
+            peer=None,
+        )
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
         # while it is reduced and stored. Unstaged, the first row's loads go out first after the wait,
         # before the call counter is read (they need no generation): in one basic block with the wait,
         # their address arithmetic is scheduled before it, as at one rank.
         staged = self.allreduce is not None and self.allreduce.staged
-        regs = RowRegs(self.loads)
+        regs = self.loads.regs(self.allreduce.row_slot_shape() if self.row_slots() else None)
         cute.arch.griddepcontrol_wait()
         if const_expr(not staged):
-            self.loads.load_row(Ctx(**fields, gen=None, deadline=None, deadline_y=None), regs, first_row)
-        gen = None
+            self.load_row(ctx, regs, first_row)  # no load of an unstaged row needs the peer state
         if const_expr(self.allreduce is not None):
             calls = self.allreduce.read_counter(mState)
             deadline = ptx.globaltimer() + Int64(timeout_us) * 1000
             deadline_y = deadline + Int64(timeout_us) * 500  # a two-shot wait for y: see allreduce.peer
             gen = self.allreduce.call_generation(mState, calls)
-        ctx = Ctx(**fields, gen=gen, deadline=deadline, deadline_y=deadline_y)
+            peer = PeerState(mSlots, mPeers, mState, table, rank, gen, deadline, deadline_y)
+            ctx = dataclasses.replace(ctx, peer=peer)
         if const_expr(staged):
             # Every partial (and two-shot, every owned y) goes out before the row loop.
-            self.allreduce.push_rows(ctx, first_row)
+            self.allreduce.push_rows(ctx, self.loads, first_row)
             if const_expr(self.allreduce.protocol == "twoshot"):
-                self.allreduce.reduce_owned(ctx, first_row)
-            self.loads.load_row(ctx, regs, first_row)
+                self.allreduce.reduce_owned(ctx, self.loads, first_row)
+            self.load_row(ctx, regs, first_row)
         if const_expr(self.allreduce is None):
             cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.mxfp8):
@@ -302,6 +340,6 @@ class FusedBoundaryKernel:
         rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
-            self.loads.load_row(ctx, regs, ahead)
+            self.load_row(ctx, regs, ahead)
         if const_expr(self.pre):
             self.epilogue.finish_row(ctx, row, rC, sumsq, stage, phase)

@@ -1,17 +1,19 @@
 """The boundary's loads role: one row's streams, partial, addend and coefficients into registers, and the
-rank's partial y_r from them (the bf16 partial x, or the MoE top-k combine, plus the shared addend)."""
+rank's partial y_r from them (the bf16 partial x, or the MoE top-k combine, plus the shared addend); the
+Ctx every role of the kernel reads."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
-from cute_kernels import ptx
+from cute_kernels import HC, VEC, ptx
+from cute_kernels.allreduce.peer import PeerState
 from cute_kernels.allreduce.protocol import ERROR_MOE_INDEX, ERROR_MOE_ROW
-from cute_kernels.boundary.config import COEFS, HC, VEC
+from cute_kernels.boundary.config import COEFS
 
 MOE_GROUP = 8  # experts whose gathers are issued together
 
@@ -21,53 +23,84 @@ def row_major(shape: tuple) -> cute.Layout:
     return cute.make_ordered_layout(shape, order=tuple(range(len(shape) - 1, -1, -1)))
 
 
+@dataclass(frozen=True)
 class Ctx:
-    """What every row of a CTA shares: the tensors, this thread's columns, the norm weight, the exchange."""
+    """What every row of a CTA shares, made once by FusedBoundaryKernel.kernel: the row part (the kernel's tensors,
+    this thread's place in the launch, what the CTA holds across rows) and the peer part (`peer`, W > 1)."""
 
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
+    # The kernel's arguments (FusedBoundaryKernel.__call__ gives their shapes).
+    mR: cute.Tensor
+    mPost: cute.Tensor
+    mComb: cute.Tensor
+    mPre: cute.Tensor | None
+    mX: cute.Tensor | None
+    mShared: cute.Tensor | None
+    mG: cute.Tensor | None
+    mEW: cute.Tensor | None
+    mIdx: cute.Tensor | None
+    mNewR: cute.Tensor
+    mOut: cute.Tensor | None
+    mQ: cute.Tensor | None
+    mScale: cute.Tensor | None
+    mAux: cute.Tensor | None
+    mError: cute.Tensor | None
+    eps: Float32
+    # The launch and this thread's place in it.
+    rows: Int32  # T
+    clusters: Int32  # the grid's y extent: cluster c takes rows c, c + clusters, ...
+    cta: Int32  # this CTA's column chunk of a row
+    tidx: Int32
+    vcols: list  # per vector of this thread: its position in the row, in vectors
+    valid: list  # per vector: whether it is real (None: always; a tail thread's last holds a clamped duplicate)
+    # What the CTA holds across its rows.
+    rW: cute.Tensor | None  # this thread's vectors of the norm weight (pre)
+    sRed: cute.Tensor | None  # the cluster sum's slots (pre)
+    sMix: cute.Tensor | None  # the premix cells (Epilogue.premix)
+    mbar: cute.Pointer | None  # the cluster sum's mbarriers
+    peer: PeerState | None  # the peer exchange's state (W > 1, once the call's generation is known)
 
 
 class RowRegs:
-    """The registers one row's loads land in: the streams, the partial and addend, one coefficient per lane."""
+    """The registers one row's loads land in: the streams, the partial and addend, one coefficient per lane, and a
+    staged row's slot words (made by RowLoads.regs)."""
 
-    def __init__(self, loads: RowLoads) -> None:
-        vpt = loads.vpt
+    def __init__(self, vpt: int, *, x: bool, shared: bool, slot_shape: tuple | None) -> None:
         self.rR = cute.make_rmem_tensor(row_major((vpt, HC, VEC)), BFloat16)
-        self.rX = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16) if loads.y_source == "x" else None
-        self.rS = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16) if loads.shared else None
+        self.rX = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16) if x else None
+        self.rS = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16) if shared else None
         # Lane i holds coefficient i (post, comb, pre), shuffled out when used.
         self.coef = cute.make_rmem_tensor((1,), Float32)
-        # A staged row's slot words, loaded with the row (allreduce.peer: two-shot its y, one-shot every partial).
-        self.rSlot = None if loads.slots is None else cute.make_rmem_tensor(loads.slots.row_slot_shape(), Uint32)
+        # A staged row's slot words, loaded with the row (PeerReduce.row_slot_shape).
+        self.rSlot = None if slot_shape is None else cute.make_rmem_tensor(slot_shape, Uint32)
 
 
+@dataclass(frozen=True)
 class RowLoads:
-    """Issues a row's loads (`vpt` 16-byte vectors per thread) and forms this rank's partial from them."""
+    """Issues a row's loads (`vpt` 16-byte vectors per thread) and forms this rank's partial from them. Frozen: the
+    DSL passes a frozen dataclass into a dynamic `if` or loop as it is (the peer role's staged phases take it)."""
 
-    def __init__(self, H: int, vpt: int, *, y_source: str, shared: bool, pre: bool) -> None:
-        self.H = H
-        self.vpt = vpt
-        self.y_source = y_source
-        self.shared = shared
-        self.pre = pre
-        # The peer role of a staged kernel, whose rows load their slot words with their other loads (set by the
-        # kernel); a two-shot row takes y from its slot instead of the partial.
-        self.slots: Any = None
+    H: int
+    vpt: int
+    y_source: str  # "x": a ready partial; "moe": the top-k combine
+    shared: bool  # an addend
+    pre: bool  # the row's pre coefficients too
+
+    def regs(self, slot_shape: tuple | None = None) -> RowRegs:
+        """Registers for one row's loads (and, with `slot_shape`, its slot words)."""
+        return RowRegs(self.vpt, x=self.y_source == "x", shared=self.shared, slot_shape=slot_shape)
 
     @cute.jit
-    def load_row(self, ctx: Ctx, regs: RowRegs, row: Int32):
-        """Issue every load of one row into `regs`; nothing waits for them here."""
+    def load_row(self, ctx: Ctx, regs: RowRegs, row: Int32, partial: bool = True):
+        """Issue every load of one row into `regs` (the partial's unless `partial` is False: a staged two-shot row
+        takes y from its slot); nothing waits for them here."""
         vpt = const_expr(self.vpt)
         self.load_coefs(ctx, regs.coef, row)
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         for v in cutlass.range_constexpr(vpt):
             for k in cutlass.range_constexpr(HC):
                 cute.copy(copy16, cute.local_tile(ctx.mR[row, k, None], (VEC,), (ctx.vcols[v],)), regs.rR[v, k, None])
-        if const_expr(self.slots is None or self.slots.protocol == "oneshot"):
+        if const_expr(partial):
             self.load_partial(ctx, regs, row)
-        if const_expr(self.slots is not None):
-            self.slots.prefetch_slots(ctx, regs.rSlot, row)
 
     @cute.jit
     def load_partial(self, ctx: Ctx, regs: RowRegs, row: Int32):

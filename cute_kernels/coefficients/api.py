@@ -119,9 +119,15 @@ def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) 
 
 
 def load_coefficients(
-    compiled: Callable[..., Any], device: Any, *, H: int, broadcast: bool, mode: str, rows: int,
+    compiled: Callable[..., Any],
+    device: Any,
+    *,
+    H: int,
+    broadcast: bool,
+    mode: str,
+    rows: int,
     config: CoefficientsConfig,
-) -> None:  # fmt: skip
+) -> None:
     """Launch a compiled coefficients kernel once on `rows` rows of scratch inputs and a workspace of its own, so
     that CUDA loads its module now."""
     f32 = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
@@ -129,13 +135,24 @@ def load_coefficients(
     x = torch.zeros((rows, H) if broadcast else (rows, HC, H), dtype=torch.bfloat16, device=device)
     inline = mode != "none"
     compiled(
-        x, f32(MIX, H if broadcast else HC * H), f32(3), f32(MIX), f32(rows, HC), f32(rows, HC, HC), f32(rows, HC),
-        workspace.rank_partials if config.schedule == "partials" else workspace.partials, workspace.counters,
+        x,
+        f32(MIX, H if broadcast else HC * H),
+        f32(3),
+        f32(MIX),
+        f32(rows, HC),
+        f32(rows, HC, HC),
+        f32(rows, HC),
+        workspace.rank_partials if config.schedule == "partials" else workspace.partials,
+        workspace.counters,
         f32(rows, HC) if mode == "carried" else None,
         torch.ones(H, dtype=torch.bfloat16, device=device) if inline else None,
         torch.empty(rows, H, dtype=torch.bfloat16, device=device) if inline else None,
-        1e-6, 1e-6, 1e-6, 2.0, 1e-6,
-    )  # fmt: skip
+        1e-6,
+        1e-6,
+        1e-6,
+        2.0,
+        1e-6,
+    )
 
 
 def load_layer_input(compiled: Callable[..., Any], device: Any, *, H: int, broadcast: bool, mode: str) -> None:
@@ -225,14 +242,24 @@ def mhc_coefficients(
         post_out = post_out.view(rows, HC)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         compiled(
-            x, fn, scale, base, post_out, comb_out, pre_out,
-            workspace.rank_partials if config.schedule == "partials" else workspace.partials, workspace.counters,
+            x,
+            fn,
+            scale,
+            base,
+            post_out,
+            comb_out,
+            pre_out,
+            workspace.rank_partials if config.schedule == "partials" else workspace.partials,
+            workspace.counters,
             pre_mix if mode == "carried" else None,
             norm_weight if mode != "none" else None,
             layer_input_out,
-            float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult),
+            float(rms_eps),
+            float(pre_eps),
+            float(sinkhorn_eps),
+            float(post_mult),
             float(norm_eps) if norm_eps is not None else 0.0,
-        )  # fmt: skip
+        )
 
 
 def mhc_layer_input(

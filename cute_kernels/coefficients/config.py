@@ -15,8 +15,8 @@ CLUSTER = hardware.MAX_CLUSTER  # CTAs per thread-block cluster (the portable li
 CHUNK = 32  # columns per warp: two k16 MMA steps, 8 contiguous columns (16 bytes) per lane
 WARP = 32  # threads per warp
 MAX_WARPS = 8  # 32-column chunks per CTA
-# Sinkhorn repeats per iteration of the epilogue's rolled loop (docs/perf-log.md v4-v5: the epilogue
-# runs once per call on an SM whose instruction cache has not seen it; 4 fetches least).
+# Sinkhorn repeats per iteration of the epilogue's rolled loop: the epilogue runs once per call on an SM
+# whose instruction cache has not seen it, and 4 fetches least (docs/PERF.md decisions: SINKHORN_UNROLL).
 SINKHORN_UNROLL = 4
 
 

@@ -6,7 +6,7 @@ Which threads run what: warp 0 comb, one lane per row (the long Sinkhorn chain),
 one lane per row, so the two do not queue on one scheduler (a one-warp CTA runs pre and post on warp 0
 after comb). The Sinkhorn repeats run as a rolled loop of SINKHORN_UNROLL repeats per iteration, not
 straight-line code: one warp runs the chain on an SM whose instruction cache has not seen it, and fully
-unrolled (39 normalisations) it was fetch-bound (docs/perf-log.md v4-v5).
+unrolled (39 normalisations) it was fetch-bound (docs/PERF.md decisions: SINKHORN_UNROLL).
 """
 
 from __future__ import annotations

@@ -97,8 +97,23 @@ class CoefficientsKernel:
             # With a layer input the partials schedule keeps this launch (its layer-input clusters
             # exchange sums of squares); its projection clusters skip the exchange and the handoff.
             self.kernel(
-                mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter, mPreMix, mW, mOut,
-                rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps,
+                mX,
+                mFn,
+                mScale,
+                mBase,
+                mPost,
+                mComb,
+                mPre,
+                mPartial,
+                mCounter,
+                mPreMix,
+                mW,
+                mOut,
+                rms_eps,
+                pre_eps,
+                sinkhorn_eps,
+                post_mult,
+                norm_eps,
             ).launch(
                 grid=[CLUSTER, self.grid_clusters(rows), 1],
                 block=[proj.threads, 1, 1],
@@ -108,7 +123,7 @@ class CoefficientsKernel:
                 min_blocks_per_mp=self.min_blocks,
                 # The largest carveout, so shared memory does not cap the CTAs per SM below the bound.
                 preferred_smem_carveout=100 if self.min_blocks > 1 else None,
-            )  # fmt: skip
+            )
         if const_expr(self.schedule == "partials"):
             self.epilogue.finish_kernel(
                 mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult
@@ -143,6 +158,9 @@ class CoefficientsKernel:
         """The clusters of the one-launch grid: per tile its G projection clusters, then (inline) the
         layer-input clusters of its rows."""
         rank, cluster_id, smem, mbar = cluster_prologue()
+        # What a projection cluster takes besides its index among the projection clusters.
+        tile_args = (smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter)
+        tile_args += (rms_eps, pre_eps, sinkhorn_eps, post_mult, rank)
         if const_expr(self.layer_input != "none"):
             # Which role this cluster plays, and its index among the clusters of that role.
             block = const_expr(self.projection.groups + self.norm_per_tile)
@@ -158,15 +176,9 @@ class CoefficientsKernel:
             elif const_expr(self.schedule == "partials"):
                 self.projection.partials_cta(smem, mX, mFn, mPartial, rank, proj_cluster)
             else:
-                self.projection.tile_cta(
-                    smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
-                    rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, proj_cluster,
-                )  # fmt: skip
+                self.projection.tile_cta(*tile_args, proj_cluster)
         else:
-            self.projection.tile_cta(
-                smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter,
-                rms_eps, pre_eps, sinkhorn_eps, post_mult, rank, cluster_id,
-            )  # fmt: skip
+            self.projection.tile_cta(*tile_args, cluster_id)
 
     @cute.kernel
     def partials_kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor):

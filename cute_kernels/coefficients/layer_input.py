@@ -208,7 +208,8 @@ class LayerInputKernel:
         )
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mPreMix: cute.Tensor | None, mW: cute.Tensor, mOut: cute.Tensor,
-               norm_eps: Float32):  # fmt: skip
+    def kernel(
+        self, mX: cute.Tensor, mPreMix: cute.Tensor | None, mW: cute.Tensor, mOut: cute.Tensor, norm_eps: Float32
+    ):
         rank, cluster_id, smem, mbar = cluster_prologue()
         self.role.cluster_cta(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)

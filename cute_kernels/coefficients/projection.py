@@ -24,7 +24,7 @@ Schedule "partials": the same CTAs without the cluster exchange. Each stores its
 the workspace's rank_partials [G*8, rows, 25] and exits; the epilogue's finish kernel adds them in the
 very order of the tile schedule. Without a layer input its CTAs may take 256 or 512 rows (more 64-row
 batches with fn held) and stage their rows in shared memory by cp.async (config.stage_rows), which keeps
-ptxas from issuing a CTA's row loads only after its fn round trip (docs/perf-log.md v8-v9).
+ptxas from issuing a CTA's row loads only after its fn round trip (docs/PERF.md decisions: stage_rows).
 
 PDL: before griddepcontrol.wait a CTA reads only weights (fn, scale, base); the rows and the workspace
 come after it.
@@ -277,9 +277,14 @@ class ProjectionRole:
 
     @cute.jit
     def partials_cta(
-        self, smem: cutlass.memory.SmemAllocator, mX: cute.Tensor, mFn: cute.Tensor, mRank: cute.Tensor,
-        rank: Int32, cluster: Int32,
-    ):  # fmt: skip
+        self,
+        smem: cutlass.memory.SmemAllocator,
+        mX: cute.Tensor,
+        mFn: cute.Tensor,
+        mRank: cute.Tensor,
+        rank: Int32,
+        cluster: Int32,
+    ):
         """CTA (rank, tile, group) of the tile schedule without the cluster exchange: its K slice of one row
         tile, summed over its warps in warp order (store_sums), into slot group * 8 + rank of mRank
         [G * 8, T, 25]."""
@@ -368,8 +373,16 @@ class ProjectionRole:
 
     @cute.jit
     def copy_rows(
-        self, mX: cute.Tensor, sStage: cute.Tensor, batch_row: Int32, b: int, col: Int32, warp: Int32, lane: Int32, split
-    ):  # fmt: skip
+        self,
+        mX: cute.Tensor,
+        sStage: cute.Tensor,
+        batch_row: Int32,
+        b: int,
+        col: Int32,
+        warp: Int32,
+        lane: Int32,
+        split,
+    ):
         """load_rows into this lane's staging slots of batch slot b with cp.async (rows past the end read
         the last row; a batch wholly past the end copies nothing, and its MMAs are skipped)."""
         if batch_row < mX.shape[0]:

@@ -31,7 +31,8 @@ class Choice:
         return CoefficientsConfig.for_shape(H, broadcast, **dataclasses.asdict(self))
 
 
-# The choices the bands name (measured on the H200, interleaved A/B runs: docs/perf-log.md v2-v10).
+# The choices the bands name; each band is the fastest choice of interleaved A/B runs (docs/PERF.md
+# decisions: SM90A).
 T32 = Choice(32)
 T32_VEC = Choice(32, push_vec=True)
 SPLIT = Choice(32, push_vec=True, row_split=2)
