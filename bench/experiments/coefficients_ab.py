@@ -181,21 +181,37 @@ def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str,
 
     def call() -> None:
         api.mhc_coefficients(
-            s["embedding"] if broadcast else s["streams"], s["fn_broadcast"] if broadcast else s["fn"], s["scale"],
+            s["embedding"] if broadcast else s["streams"],
+            s["fn_broadcast"] if broadcast else s["fn"],
+            s["scale"],
             s["base"],
-            **EPS, broadcast=broadcast, workspace=ws, post_out=s["post"], comb_out=s["comb"], pre_out=s["pre"],
-            pre_mix=s["pre_mix"] if inline else None, norm_weight=s["norm_weight"] if inline else None,
-            norm_eps=1e-20 if inline else None, layer_input_out=s["layer_input"] if inline else None, arch=arch,
+            **EPS,
+            broadcast=broadcast,
+            workspace=ws,
+            post_out=s["post"],
+            comb_out=s["comb"],
+            pre_out=s["pre"],
+            pre_mix=s["pre_mix"] if inline else None,
+            norm_weight=s["norm_weight"] if inline else None,
+            norm_eps=1e-20 if inline else None,
+            layer_input_out=s["layer_input"] if inline else None,
+            arch=arch,
             config=config,
-        )  # fmt: skip
+        )
 
     return call
 
 
 def input_only_call(s: dict, arch: str, mode: str):
     def call() -> None:
-        api.mhc_layer_input(s["streams"], s["pre_mix"] if mode == "carried" else None, s["norm_weight"], 1e-20,
-                            s["layer_input"], arch=arch)  # fmt: skip
+        api.mhc_layer_input(
+            s["streams"],
+            s["pre_mix"] if mode == "carried" else None,
+            s["norm_weight"],
+            1e-20,
+            s["layer_input"],
+            arch=arch,
+        )
 
     return call
 
@@ -218,12 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
     p.add_argument("--replays", type=int, default=7)
-    p.add_argument("--only", nargs="+", default=["standard", "broadcast", "inline", "input-only"],
-                   choices=["standard", "broadcast", "inline", "input-only"])  # fmt: skip
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=["standard", "broadcast", "inline", "input-only"],
+        choices=["standard", "broadcast", "inline", "input-only"],
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="only standard and inline at H 7168 and 4096")
-    p.add_argument("--configs", nargs="+", default=None, metavar="LABEL",
-                   help="time only these config labels (e.g. 'tm32' 'tm32 vec rs2'); default all")  # fmt: skip
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help="time only these config labels (e.g. 'tm32' 'tm32 vec rs2'); default all",
+    )
     p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compile processes (1 = none)")
     args = p.parse_args(argv)
     if args.quick:
@@ -241,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device)
     timer = GraphTimer(device, replays=args.replays)
     bandwidth = timer.copy_bandwidth()
-    print(f"{name} ({arch}), copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per call, fn cold, "
-          f"{SETS} input sets per graph, median of {args.replays} replays", flush=True)  # fmt: skip
+    print(
+        f"{name} ({arch}), copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per call, fn cold, "
+        f"{SETS} input sets per graph, median of {args.replays} replays",
+        flush=True,
+    )
     precompile(args.hidden, args.only, arch, args.jobs, args.configs)
     t0 = time.time()
     results = []
@@ -268,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                 row[variant] = times
                 row[f"{variant}_floor_us"] = floor_us(rows, H, variant, bandwidth)
                 cells = "  ".join(f"{label} {us:5.2f}" for label, us in times.items())
-                print(f"H {H:>5} rows {rows:>3} {variant:<10} floor {row[f'{variant}_floor_us']:5.2f} | {cells}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"H {H:>5} rows {rows:>3} {variant:<10} floor {row[f'{variant}_floor_us']:5.2f} | {cells}",
+                    flush=True,
+                )
             torch.cuda.synchronize()
             assert int(ws.counters.abs().sum()) == 0 and bool((ws.partials.view(torch.int32) == SENTINEL).all())
             results.append(row)

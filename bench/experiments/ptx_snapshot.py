@@ -1,13 +1,14 @@
 """PTX of every shipped kernel variant, for proving that a refactor of cute_kernels/ changes no kernel.
 
     python -m bench.experiments.ptx_snapshot --out DIR [--arch sm_90a sm_100a] [--hidden 2560 4096 5120 7168]
-                                             [--max-rows 512] [--jobs N]
+                                             [--max-rows 512] [--world 1 2 4 8] [--jobs N]
     python -m bench.experiments.ptx_snapshot --compare OLD_DIR NEW_DIR
 
 Snapshot: enumerates every compile an engine can need before CUDA-graph capture, exactly the warmup
 job lists (`BoundaryAllReduce.warmup`: the fused boundary's ENGINE_VARIANTS at the default config of
-each H, and every coefficients / layer-input-only job the coefficients warmup produces for 1..max_rows
-rows), for each H and arch. Each job is compiled in a worker process (spawn) with the in-memory cache
+each H, at one rank and at every peer world size of --world (each protocol, inline and staged), and every
+coefficients / layer-input-only job the coefficients warmup produces for 1..max_rows rows), for each H and
+arch. Each job is compiled in a worker process (spawn) with the in-memory cache
 bypassed (the undecorated compile function is called) and the disk cache off
 (MHC_BOUNDARY_DISK_CACHE=0, CUTE_DSL_NO_CACHE=1); the worker sets CUTE_DSL_KEEP=ptx,ir and its own
 CUTE_DSL_DUMP_DIR before `import cutlass` (and drops every other CUTE_DSL_* variable) and empties that
@@ -73,6 +74,7 @@ FORMAT = "ptx_snapshot v1"
 DEFAULT_ARCHS = ("sm_90a", "sm_100a")
 DEFAULT_HIDDEN = (2560, 4096, 5120, 7168)
 DEFAULT_MAX_ROWS = 512
+DEFAULT_WORLDS = (1, 2, 4, 8)  # the fused boundary's world sizes: one rank and protocol.PEER_WORLD_SIZES
 DIFF_LINES = 40
 # What the workers set (before `import cutlass`); every other CUTE_DSL_* variable is removed so that a
 # stray debug / lineinfo / opt setting in the caller's shell cannot change the snapshot.
@@ -140,18 +142,25 @@ def check_foreign_modules() -> None:
 def layout() -> dict[str, str]:
     """Which module provides each kernel's warmup list (for the index header)."""
     out = {}
-    for kernel, old in (("boundary", "boundary_kernel.warmup_keys"),
-                        ("coefficients", "coefficients_kernel.coefficients_warmup_jobs")):  # fmt: skip
+    for kernel, old in (
+        ("boundary", "boundary_kernel.warmup_keys"),
+        ("coefficients", "coefficients_kernel.coefficients_warmup_jobs"),
+    ):
         new = _import_new(kernel)
         out[kernel] = f"cute_kernels.{kernel}.api.warmup_jobs" if new is not None else f"cute_kernels.{old}"
     return out
 
 
 def boundary_warmup_jobs(H: int, arch: str) -> list[Any]:
-    """The fused boundary's warmup jobs of hidden size H: every ENGINE_VARIANT at the default config."""
+    """The fused boundary's warmup jobs of hidden size H: every ENGINE_VARIANT at the default config, at one rank
+    and (where the layout has the peer exchange) at each peer world size, every protocol, inline and staged."""
     api = _import_new("boundary")
     if api is not None:
-        return list(api.warmup_jobs(H, arch=arch))
+        try:
+            from cute_kernels.allreduce.protocol import PEER_WORLD_SIZES
+        except ImportError:
+            PEER_WORLD_SIZES = ()
+        return [job for world in (1, *PEER_WORLD_SIZES) for job in api.warmup_jobs(H, arch=arch, world_size=world)]
     from cute_kernels import boundary_kernel
 
     return list(boundary_kernel.warmup_keys(H, arch=arch))
@@ -277,6 +286,8 @@ def job_name(kind: str, key: dict[str, Any]) -> str:
         # The config is a function of H only (default_config(H)) and BoundaryConfig is being pruned, so it
         # is recorded in the index but kept out of the name; two configs of one variant would collide below.
         parts += [_tag(p["y_source"]), *(f"{f}-{_tag(bool(p[f]))}" for f in ("shared", "pre", "mxfp8", "aux"))]
+        if p.get("world_size", 1) > 1:  # one-rank names stay as they were, so older snapshots compare
+            parts += [f"W{p['world_size']}", _tag(p["protocol"])] + (["staged"] if p.get("staged") else [])
     elif kind == "coefficients":
         parts += [_tag(p["variant"]), f"li-{_tag(p['layer_input'])}", f"rep-{_tag(p.get('sinkhorn_repeat', 20))}"]
         for field, tag, default in COEFFICIENTS_NAME_FIELDS:
@@ -310,13 +321,19 @@ def describe(job: Any, arch: str) -> dict[str, Any]:
     }
 
 
-def enumerate_jobs(archs: Iterable[str], hidden: Iterable[int], max_rows: int) -> list[dict[str, Any]]:
-    """Index entries of every job, in (arch, H, warmup order); raises on two jobs with the same name."""
+def enumerate_jobs(
+    archs: Iterable[str], hidden: Iterable[int], max_rows: int, worlds: Iterable[int] = DEFAULT_WORLDS
+) -> list[dict[str, Any]]:
+    """Index entries of every job (boundary jobs of the world sizes `worlds`), in (arch, H, warmup order); raises on
+    two jobs with the same name."""
     entries, seen = [], {}
+    worlds = set(worlds)
     for arch in archs:
         for H in hidden:
             for job in warmup_jobs(H, arch, max_rows):
                 entry = describe(job, arch)
+                if entry["params"].get("world_size", 1) not in worlds:
+                    continue
                 if entry["key"] in seen:
                     raise RuntimeError(f"two jobs named {entry['key']}: {seen[entry['key']]!r} and {job.name!r}")
                 seen[entry["key"]] = job.name
@@ -566,11 +583,18 @@ def _index_line(e: dict[str, Any]) -> str:
 
 
 def snapshot(
-    out: Path, archs: list[str], hidden: list[int], max_rows: int, workers: int, order: str, keep_ir: bool
+    out: Path,
+    archs: list[str],
+    hidden: list[int],
+    max_rows: int,
+    workers: int,
+    order: str,
+    keep_ir: bool,
+    worlds: Iterable[int] = DEFAULT_WORLDS,
 ) -> int:
     """Compile every job, write the PTX files and the index; returns the number of failed jobs."""
     started = time.time()
-    entries = enumerate_jobs(archs, hidden, max_rows)
+    entries = enumerate_jobs(archs, hidden, max_rows, worlds)
     notes = check_dispatch_coverage(hidden, max_rows, entries)
     for note in notes:
         if "NOT WARMED" in note:
@@ -801,11 +825,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=DEFAULT_ARCHS)
     ap.add_argument("--hidden", nargs="+", type=int, default=list(DEFAULT_HIDDEN), metavar="H")
     ap.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS)
+    ap.add_argument(
+        "--world",
+        nargs="+",
+        type=int,
+        default=list(DEFAULT_WORLDS),
+        choices=DEFAULT_WORLDS,
+        help="the fused boundary's world sizes to snapshot (1: one rank; 2 4 8: the peer kernels)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     ap.add_argument(
-        "--order", choices=("forward", "reverse", "shuffle"), default="forward",
+        "--order",
+        choices=("forward", "reverse", "shuffle"),
+        default="forward",
         help="order the jobs are handed to the workers (a check that no per-process state leaks into the PTX)",
-    )  # fmt: skip
+    )
     ap.add_argument("--no-ir", action="store_true", help="PTX only: skip the host side (the clean MLIR's launcher)")
     args = ap.parse_args(argv)
     if args.compare:
@@ -813,8 +847,16 @@ def main(argv: list[str] | None = None) -> int:
     bad = [h for h in args.hidden if h <= 0 or h % 256]
     if bad or args.max_rows < 1 or args.jobs < 1:
         ap.error(f"H must be positive multiples of 256 (got {bad}), --max-rows and --jobs >= 1")
-    failed = snapshot(args.out, list(dict.fromkeys(args.arch)), list(dict.fromkeys(args.hidden)), args.max_rows,
-                      args.jobs, args.order, not args.no_ir)  # fmt: skip
+    failed = snapshot(
+        args.out,
+        list(dict.fromkeys(args.arch)),
+        list(dict.fromkeys(args.hidden)),
+        args.max_rows,
+        args.jobs,
+        args.order,
+        not args.no_ir,
+        args.world,
+    )
     return 1 if failed else 0
 
 

@@ -59,11 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== W={world} H={hidden} rows={rows} {name} (SIMULATED ranks on one GPU)")
         for step, us in steps(stamps, events).items():
             q = [float(us.quantile(x)) for x in (0.5, 0.9, 0.99)]
-            print(f"  {step:>20}  med {q[0]:.3f}  p90 {q[1]:.3f}  p99 {q[2]:.3f}  max {float(us.max()):.3f}  "
-                  f">{STALL_US} us {float((us > STALL_US).double().mean()):.4f}")  # fmt: skip
+            print(
+                f"  {step:>20}  med {q[0]:.3f}  p90 {q[1]:.3f}  p99 {q[2]:.3f}  max {float(us.max()):.3f}  "
+                f">{STALL_US} us {float((us > STALL_US).double().mean()):.4f}"
+            )
         who = stalled_warps(stamps, events)
-        print(f"  stalled streams->shuffles: {who['stalled'][0]}; order in CTA by streams stored {who['order']}; "
-              f"CTA warps already in the cluster wait {who['waiting']} (every warp: {who['waiting, every warp']})")  # fmt: skip
+        print(
+            f"  stalled streams->shuffles: {who['stalled'][0]}; order in CTA by streams stored {who['order']}; "
+            f"CTA warps already in the cluster wait {who['waiting']} (every warp: {who['waiting, every warp']})"
+        )
     return 0
 
 
