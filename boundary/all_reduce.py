@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,18 @@ BACKENDS = ("auto", "kernel", "reference")
 # ranks (a Python pause, a first-call load), short enough that a dead rank surfaces as an error.
 DEFAULT_TIMEOUT_US = 10_000_000
 MAX_TIMEOUT_US = 2**31 - 1
+# The custom ops (boundary.ops) name a BoundaryAllReduce by an int key: weak, so a handle outlives nothing.
+_REGISTRY: weakref.WeakValueDictionary[int, BoundaryAllReduce] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def from_handle(handle: int) -> BoundaryAllReduce:
+    """The BoundaryAllReduce whose `handle` is `handle` (the custom ops' per-rank state)."""
+    try:
+        return _REGISTRY[handle]
+    except KeyError:
+        raise ValueError(f"handle {handle!r} names no live BoundaryAllReduce: pass all_reduce.handle, and keep the "
+                         "BoundaryAllReduce alive while anything calls an op with it") from None  # fmt: skip
 
 
 def multi_rank_path(world_size: int, peers_map: Callable[[], tuple[bool, str]]) -> tuple[str, str]:
@@ -124,6 +138,8 @@ class BoundaryAllReduce:
             raise ValueError(f"timeout_us must be at most {MAX_TIMEOUT_US}, got {timeout_us}")
         self.hidden_size = hidden_size
         self.max_rows = max_rows
+        self.handle = next(_HANDLES)
+        _REGISTRY[self.handle] = self
         self.hc_mult = hc_mult
         self.group = group
         self.rank = rank

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from boundary import checks, mhc
+from boundary import checks, mhc, ops
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.params import MHCParams
 from boundary.types import (
@@ -92,9 +91,17 @@ class _Reads(NamedTuple):
 
 
 def _reads(fn: str, kind: str) -> _Reads:
-    names = (fn, f"hc_{kind}_scale", f"hc_{kind}_base", f"{kind}_norm.weight", f"{kind}_norm.variance_epsilon",
-             "rms_norm_eps", "hc_eps", "hc_post_alpha", "hc_sinkhorn_iters", "hc_mult")  # fmt: skip
-    return _Reads(names, attrgetter(*names))
+    scale, base, norm = f"hc_{kind}_scale", f"hc_{kind}_base", f"{kind}_norm"
+    names = (fn, scale, base, f"{norm}.weight", f"{norm}.variance_epsilon", "rms_norm_eps", "hc_eps", "hc_post_alpha",
+             "hc_sinkhorn_iters", "hc_mult")  # fmt: skip
+
+    # A plain function rather than operator.attrgetter: as fast, and torch.compile traces it.
+    def get(layer: Any) -> tuple[Any, ...]:
+        n = getattr(layer, norm)
+        return (getattr(layer, fn), getattr(layer, scale), getattr(layer, base), n.weight, n.variance_epsilon,
+                layer.rms_norm_eps, layer.hc_eps, layer.hc_post_alpha, layer.hc_sinkhorn_iters, layer.hc_mult)  # fmt: skip
+
+    return _Reads(names, get)
 
 
 FIRST = _reads("hc_attn_fn_broadcast", "attn")
@@ -155,10 +162,13 @@ class Boundaries:
     the same partial cannot be reduced twice; carry on with the state they return.
     """
 
-    def __init__(self, all_reduce: BoundaryAllReduce) -> None:
+    def __init__(self, all_reduce: BoundaryAllReduce, *, custom_ops: bool = False) -> None:
         if not isinstance(all_reduce, BoundaryAllReduce):
             raise TypeError(f"all_reduce must be a BoundaryAllReduce, got {type(all_reduce).__name__}")
         self.all_reduce = all_reduce
+        # custom_ops: every boundary and coefficients call goes through torch.ops.mhc_boundary (torch.compile traces
+        # them), with the coefficients inline on the current stream.
+        self.custom_ops = checks.flag("custom_ops", custom_ops)
         # The mHC ops follow the boundary's path: torch ops beside the reference, kernels otherwise.
         self.backend = "reference" if all_reduce.path == "reference" else "kernel"
 
@@ -249,7 +259,13 @@ class Boundaries:
         # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
         # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).
         try:
-            _, hidden = self._reduce(state, state.pre, norm_weight, eps, None, None)
+            if self.custom_ops:
+                hidden = torch.ops.mhc_boundary.final(
+                    self.all_reduce.handle, *ops.partial_args(state.pending), state.residual, state.post, state.comb,
+                    state.pre, norm_weight, eps,
+                )  # fmt: skip
+            else:
+                _, hidden = self._reduce(state, state.pre, norm_weight, eps, None, None)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, {"norm_eps": "eps"})
             checks.rename(exc, _state_names(state))
@@ -302,6 +318,12 @@ class Boundaries:
         params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
         norm_weight, norm_eps = (weight, eps) if layer_input is None else (None, 1e-6)
         try:
+            if self.custom_ops:
+                if layer_input is None:
+                    return torch.ops.mhc_boundary.mhc_pre_delayed(residual, *params, pre_mix, x, norm_weight, norm_eps,
+                                                                  self.backend)  # fmt: skip
+                post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend)
+                return post, comb, layer_input, pre
             if self._side(step):
                 stream = self._stream(layer)
                 if not isinstance(stream, torch.cuda.Stream):
@@ -326,6 +348,15 @@ class Boundaries:
         fp8 = None
         if quantized is not None and quantized.__class__ is Fp8GroupActivation:
             quantized, fp8 = None, quantized
+        if self.custom_ops:
+            mx = (None, None) if quantized is None else (quantized.data, quantized.scale)
+            grouped = (None, None, False) if fp8 is None else (fp8.data, fp8.scale, fp8.ue8m0)
+            source = ops.partial_args(pending)
+            if pre is None:
+                return torch.ops.mhc_boundary.post_only(ar.handle, *source, state.residual, state.post, state.comb,
+                                                        aux), None  # fmt: skip
+            return torch.ops.mhc_boundary.boundary(ar.handle, *source, state.residual, state.post, state.comb, pre,
+                                                   norm_weight, norm_eps, *mx, *grouped, aux)  # fmt: skip
         common = (state.residual, state.post, state.comb, pre, norm_weight, norm_eps, quantized)
         if isinstance(pending, Tensor):
             return ar(pending, *common, aux_out=aux, fp8_out=fp8)
@@ -339,7 +370,7 @@ class Boundaries:
 
     def _side(self, step: DecodeStep) -> bool:
         """Whether this step's mixes run on side streams: they fall away on a CPU boundary."""
-        return step.side_stream and self.all_reduce.device.type == "cuda"
+        return step.side_stream and self.all_reduce.device.type == "cuda" and not self.custom_ops
 
     def _check_step(self, step: object) -> None:
         if not isinstance(step, DecodeStep):
