@@ -95,6 +95,8 @@ class BoundaryAllReduce:
         world = dist.get_world_size(group) if group is not None else 1
         self._setup(hidden_size, max_rows, hc_mult, device, backend, timeout_us, rank, world, group)
         self.protocol = protocol
+        # The checked values (plain ints: a numpy int would key its own compile cache entries).
+        hidden_size, max_rows, timeout_us = self.hidden_size, self.max_rows, self.timeout_us
         why = ""
         if self.arch is None:
             self.path = "reference"
