@@ -66,8 +66,18 @@ def forced_protocol(ranks: Sequence[BoundaryAllReduce], protocol: str | None) ->
             ar.protocol = before
 
 
-def warmup_every_protocol(ar: BoundaryAllReduce) -> None:
-    """`ar.warmup()` for each protocol forced in turn (a measurement forces each, whatever the switch picks)."""
+def warmup_every_protocol(ar: BoundaryAllReduce, variants: Sequence[Any] | None = None) -> None:
+    """`ar.warmup()` for each protocol forced in turn (a measurement forces each, whatever the switch picks); with
+    `variants` (BoundaryVariants) only their peer kernels, compiled and loaded onto the GPU (what a test that calls
+    nothing else needs: ranks sharing a context need each kernel loaded once)."""
+    if variants is not None:
+        from cute_kernels.boundary import api
+        from cute_kernels.compile import warmup
+
+        jobs = api.warmup_jobs(ar.hidden_size, arch=ar.arch, world_size=ar.world_size,
+                               ranks_per_device=ar.workspace.ranks_per_device, variants=variants, protocols=PROTOCOLS)  # fmt: skip
+        warmup(jobs, progress=False, device=ar.device)
+        return
     with forced_protocol([ar], None):
         for protocol in PROTOCOLS:
             ar.protocol = protocol

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from bench import chains
 from bench.timing import GraphTimer, host_us_per_call
-from boundary import BoundaryAllReduce
-from boundary.reference import mxfp8_scale_bytes
+from boundary import BoundaryAllReduce, Fp8GroupActivation, QuantizedActivation
+from boundary.reference import FP8_GROUP, fp8_group_scale_rows, mxfp8_scale_bytes
+from boundary.types import FP8_GROUP_QUANT_KEY, MXFP8_QUANT_KEY
 from cute_kernels import coefficients as ck
 from cute_kernels.boundary import api as boundary_api
 
@@ -63,30 +64,54 @@ def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int) -> 
         out=torch.empty(rows, hidden, dtype=torch.bfloat16, device=device),
         mxfp8_data=torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=device),
         mxfp8_scale=torch.empty(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=device),
+        fp8_data=torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=device),
+        fp8_scale=torch.empty(hidden // FP8_GROUP, fp8_group_scale_rows(rows), device=device),
     )
 
 
-def boundary_bytes(rows: int, hidden: int, mxfp8: bool) -> int:
-    """The fewest bytes a W = 1 boundary moves: partial, streams in and out, layer input (+ MXFP8)."""
+def quantized_bytes(rows: int, hidden: int, quant: str | None) -> int:
+    """The bytes a layer-input form adds to a boundary: e4m3 data and its scales."""
+    if quant is None:
+        return 0
+    if quant == "mxfp8":
+        return rows * hidden + mxfp8_scale_bytes(rows, hidden)
+    return rows * hidden + hidden // FP8_GROUP * fp8_group_scale_rows(rows) * 4
+
+
+def boundary_bytes(rows: int, hidden: int, quant: str | None) -> int:
+    """The fewest bytes a W = 1 boundary moves: partial, streams in and out, layer input (+ its `quant` form)."""
     n = rows * hidden
-    total = 2 * n + 8 * n + 8 * n + 2 * n + 2 * hidden + rows * (4 + 16 + 4) * 4
-    if mxfp8:
-        total += n + mxfp8_scale_bytes(rows, hidden)
-    return total
+    return 2 * n + 8 * n + 8 * n + 2 * n + 2 * hidden + rows * (4 + 16 + 4) * 4 + quantized_bytes(rows, hidden, quant)
 
 
-def fused_call(inp: dict[str, torch.Tensor], arch: str, mxfp8: bool):
-    """A closure running the fused kernel's entry (no host checks: those are the public API's) on one input set."""
+QUANTS = (None, "mxfp8", "fp8_1x128")  # the layer-input forms the boundary table times
+
+
+def fused_call(inp: dict[str, torch.Tensor], arch: str, quant: str | None):
+    """A closure running the fused kernel's entry (no host checks: those are the public API's) on one input set,
+    writing the layer input in the form `quant` too (QUANTS)."""
+    mx, fp8 = quant == "mxfp8", quant == "fp8_1x128"
 
     def call() -> None:
         boundary_api.fused_boundary(
             residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"],
             norm_weight=inp["norm_weight"], norm_eps=1e-20, x=inp["x"], new_residual=inp["new_residual"],
-            out=inp["out"], mxfp8_data=inp["mxfp8_data"] if mxfp8 else None,
-            mxfp8_scale=inp["mxfp8_scale"] if mxfp8 else None, arch=arch,
+            out=inp["out"], mxfp8_data=inp["mxfp8_data"] if mx else None,
+            mxfp8_scale=inp["mxfp8_scale"] if mx else None, fp8_data=inp["fp8_data"] if fp8 else None,
+            fp8_scale=inp["fp8_scale"] if fp8 else None, fp8_form=quant if fp8 else None, arch=arch,
         )  # fmt: skip
 
     return call
+
+
+def public_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], quant: str | None):
+    """A closure running the public BoundaryAllReduce call (what an engine calls) on one input set, writing the
+    layer input in the form `quant` too."""
+    shape = inp["x"].shape
+    mx = QuantizedActivation(inp["mxfp8_data"], inp["mxfp8_scale"], torch.bfloat16, shape, MXFP8_QUANT_KEY)
+    fp8 = Fp8GroupActivation(inp["fp8_data"], inp["fp8_scale"], torch.bfloat16, shape, FP8_GROUP_QUANT_KEY, False)
+    args = (inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20)
+    return lambda: ar(*args, mx if quant == "mxfp8" else None, fp8_out=fp8 if quant == "fp8_1x128" else None)
 
 
 def chain_call(fn: Any, inp: dict[str, torch.Tensor]):
@@ -104,14 +129,17 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
     for hidden, rows in tqdm(shapes, desc="boundary", unit="shape"):
         sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
         row: dict[str, Any] = {"H": hidden, "rows": rows}
-        row["fused_us"] = timer.per_call_us([fused_call(s, arch, False) for s in sets])
-        row["fused_mxfp8_us"] = timer.per_call_us([fused_call(s, arch, True) for s in sets])
-        row["fused_latency_us"] = timer.per_call_us([fused_call(sets[0], arch, False)])
+        ar = BoundaryAllReduce(hidden, max_rows=rows, device=device)
+        for quant in QUANTS:
+            suffix = "" if quant is None else f"_{quant}"
+            row[f"fused{suffix}_us"] = timer.per_call_us([fused_call(s, arch, quant) for s in sets])
+            row[f"api{suffix}_us"] = timer.per_call_us([public_call(ar, s, quant) for s in sets])
+            row[f"adds{suffix}_us_at_copy"] = quantized_bytes(rows, hidden, quant) / copy_bw * 1e6
+        row["fused_latency_us"] = timer.per_call_us([fused_call(sets[0], arch, None)])
         row["eager_chain_us"] = timer.per_call_us([chain_call(chains.boundary_chain, s) for s in sets])
         if compiled_chain is not None:
             row["compile_chain_us"] = timer.per_call_us([chain_call(compiled_chain, s) for s in sets])
-        row["host_fused_us"] = host_us_per_call(fused_call(sets[0], arch, False))
-        ar = BoundaryAllReduce(hidden, max_rows=rows, device=device)
+        row["host_fused_us"] = host_us_per_call(fused_call(sets[0], arch, None))
         s0 = sets[0]
         row["host_boundary_all_reduce_us"] = host_us_per_call(
             lambda ar=ar, s0=s0: ar(
@@ -119,8 +147,8 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
             )  # fmt: skip
         )
         row["path"] = ar.path
-        for key, mx in (("fused_us", False), ("fused_mxfp8_us", True)):
-            bw = boundary_bytes(rows, hidden, mx) / (row[key] * 1e-6)
+        for key, quant in (("fused_us", None), ("fused_mxfp8_us", "mxfp8"), ("fused_fp8_1x128_us", "fp8_1x128")):
+            bw = boundary_bytes(rows, hidden, quant) / (row[key] * 1e-6)
             row[key.replace("_us", "_GBps")] = bw / 1e9
             row[key.replace("_us", "_pct_copy")] = 100 * bw / copy_bw
         row["eager_ratio"] = row["eager_chain_us"] / row["fused_us"]
@@ -270,16 +298,23 @@ def print_boundary(rows: list[dict], copy_bw: float) -> None:
     print(
         f"\nfused boundary (W=1, bf16 partial in, bf16 out), GPU us per call; copy bandwidth {copy_bw / 1e12:.2f} TB/s"
     )
-    head = f"{'H':>5} {'rows':>4} | {'fused':>7} {'+mxfp8':>7} {'1-call':>7} | {'eager':>7} {'compile':>8} | " \
-           f"{'x eager':>7} {'x comp':>7} | {'GB/s':>6} {'%copy':>6} | {'host us':>7}"  # fmt: skip
+    head = f"{'H':>5} {'rows':>4} | {'fused':>7} {'+mxfp8':>7} {'+fp8':>7} {'1-call':>7} | {'api':>7} " \
+           f"{'+mxfp8':>7} {'+fp8':>7} | {'eager':>7} {'compile':>8} | {'x eager':>7} {'x comp':>7} | " \
+           f"{'GB/s':>6} {'%copy':>6} | {'host us':>7}"  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
         comp = r.get("compile_chain_us", float("nan"))
         ratio = r.get("compile_ratio", float("nan"))
-        print(f"{r['H']:>5} {r['rows']:>4} | {r['fused_us']:7.2f} {r['fused_mxfp8_us']:7.2f} {r['fused_latency_us']:7.2f}"
-              f" | {r['eager_chain_us']:7.2f} {comp:8.2f} | {r['eager_ratio']:7.1f} {ratio:7.1f} | "
-              f"{r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}")  # fmt: skip
+        print(f"{r['H']:>5} {r['rows']:>4} | {r['fused_us']:7.2f} {r['fused_mxfp8_us']:7.2f} "
+              f"{r['fused_fp8_1x128_us']:7.2f} {r['fused_latency_us']:7.2f} | {r['api_us']:7.2f} {r['api_mxfp8_us']:7.2f} "
+              f"{r['api_fp8_1x128_us']:7.2f} | {r['eager_chain_us']:7.2f} {comp:8.2f} | {r['eager_ratio']:7.1f} "
+              f"{ratio:7.1f} | {r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}")  # fmt: skip
+    print("FP8 1x128 against bf16 only (fused): us added, and the bytes it adds at copy bandwidth")
+    for r in rows:
+        added = r["fused_fp8_1x128_us"] - r["fused_us"]
+        print(f"  H {r['H']:>5} rows {r['rows']:>4}: +{added:5.2f} us (MXFP8 +{r['fused_mxfp8_us'] - r['fused_us']:5.2f}),"
+              f" bytes at copy {r['adds_fp8_1x128_us_at_copy']:5.2f} us")  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -294,7 +329,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, hidden in zip(axes[0], hiddens):
         sel = [r for r in rows if r["H"] == hidden]
         xs = [r["rows"] for r in sel]
-        for key, label in (("fused_us", "fused"), ("fused_mxfp8_us", "fused + MXFP8"),
+        for key, label in (("fused_us", "fused"), ("fused_mxfp8_us", "fused + MXFP8"), ("fused_fp8_1x128_us", "fused + FP8 1x128"),
                            ("eager_chain_us", "torch eager chain"), ("compile_chain_us", "torch.compile chain")):  # fmt: skip
             if key in sel[0]:
                 ax.plot(xs, [r[key] for r in sel], marker="o", label=label)

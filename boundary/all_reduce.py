@@ -268,8 +268,8 @@ class BoundaryAllReduce:
     ) -> tuple[Tensor, Tensor | None]:
         """The boundary on a bf16 partial `x`: (new residual, layer input or None when pre is None).
 
-        With `shared_output` the rank's partial is bf16(x + shared_output) (a combined MoE output). `fp8_out` (the
-        FP8 1x128 form, beside or instead of `mxfp8_out`) is written on the reference path only, for now.
+        With `shared_output` the rank's partial is bf16(x + shared_output) (a combined MoE output). `fp8_out` takes
+        the FP8 1x128 form of the layer input (CONTRACT §4b), beside or instead of `mxfp8_out`.
         """
         residual = self._check_residual(residual)
         rows = residual.shape[0]
@@ -279,7 +279,7 @@ class BoundaryAllReduce:
                                device=self.device, align16=a16)  # fmt: skip
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in ("kernel", "peer"):
-            return self._kernel(residual, *args[:-1], x=x, shared=shared_output)
+            return self._kernel(residual, *args, x=x, shared=shared_output)
         y = self._reduce(reference.add_shared(x, shared_output))
         return self._epilogue(y, residual, *args)
 
@@ -314,7 +314,7 @@ class BoundaryAllReduce:
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in ("kernel", "peer"):
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
-            return self._kernel(residual, *args[:-1], moe=moe, shared=shared_output)
+            return self._kernel(residual, *args, moe=moe, shared=shared_output)
         partial = reference.moe_finalize(
             gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, self.workspace.error
         )
@@ -430,16 +430,10 @@ class BoundaryAllReduce:
         if not isinstance(fp8_out, Fp8GroupActivation):
             raise TypeError(f"fp8_out must be an Fp8GroupActivation or None, got {type(fp8_out).__name__}")
         checks.tensor("fp8_out.data", fp8_out.data, dtype=torch.float8_e4m3fn, shape=(rows, self.hidden_size),
-                      device=self.device)  # fmt: skip
+                      device=self.device, align16=self.arch is not None)  # fmt: skip
         checks.tensor("fp8_out.scale", fp8_out.scale, dtype=F32, shape=(self.hidden_size // reference.FP8_GROUP,
                       reference.fp8_group_scale_rows(rows)), device=self.device)  # fmt: skip
         checks.flag("fp8_out.ue8m0", fp8_out.ue8m0)
-        if self.path != "reference":
-            raise NotImplementedError(
-                f"fp8_out (the FP8 1x128 layer input, CONTRACT §4b) is written on the reference path only for now; "
-                f"the fused kernel of the {self.path!r} path does not write it yet: use mxfp8_out (quantize='mxfp8'), "
-                "or backend='reference'"
-            )
 
     def _kernel(
         self,
@@ -451,6 +445,7 @@ class BoundaryAllReduce:
         norm_eps: float,
         mxfp8_out: QuantizedActivation | None,
         aux_out: Tensor | None,
+        fp8_out: Fp8GroupActivation | None,
         *,
         x: Tensor | None = None,
         moe: tuple[Tensor, Tensor, Tensor] | None = None,
@@ -478,8 +473,10 @@ class BoundaryAllReduce:
             residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,
             shared=shared, moe=moe, new_residual=new_residual, out=out,
             mxfp8_data=None if mxfp8_out is None else mxfp8_out.data,
-            mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale, aux=aux_out, error=self.workspace.error,
-            peer=peer, arch=self.arch,
+            mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale,
+            fp8_data=None if fp8_out is None else fp8_out.data, fp8_scale=None if fp8_out is None else fp8_out.scale,
+            fp8_form=None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"), aux=aux_out,
+            error=self.workspace.error, peer=peer, arch=self.arch,
         )  # fmt: skip
         return new_residual, out
 
@@ -513,7 +510,7 @@ class BoundaryAllReduce:
         fp8_out: Fp8GroupActivation | None,
     ) -> tuple[Tensor, Tensor | None]:
         if self.path == "nccl+kernel":
-            return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, x=y)
+            return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out, x=y)
         result = reference.boundary(
             y, residual, post, comb, pre, norm_weight, norm_eps, mxfp8=mxfp8_out is not None, aux=aux_out is not None,
             fp8_group=fp8_out is not None, ue8m0=fp8_out is not None and fp8_out.ue8m0,

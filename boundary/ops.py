@@ -24,6 +24,8 @@ from boundary.types import (
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+# The outputs written in place take no default in the schemas: torch's boxed call drops trailing arguments equal to
+# their defaults, and torch 2.11's in-place bookkeeping then indexes past the arguments it got.
 BOUNDARY_MUTATES = ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "aux_out")
 
 
@@ -58,9 +60,9 @@ def _run_boundary(
 def boundary(
     handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
     expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, mxfp8_data: Tensor | None = None,
-    mxfp8_scale: Tensor | None = None, fp8_data: Tensor | None = None, fp8_scale: Tensor | None = None,
-    fp8_ue8m0: bool = False, aux_out: Tensor | None = None,
+    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, mxfp8_data: Tensor | None,
+    mxfp8_scale: Tensor | None, fp8_data: Tensor | None, fp8_scale: Tensor | None, fp8_ue8m0: bool,
+    aux_out: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The fused boundary (CONTRACT §2) of rank `handle`: (new residual, layer input), from a ready partial `x`
     (with `shared_output`: bf16(x + shared)) or an unfinalised MoE output; MXFP8, FP8 1x128 and aux written in place."""
@@ -74,9 +76,9 @@ def boundary(
 def _boundary_fake(
     handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
     expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, mxfp8_data: Tensor | None = None,
-    mxfp8_scale: Tensor | None = None, fp8_data: Tensor | None = None, fp8_scale: Tensor | None = None,
-    fp8_ue8m0: bool = False, aux_out: Tensor | None = None,
+    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, mxfp8_data: Tensor | None,
+    mxfp8_scale: Tensor | None, fp8_data: Tensor | None, fp8_scale: Tensor | None, fp8_ue8m0: bool,
+    aux_out: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
 
@@ -85,7 +87,7 @@ def _boundary_fake(
 def post_only(
     handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
     expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, aux_out: Tensor | None = None,
+    comb: Tensor, aux_out: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """The residual-only boundary (CONTRACT §2) of rank `handle`: the new streams R' alone."""
     new, _ = _run_boundary(handle, x, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output,
@@ -97,7 +99,7 @@ def post_only(
 def _post_only_fake(
     handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
     expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, aux_out: Tensor | None = None,
+    comb: Tensor, aux_out: Tensor | None,
 ) -> Tensor:  # fmt: skip
     return torch.empty_like(residual)
 

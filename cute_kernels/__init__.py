@@ -4,3 +4,5 @@ HC = 4  # residual streams per token (mHC hc_mult) of the models these kernels s
 VEC = 8  # bf16 elements per thread vector: one 16-byte access
 MXFP8_BLOCK = 32  # elements sharing one E8M0 scale (CONTRACT §4)
 SCALE_WORD_COLS = 4 * MXFP8_BLOCK  # columns of one 4-byte word of MXFP8 scales
+FP8_GROUP = 128  # columns sharing one fp32 scale in the FP8 1x128 form (CONTRACT §4b)
+E4M3_MAX = 448.0  # the largest finite e4m3 value

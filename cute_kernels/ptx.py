@@ -62,6 +62,18 @@ def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b + c rounded once (a fused multiply-add)."""
+    return _f32_op("fma.rn.f32 $0, $1, $2, $3;", a, b, c, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def rcp_rn(x: Float32, *, loc=None, ip=None) -> Float32:
+    """1 / x, IEEE round-to-nearest-even (the bits of div_rn(1, x)), subnormals kept."""
+    return _f32_op("rcp.rn.f32 $0, $1;", x, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def rsqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """1/sqrt(x) by the MUFU unit (what CUDA's rsqrtf and torch.rsqrt use), subnormals kept."""
     return _f32_op("rsqrt.approx.f32 $0, $1;", x, loc=loc, ip=ip)

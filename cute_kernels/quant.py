@@ -1,7 +1,9 @@
-"""MXFP8 quantisation of a register vector (CONTRACT §4): e4m3 data, E8M0 scales in the swizzled 128x4 layout.
+"""Quantisation of a register vector for the next GEMM: MXFP8 (CONTRACT §4: e4m3 data, E8M0 scales in the swizzled
+128x4 layout) and FP8 1x128 (CONTRACT §4b: e4m3 data, one fp32 scale per token and 128 columns, column-major).
 
-One 8-element bf16 vector per lane; 4 adjacent lanes hold a 32-element block (amax by shuffles), and
-the first lane of each 16 writes the 4 scale bytes of its 128 columns as one word.
+One 8-element bf16 vector per lane, 16 adjacent lanes holding 128 consecutive columns. MXFP8: 4 adjacent lanes
+hold a 32-element block (amax by shuffles), and the first lane of each 16 writes the 4 scale bytes of its 128
+columns as one word. FP8 1x128: the 16 lanes are one group, and their first lane writes its scale.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
-from cute_kernels import MXFP8_BLOCK, SCALE_WORD_COLS, ptx
+from cute_kernels import E4M3_MAX, FP8_GROUP, MXFP8_BLOCK, SCALE_WORD_COLS, VEC, ptx
 
 E4M3_NAN_WORD = 0x7F7F7F7F
 
@@ -126,3 +128,110 @@ class Mxfp8Writer:
                     for q in cutlass.range_constexpr(4):
                         if first <= q:
                             ptx.st_global_b32(addr + 4 * q, zero)
+
+
+# The floor under a group's amax (DeepGEMM's per_token_cast_to_fp8), so that an all-zero group gets a finite scale.
+FP8_GROUP_AMAX_FLOOR = 1e-4
+FP8_GROUP_LANES = FP8_GROUP // VEC  # adjacent lanes holding one group
+
+
+class Fp8GroupWriter:
+    """Writes the FP8 1x128 form of rows of H columns: e4m3 data [T, H] and fp32 scales [H/128, T_pad] (scale of
+    token t and group g at g * T_pad + t); `ue8m0`: each scale rounded up to a power of two."""
+
+    def __init__(self, H: int, *, ue8m0: bool) -> None:
+        self.H = H
+        self.ue8m0 = ue8m0
+
+    @cute.jit
+    def quantize_vector(
+        self,
+        words: list,
+        mQ: cute.Tensor,
+        mScale: cute.Tensor,
+        row: Int32,
+        rows: Int32,
+        vcol: Int32,
+        valid: cutlass.Boolean | None,
+    ):
+        """FP8 1x128 of one 8-element vector (4 packed bf16 words) of column vector `vcol` of `row` (of `rows`):
+        sf = max(amax, 1e-4) / 448 (IEEE division; NaN stays NaN), q = e4m3(x * (1 / sf)). Idle tail lanes come in
+        whole groups (a chunk is a multiple of 128 columns): they only skip the stores."""
+        # amax over bf16 bit patterns: |x| orders like its bits, and NaN sorts above Inf.
+        amax = Uint32(0)
+        for i in cutlass.range_constexpr(4):
+            amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
+        for off in cutlass.range_constexpr(4):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
+        a = ptx.f32_from_bits(amax << 16)
+        # A select, not fmax: fmax would turn a NaN amax into the floor.
+        a = Float32(cutlass.select_(a < Float32(FP8_GROUP_AMAX_FLOOR), Float32(FP8_GROUP_AMAX_FLOOR), a))
+        sf = amax_over_e4m3_max(a, amax >= Uint32(0x7F80))
+        if const_expr(self.ue8m0):
+            sf = ceil_to_ue8m0(sf)
+            # A power of two 2^(e-127), e in [1, 254]: its reciprocal 2^(127-e) is exact; 0 for Inf, NaN for NaN.
+            e = Int32((ptx.f32_bits(sf) >> 23) & Uint32(0xFF))
+            inverse = ptx.f32_from_bits(Uint32(cutlass.max(Int32(254) - e, Int32(1))) << 23)
+            inverse = Float32(cutlass.select_(e == Int32(254), Float32(2.0**-127), inverse))
+            inverse = Float32(cutlass.select_(e == Int32(0xFF), ptx.rcp_rn(sf), inverse))
+        else:
+            inverse = ptx.rcp_rn(sf)
+        q = []
+        for i in cutlass.range_constexpr(8):
+            x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
+            q.append(ptx.mul_rn(x, inverse))
+        q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
+        q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
+        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * VEC))
+        padded = mScale.shape[1]  # T_pad
+        scale_addr = mScale.iterator.toint() + (Int64(vcol // FP8_GROUP_LANES) * Int64(padded) + Int64(row)) * 4
+        lane = cute.arch.lane_idx()
+        if const_expr(valid is None):
+            self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows, padded)
+        else:
+            if valid:
+                self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows, padded)
+
+    @cute.jit
+    def store(
+        self,
+        q_addr: Int64,
+        q_lo: Uint32,
+        q_hi: Uint32,
+        scale_addr: Int64,
+        sf_bits: Uint32,
+        lane: Int32,
+        row: Int32,
+        rows: Int32,
+        padded: Int32,
+    ):
+        """The 8 e4m3 bytes of a vector, and from the group's first lane its scale (after the last row, the zeros of
+        the padding rows T..T_pad-1 of its column)."""
+        ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
+        if lane % FP8_GROUP_LANES == 0:
+            ptx.st_global_b32(scale_addr, sf_bits)
+            if row == rows - 1:
+                for p in cutlass.range(rows, padded):
+                    ptx.st_global_b32(scale_addr + Int64(p - row) * 4, Uint32(0))
+
+
+def amax_over_e4m3_max(a: Float32, non_finite: cutlass.Boolean) -> Float32:
+    """a / 448 with IEEE rounding for a group's clamped amax `a` (a bf16 value >= 1e-4, or the fp32 floor 1e-4; Inf
+    and NaN where `non_finite`): the quotient by the reciprocal and one FMA correction (Markstein), which gives the
+    correctly rounded quotient for every such `a` (checked against IEEE division for all of them, docs/PERF.md
+    decisions: amax_over_e4m3_max) in three instructions where div.rn takes a dozen and a branch."""
+    r = Float32(1.0 / E4M3_MAX)  # RN(1/448)
+    q0 = ptx.mul_rn(a, r)
+    residual = ptx.fma_rn(-q0, Float32(E4M3_MAX), a)
+    return Float32(cutlass.select_(non_finite, q0, ptx.fma_rn(residual, r, q0)))
+
+
+def ceil_to_ue8m0(sf: Float32) -> Float32:
+    """A positive fp32 scale rounded up to a power of two from its bits (exponent + 1 if the mantissa is non-zero,
+    clamped to [1, 254]); NaN and Inf pass through."""
+    bits = ptx.f32_bits(sf)
+    exponent = Int32((bits >> 23) & Uint32(0xFF))
+    e = exponent + Int32(cutlass.select_((bits & Uint32(0x7FFFFF)) != Uint32(0), Int32(1), Int32(0)))
+    e = cutlass.min(cutlass.max(e, Int32(1)), Int32(254))
+    rounded = ptx.f32_from_bits(Uint32(e) << 23)
+    return Float32(cutlass.select_(exponent == Int32(0xFF), sf, rounded))

@@ -48,7 +48,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_for_device(device)
     if args.kernel == "boundary":
-        call = fused_call(boundary_inputs(args.rows, args.hidden, device, 0), arch, args.mxfp8)
+        call = fused_call(boundary_inputs(args.rows, args.hidden, device, 0), arch, "mxfp8" if args.mxfp8 else None)
     else:
         config = None
         if args.knobs:

@@ -37,6 +37,14 @@ MODES: dict[str, tuple[str | None, int | None, str, str]] = {
 }
 
 
+def variants() -> list:
+    """The fused-boundary variants the MODES call (what their ranks warm up)."""
+    from cute_kernels.boundary import api
+
+    return [api.BoundaryVariant(), api.BoundaryVariant(pre=False), api.BoundaryVariant("moe"),
+            api.BoundaryVariant("moe", shared=True)]  # fmt: skip
+
+
 @dataclass
 class Delays:
     """The device-side delay makers, calibrated on this GPU once their kernels have loaded."""

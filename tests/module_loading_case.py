@@ -3,7 +3,7 @@ fresh process with lazy module loading (CUDA's default), before and after Bounda
 
 `python -m tests.module_loading_case` prints one JSON line: the loading state of torch's sleep kernel captured
 into a CUDA graph before it ever launched (the probe's control: "unloaded"), of two variants whose first call is
-captured (that call initialises the kernel's library, which loads it), and of two variants captured after warmup()
+captured (that call initialises the kernel's library, which loads it), and of three variants captured after warmup()
 (the claim: "loaded"). A captured call records its launches and runs nothing.
 """
 
@@ -45,7 +45,7 @@ def main() -> int:
     os.environ["CUDA_MODULE_LOADING"] = "LAZY"
     import torch
 
-    from boundary import BoundaryAllReduce, empty_quantized_layer_input
+    from boundary import BoundaryAllReduce, empty_fp8_group_layer_input, empty_quantized_layer_input
     from cute_kernels.compile import lazy_module_loading
 
     hidden, rows = 4096, 4
@@ -63,6 +63,8 @@ def main() -> int:
         "residual-only": lambda: ar(x, residual, post, comb, None, None, 1e-6, None),
         "mxfp8": lambda: ar(x, residual, post, comb, pre, w, 1e-6, empty_quantized_layer_input(rows, hidden, "cuda")),
         "shared": lambda: ar(x, residual, post, comb, pre, w, 1e-6, None, shared_output=x),
+        "fp8_1x128": lambda: ar(x, residual, post, comb, pre, w, 1e-6, None,
+                                fp8_out=empty_fp8_group_layer_input(rows, hidden, "cuda")),  # fmt: skip
     }
 
     def captured_states(call) -> list[str]:
@@ -78,7 +80,7 @@ def main() -> int:
     # hazard was that first call while a peer spins. warmup() makes every first call.
     first_call = {name: captured_states(calls[name]) for name in ("pre", "residual-only")}
     ar.warmup(progress=False)
-    after = {name: captured_states(calls[name]) for name in ("mxfp8", "shared")}
+    after = {name: captured_states(calls[name]) for name in ("mxfp8", "shared", "fp8_1x128")}
     print(json.dumps({"control_never_launched": control, "at_first_call": first_call, "after_warmup": after}))
     return 0
 

@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures, one_gpu: 
         ar = BoundaryAllReduce(hidden, group=dist.group.WORLD, max_rows=512, device="cuda", timeout_us=3_000_000)
         assert ar.path == "peer", f"expected the peer path, got {ar.path}"
         assert ar.workspace.ranks_per_device == (world if one_gpu else 1)
-        warmup_every_protocol(ar)  # the plan forces each protocol, whatever the switch picks
+        warmup_every_protocol(ar, _variants())  # the plan forces each protocol, whatever the switch picks
         wire = "cpu" if one_gpu else "cuda"  # what the group's collectives take
         if scenario == "modes":
             # The switch's choice at every row count, and each protocol forced at a few (which side of the switch
@@ -153,16 +153,22 @@ def _spawn(placement: tuple[int, bool], scenario: str) -> None:
     assert not failures, "\n".join(failures)
 
 
+def _variants() -> list:
+    """The fused-boundary variants the scenarios call (MODES)."""
+    from tests import test_allreduce_gpu as sim
+
+    return sorted({sim._variant(mode) for mode in MODES})
+
+
 def _compile_first(world: int, one_gpu: bool) -> None:
     """Compile what every rank's warmup needs here, once, so that the ranks only load it from the disk cache."""
     from cute_kernels.allreduce.protocol import PROTOCOLS
     from cute_kernels.boundary import api
-    from cute_kernels.coefficients import api as coefficients
     from cute_kernels.compile import arch_for_device, warmup
 
     arch = arch_for_device(torch.device("cuda"))
     jobs = api.warmup_jobs(4096, arch=arch, world_size=world, ranks_per_device=world if one_gpu else 1,
-                           protocols=PROTOCOLS) + coefficients.warmup_jobs(4096, arch=arch, max_rows=512)  # fmt: skip
+                           variants=_variants(), protocols=PROTOCOLS)  # fmt: skip
     warmup(jobs, progress=False)
 
 

@@ -72,20 +72,23 @@ def test_default_schedule_is_sized_from_the_sm_count(monkeypatch) -> None:
 
 
 def test_engine_variants_and_warmup_jobs() -> None:
-    assert len(set(api.ENGINE_VARIANTS)) == len(api.ENGINE_VARIANTS) == 24
-    assert all(v.pre or not v.mxfp8 for v in api.ENGINE_VARIANTS)
+    # 2 y sources x shared x aux x {residual-only, pre with bf16 only, + MXFP8, + FP8 1x128, + FP8 1x128 UE8M0}.
+    assert len(set(api.ENGINE_VARIANTS)) == len(api.ENGINE_VARIANTS) == 40
+    assert all(v.pre or not (v.mxfp8 or v.fp8) for v in api.ENGINE_VARIANTS)
+    assert {v.fp8 for v in api.ENGINE_VARIANTS} == {None, *api.FP8_FORMS}
+    assert not any(v.mxfp8 and v.fp8 for v in api.ENGINE_VARIANTS), "one layer-input form per sublayer call"
     jobs = api.warmup_jobs(5120, arch="sm_90a")
-    assert len(jobs) == 24 and len({j.name for j in jobs}) == 24
+    assert len(jobs) == 40 and len({j.name for j in jobs}) == 40
     assert jobs[0].compile_fn is api.compile_fused_boundary
     config = default_config(5120, "sm_90a")
     assert isinstance(config, BoundaryConfig) and (config.cluster_n, config.threads) == (5, 128)
-    assert all(j.args[0] == 5120 and j.args[6:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
+    assert all(j.args[0] == 5120 and j.args[7:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
                for j in jobs)  # fmt: skip
     peer = api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)
-    # Both protocols of every variant, each inline, and staged too for the 12 variants with a ready partial x.
-    assert len(peer) == 24 * 2 + 12 * 2 and {j.args[8] for j in peer} == {"oneshot", "twoshot"}
-    assert {(j.args[1], j.args[9]) for j in peer} == {("x", False), ("x", True), ("moe", False)}
-    assert all(j.args[7] == 4 and j.args[6] == default_config(5120, "sm_90a", 4, 4) for j in peer)
+    # Both protocols of every variant, each inline, and staged too for the 20 variants with a ready partial x.
+    assert len(peer) == 40 * 2 + 20 * 2 and {j.args[9] for j in peer} == {"oneshot", "twoshot"}
+    assert {(j.args[1], j.args[10]) for j in peer} == {("x", False), ("x", True), ("moe", False)}
+    assert all(j.args[8] == 4 and j.args[7] == default_config(5120, "sm_90a", 4, 4) for j in peer)
 
 
 @pytest.mark.slow
@@ -197,6 +200,8 @@ def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: 
         _fake_cuda((T, H), bf16) if variant.pre else None,  # out
         _fake_cuda((T, H), torch.float8_e4m3fn) if variant.mxfp8 else None,
         _fake_cuda((mxfp8_scale_bytes(T, H),), torch.uint8) if variant.mxfp8 else None,
+        _fake_cuda((T, H), torch.float8_e4m3fn) if variant.fp8 else None,
+        _fake_cuda((H // 128, -(-T // 4) * 4), f32) if variant.fp8 else None,  # FP8 1x128 scales [H/128, T_pad]
         _fake_cuda((T, H), bf16) if variant.aux else None,
         None, None, None,  # the peer slots, addresses and state (W = 1: none)
         _fake_cuda((4,), torch.int32) if moe is not None else None,  # the error word
@@ -208,7 +213,8 @@ def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors must never reach a real GPU")
 @pytest.mark.parametrize(
     "variant",
-    [MAIN, api.BoundaryVariant("moe", True, True, True, True), api.BoundaryVariant("x", True, False, False, True)],
+    [MAIN, api.BoundaryVariant("moe", True, True, True, True), api.BoundaryVariant("x", True, False, False, True),
+     api.BoundaryVariant("x", False, True, True, False, "fp8_1x128_ue8m0")],
     ids=api.variant_name,
 )
 def test_exported_kernel_accepts_the_call_tuple(variant: api.BoundaryVariant, tmp_path, monkeypatch) -> None:

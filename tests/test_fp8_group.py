@@ -4,7 +4,7 @@ special groups, both scale modes, the layout, and the boundary and scheduler tha
 from __future__ import annotations
 
 import math
-import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -237,25 +237,25 @@ def test_sublayer_returns_the_fp8_1x128_form(quantize: str) -> None:
     assert none is None and bitwise_equal(x, plain_x)
 
 
-def test_the_kernel_paths_refuse_it_naming_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check that stands before every kernel launch: no silent fallback to bf16 or MXFP8."""
-    rows, hidden = 2, 512
-    inp = boundary_inputs(rows, hidden)
-    ar = BoundaryAllReduce(hidden, max_rows=4, device="cpu")
-    for path in ("kernel", "peer", "nccl+kernel"):
-        monkeypatch.setattr(ar, "path", path)
-        with pytest.raises(
-            NotImplementedError, match=rf"^fp8_out .*reference path only for now.*'{re.escape(path)}' path"
-        ):
-            ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, None,
-               fp8_out=empty_fp8_group_layer_input(rows, hidden, "cpu"))  # fmt: skip
+def _round_f32(value: Fraction) -> np.float32:
+    """value rounded to the nearest fp32 (ties to even), exactly: the nearest of the three fp32 around its float."""
+    guess = np.float32(float(value))
+    candidates = (np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf)))
+    return min(candidates, key=lambda c: (abs(Fraction(float(c)) - value), int(np.array(c).view(np.uint32)) & 1))
 
 
-@pytest.mark.gpu
-def test_the_fused_kernel_refuses_it_until_it_writes_it() -> None:
-    rows, hidden = 2, 512
-    inp = {k: v.cuda() for k, v in boundary_inputs(rows, hidden).items()}
-    ar = BoundaryAllReduce(hidden, max_rows=4, device="cuda")
-    with pytest.raises(NotImplementedError, match="reference path only for now"):
-        ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, None,
-           fp8_out=empty_fp8_group_layer_input(rows, hidden, "cuda"))  # fmt: skip
+def test_the_kernels_quotient_is_ieee_division_for_every_amax() -> None:
+    """The kernel divides a group's amax by 448 with a multiply and one FMA correction (quant.amax_over_e4m3_max),
+    not div.rn: for every value the amax can take (a bf16 value >= 1e-4, or the fp32 floor 1e-4) the two FMAs,
+    emulated with exact rational arithmetic, give the IEEE quotient the rule asks for."""
+    magnitudes = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(np.float32)
+    amaxes = np.concatenate([magnitudes[magnitudes >= np.float32(1e-4)], [np.float32(1e-4)]])
+    r = np.float32(1.0) / np.float32(448.0)
+    wrong = []
+    for a in amaxes:
+        q0 = np.float32(a * r)  # one fp32 rounding
+        residual = _round_f32(Fraction(float(a)) - Fraction(float(q0)) * 448)  # fma(-q0, 448, a)
+        q = _round_f32(Fraction(float(residual)) * Fraction(float(r)) + Fraction(float(q0)))  # fma(residual, r, q0)
+        if q != np.divide(a, np.float32(448.0), dtype=np.float32):
+            wrong.append(float(a))
+    assert len(amaxes) > 18_000 and not wrong, f"{len(wrong)} amax values miss the IEEE quotient: {wrong[:5]}"

@@ -62,8 +62,7 @@ def ranks_by_world() -> dict[int, list[BoundaryAllReduce]]:
     for world in WORLDS:
         ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=512, device="cuda",
                                             timeout_us=late_rank.TIMEOUT_US)  # fmt: skip
-        for ar in ranks:
-            warmup_every_protocol(ar)  # every variant, both protocols, loaded onto the GPU
+        warmup_every_protocol(ranks[0], late_rank.variants())  # every variant the modes call, both protocols, loaded
         out[world] = ranks
     return out
 
@@ -164,8 +163,7 @@ def test_negative_control_a_rank_absent_past_the_timeout_is_reported() -> None:
     """A rank whose kernel ahead takes longer than the timeout is reported by every peer that waited for it."""
     world = 4
     ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=64, device="cuda", timeout_us=50_000)
-    for ar in ranks:
-        warmup_every_protocol(ar)
+    warmup_every_protocol(ranks[0], late_rank.variants())
     delays = late_rank.Delays.calibrate()
     outcome = late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(400.0), seed=7)
     assert outcome.late_ms > 50 and "gave up waiting for rank(s) [2]" in outcome.error, outcome
@@ -212,8 +210,7 @@ def test_a_rank_that_comes_after_its_peers_gave_up(world: int, mode: str) -> Non
     """The late rank's boundary runs after every peer's wait gave up (its pushes land in slots nobody waits on any
     more): the peers report it, reset() re-arms every rank, and the next boundary is exact on every rank."""
     ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=512, device="cuda", timeout_us=30_000)
-    for ar in ranks:
-        warmup_every_protocol(ar)
+    warmup_every_protocol(ranks[0], late_rank.variants())
     late = world - 1
     outcome = late_rank.trial(ranks, mode, late, lambda: late_rank.time.sleep(0.2), seed=11)
     assert f"gave up waiting for rank(s) [{late}]" in outcome.error, outcome  # trial() has reset every rank

@@ -87,7 +87,7 @@ def test_the_boundary_op_gives_the_direct_paths_bits(ar: BoundaryAllReduce, form
     for a, b in ((mx.data, mx2.data), (mx.scale, mx2.scale), (fp8.data, fp82.data), (fp8.scale, fp82.scale),
                  (aux, aux2)):  # fmt: skip
         assert bitwise_equal(a, b)
-    only = OPS.post_only(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"])
+    only = OPS.post_only(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], None)
     assert bitwise_equal(only, direct(ar, inp, form, False)[0])
     h = OPS.final(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20)
     assert bitwise_equal(h, want_out)
@@ -114,8 +114,8 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = {k: mode.from_tensor(v) for k, v in inp.items()}
         new, out = OPS.boundary(ar.handle, *source(fake, "moe"), fake["residual"], fake["post"], fake["comb"],
-                                fake["pre"], fake["w"], 1e-20)  # fmt: skip
-        only = OPS.post_only(ar.handle, *source(fake, "ready"), fake["residual"], fake["post"], fake["comb"])
+                                fake["pre"], fake["w"], 1e-20, None, None, None, None, False, None)  # fmt: skip
+        only = OPS.post_only(ar.handle, *source(fake, "ready"), fake["residual"], fake["post"], fake["comb"], None)
         h = OPS.final(ar.handle, *source(fake, "shared"), fake["residual"], fake["post"], fake["comb"], fake["pre"],
                       fake["w"], 1e-20)  # fmt: skip
         coeffs = OPS.mhc_pre_delayed(fake["residual"], fake["fn"], fake["scale"], fake["base"], 1e-20, 1e-6, 1e-6, 2.0,
@@ -139,7 +139,7 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
     args = {
         "boundary": (ar.handle, *src, *epi, inp["pre"], inp["w"], 1e-20, None, None, None, None, False,
                      torch.empty(ROWS, H, dtype=BF16)),
-        "post_only": (ar.handle, *src, *epi),
+        "post_only": (ar.handle, *src, *epi, None),
         "final": (ar.handle, *src, *epi, inp["pre"], inp["w"], 1e-20),
         "mhc_pre_delayed": (*coeff, inp["pre"], None, inp["w"], 1e-20, "auto"),
         "mhc_mixes": (*coeff, None, "auto"),
@@ -157,10 +157,10 @@ def test_a_handle_names_a_live_boundary_all_reduce_only() -> None:
     del ar
     gc.collect()
     with pytest.raises(ValueError, match=rf"^handle {handle} names no live BoundaryAllReduce"):
-        OPS.post_only(handle, inp["x"], None, None, None, None, inp["residual"], inp["post"], inp["comb"])
+        OPS.post_only(handle, inp["x"], None, None, None, None, inp["residual"], inp["post"], inp["comb"], None)
     with pytest.raises(ValueError, match="pass the partial as x, or as gemm2_permuted"):
         OPS.post_only(other.handle, inp["x"], inp["permuted"], inp["weights"], inp["idx"], None, inp["residual"],
-                      inp["post"], inp["comb"])  # fmt: skip
+                      inp["post"], inp["comb"], None)  # fmt: skip
 
 
 def test_errors_through_the_ops_name_the_layer_attribute() -> None:

@@ -178,7 +178,9 @@ def coefficients_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
 
 # Kernels that ship but that no warmup list compiles. Checked on bed62a1: none. The fused boundary's
 # only call path (fused_boundary) uses default_config(H) and a BoundaryVariant, and ENGINE_VARIANTS is
-# the whole valid variant space (2 y sources x shared x {residual-only, pre, pre+mxfp8} x aux = 24);
+# the engine's variant space (2 y sources x shared x {residual-only, pre, pre+mxfp8, pre+fp8 1x128,
+# pre+fp8 1x128 ue8m0} x aux = 40; MXFP8 and FP8 1x128 at once, which no scheduler call asks for, compiles on
+# first use and is not snapshotted);
 # mhc_coefficients uses default_config(H, broadcast, rows, inline) with layer_input_mode(...), which
 # coefficients_warmup_keys covers for 1..max_rows rows (check_dispatch_coverage re-derives it); and
 # mhc_layer_input uses LayerInputConfig() in its 3 valid modes, which the coefficients warmup appends.
@@ -286,6 +288,8 @@ def job_name(kind: str, key: dict[str, Any]) -> str:
         # The config is a function of H only (default_config(H)) and BoundaryConfig is being pruned, so it
         # is recorded in the index but kept out of the name; two configs of one variant would collide below.
         parts += [_tag(p["y_source"]), *(f"{f}-{_tag(bool(p[f]))}" for f in ("shared", "pre", "mxfp8", "aux"))]
+        if p.get("fp8"):  # the FP8 1x128 variants; the others keep their names, so older snapshots compare
+            parts.append(_tag(p["fp8"]))
         if p.get("world_size", 1) > 1:  # one-rank names stay as they were, so older snapshots compare
             parts += [f"W{p['world_size']}", _tag(p["protocol"])] + (["staged"] if p.get("staged") else [])
     elif kind == "coefficients":

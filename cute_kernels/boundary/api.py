@@ -15,7 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from cute_kernels import HC
+from cute_kernels import FP8_GROUP, HC
 from cute_kernels.allreduce.protocol import (
     ERROR_WORDS,
     GENERATIONS,
@@ -40,6 +40,7 @@ from cute_kernels.compile import (
 from cute_kernels.quant import mxfp8_scale_bytes
 
 Y_SOURCES = ("x", "moe")
+FP8_FORMS = ("fp8_1x128", "fp8_1x128_ue8m0")  # the FP8 1x128 layer input: fp32 scales, or powers of two (UE8M0)
 
 
 class BoundaryVariant(NamedTuple):
@@ -50,13 +51,18 @@ class BoundaryVariant(NamedTuple):
     pre: bool = True  # collapse + RMSNorm; False: residual-only
     mxfp8: bool = False
     aux: bool = False
+    fp8: str | None = None  # the FP8 1x128 form (FP8_FORMS), beside or instead of MXFP8
 
 
+# What a boundary may write besides bf16 (pre only): nothing, or one layer-input form (the scheduler's quantize).
+LAYER_INPUT_FORMS: tuple[tuple[bool, str | None], ...] = ((False, None), (True, None)) + tuple(
+    (False, form) for form in FP8_FORMS
+)
 ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = tuple(
-    BoundaryVariant(y_source, shared, pre, mxfp8, aux)
+    BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8)
     for y_source in Y_SOURCES
     for shared in (False, True)
-    for pre, mxfp8 in ((False, False), (True, False), (True, True))
+    for pre, mxfp8, fp8 in ((False, False, None),) + tuple((True, mx, f) for mx, f in LAYER_INPUT_FORMS)
     for aux in (False, True)
 )
 
@@ -65,10 +71,10 @@ def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
     """The tensor-free arguments a fused-boundary kernel compiles against; T (and P, top-k, the slot rows) stay dynamic.
 
     The compiled function takes, positionally, (residual, post, comb, pre, norm_weight, x, shared,
-    gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale, aux, slots,
-    peers, state, error, norm_eps), with None for every tensor the variant does not use.
+    gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale, fp8_data, fp8_scale, aux,
+    slots, peers, state, error, norm_eps), with None for every tensor the variant does not use.
     """
-    y_source, shared, pre, mxfp8, aux = variant
+    y_source, shared, pre, mxfp8, aux, fp8 = variant
     T, top_k = cute.sym_int(), cute.sym_int()
     bf16 = lambda shape: fake_tensor(BFloat16, shape, divisibility=8)  # noqa: E731
     f32 = lambda shape: fake_tensor(Float32, shape, divisibility=1)  # noqa: E731
@@ -89,6 +95,8 @@ def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
         bf16((T, H)) if pre else None,  # out
         fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
         fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
+        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if fp8 else None,
+        fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=1) if fp8 else None,  # [H/128, T_pad]
         bf16((T, H)) if aux else None,
         bf16((GENERATIONS, world_size + 1, cute.sym_int(), H)) if peers else None,  # receive slots
         fake_tensor(Int64, (world_size,), divisibility=1) if peers else None,  # peer slot addresses
@@ -113,6 +121,7 @@ def compile_fused_boundary(
     pre: bool,
     mxfp8: bool,
     aux: bool,
+    fp8: str | None,
     config: BoundaryConfig,
     world_size: int,
     protocol: str,
@@ -122,7 +131,7 @@ def compile_fused_boundary(
 ) -> Callable[..., Any]:
     """Compile one fused-boundary variant: the flags, the launch shape, the world size, the protocol and whether
     the exchange is staged."""
-    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux)
+    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8)
     kernel = FusedBoundaryKernel(
         H,
         config,
@@ -131,6 +140,7 @@ def compile_fused_boundary(
         pre=pre,
         mxfp8=mxfp8,
         aux=aux,
+        fp8=fp8,
         world_size=world_size,
         protocol=protocol,
         staged=staged,
@@ -176,7 +186,7 @@ def variant_name(v: BoundaryVariant) -> str:
     """A short readable name of a variant, e.g. "moe+shared pre mxfp8 aux"."""
     parts = [v.y_source + ("+shared" if v.shared else "")]
     parts.append("pre" if v.pre else "residual-only")
-    parts += [flag for flag, on in (("mxfp8", v.mxfp8), ("aux", v.aux)) if on]
+    parts += [flag for flag, on in (("mxfp8", v.mxfp8), (v.fp8, v.fp8 is not None), ("aux", v.aux)) if on]
     return " ".join(parts)
 
 
@@ -221,7 +231,7 @@ def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: Bound
     """Launch a compiled fused-boundary kernel once on one row of scratch buffers of its own, so that CUDA loads
     its module now. With peers, every peer address is this launch's own slots, which hold data (no sentinel)
     already: every wait of the exchange ends at once, and nothing outside the scratch is touched."""
-    y_source, shared, pre, mxfp8, aux = variant
+    y_source, shared, pre, mxfp8, aux, fp8 = variant
     bf16 = lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16, device=device)  # noqa: E731
     f32 = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
     moe = y_source == "moe"
@@ -246,6 +256,8 @@ def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: Bound
         bf16(1, H) if pre else None,
         torch.zeros(1, H, dtype=torch.float8_e4m3fn, device=device) if mxfp8 else None,
         torch.zeros(mxfp8_scale_bytes(1, H), dtype=torch.uint8, device=device) if mxfp8 else None,
+        torch.zeros(1, H, dtype=torch.float8_e4m3fn, device=device) if fp8 else None,
+        f32(H // FP8_GROUP, 4) if fp8 else None,
         bf16(1, H) if aux else None,
         slots,
         torch.full((world_size,), slots.data_ptr(), dtype=torch.int64, device=device) if peers else None,
@@ -288,12 +300,16 @@ def fused_boundary(
     out: torch.Tensor | None = None,
     mxfp8_data: torch.Tensor | None = None,
     mxfp8_scale: torch.Tensor | None = None,
+    fp8_data: torch.Tensor | None = None,
+    fp8_scale: torch.Tensor | None = None,
+    fp8_form: str | None = None,
     aux: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
     peer: PeerArgs | None = None,
     arch: str,
 ) -> None:
-    """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, aux).
+    """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, FP8 1x128 in the
+    form `fp8_form` of FP8_FORMS, aux).
 
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
     combine (plus `shared`, the shared-expert output); with `peer`, the rank-order sum of that partial
@@ -304,7 +320,12 @@ def fused_boundary(
     if rows == 0:
         return
     variant = BoundaryVariant(
-        "x" if moe is None else "moe", shared is not None, pre is not None, mxfp8_data is not None, aux is not None
+        "x" if moe is None else "moe",
+        shared is not None,
+        pre is not None,
+        mxfp8_data is not None,
+        aux is not None,
+        None if fp8_data is None else fp8_form,
     )
     g, ew, idx = moe if moe is not None else (None, None, None)
     if peer is None:
@@ -349,6 +370,8 @@ def fused_boundary(
         out,
         mxfp8_data,
         mxfp8_scale,
+        fp8_data,
+        fp8_scale,
         aux,
         slots,
         peers,

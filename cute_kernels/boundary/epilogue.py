@@ -1,6 +1,7 @@
 """The boundary's epilogue role (CONTRACT §2 steps 2-6) on a row's y in registers: the new streams
 R'[j] = bf16(post[j]*y + sum_k comb[k, j]*R[k]) (and aux, their mean), the collapse c = bf16(sum_j pre[j]*R'[j])
-of the rounded R', the RMS of the rounded c over the row's cluster, then out = bf16(c * inv * w) and its MXFP8."""
+of the rounded R', the RMS of the rounded c over the row's cluster, then out = bf16(c * inv * w) and its MXFP8 and
+FP8 1x128 forms."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 
 from cute_kernels import HC, VEC, ptx, reduce
 from cute_kernels.boundary.loads import Ctx, row_major
-from cute_kernels.quant import Mxfp8Writer
+from cute_kernels.quant import Fp8GroupWriter, Mxfp8Writer
 
 
 class Epilogue:
     """Post, collapse, aux and RMSNorm of rows whose columns are split over a cluster of `cluster_n` CTAs."""
 
     def __init__(
-        self, H: int, cluster_n: int, threads: int, vpt: int, *, pre: bool, mxfp8: bool, aux: bool, spin: bool = False
+        self,
+        H: int,
+        cluster_n: int,
+        threads: int,
+        vpt: int,
+        *,
+        pre: bool,
+        mxfp8: bool,
+        aux: bool,
+        fp8: str | None = None,
+        spin: bool = False,
     ) -> None:
         self.H = H
         self.cluster_n = cluster_n
@@ -35,6 +46,8 @@ class Epilogue:
         # cute.arch.mbarrier_wait, whose retry suspends the warp with a 10 ms hint; the CTA's warps enter it together.
         self.spin = spin
         self.quant = Mxfp8Writer(H, H // cluster_n, threads) if mxfp8 else None
+        # FP8 1x128 (`fp8`: "fp8_1x128", or "fp8_1x128_ue8m0" with power-of-two scales).
+        self.fp8 = None if fp8 is None else Fp8GroupWriter(H, ue8m0=fp8 == "fp8_1x128_ue8m0")
 
     @cute.jit
     def premix(self, ctx: Ctx, rR: cute.Tensor, comb: list):
@@ -132,7 +145,7 @@ class Epilogue:
 
     @cute.jit
     def finish_row(self, ctx: Ctx, row: Int32, rC: cute.Tensor, sumsq: Float32, stage: int, phase: Int32):
-        """The row's RMS over the cluster, then out (and MXFP8)."""
+        """The row's RMS over the cluster, then out (and its MXFP8 and FP8 1x128 forms)."""
         vpt = const_expr(self.vpt)
         total = self.row_sum(sumsq, ctx.sRed, ctx.mbar, ctx.cta, stage, phase)
         inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + ctx.eps)
@@ -145,6 +158,8 @@ class Epilogue:
             self.store_words(words, cute.local_tile(ctx.mOut[row, None], (VEC,), (ctx.vcols[v],)), ctx.valid[v])
             if const_expr(self.mxfp8):
                 self.quant.quantize_vector(words, ctx.mQ, ctx.mScale, row, ctx.vcols[v], ctx.valid[v])
+            if const_expr(self.fp8 is not None):
+                self.fp8.quantize_vector(words, ctx.mQ8, ctx.mScale8, row, ctx.rows, ctx.vcols[v], ctx.valid[v])
 
     @cute.jit
     def row_sum(

@@ -1,4 +1,4 @@
-"""The fused decode boundary of one rank (CONTRACT §2 steps 2-6): mHC post, collapse, RMSNorm, MXFP8.
+"""The fused decode boundary of one rank (CONTRACT §2 steps 2-6): mHC post, collapse, RMSNorm, MXFP8 / FP8 1x128.
 
 Layout: one thread-block cluster of `cluster_n` CTAs per row; CTA `r` of the cluster owns the
 contiguous columns [r*C, (r+1)*C) with C = H / cluster_n a multiple of 128, and thread `t` owns
@@ -51,6 +51,7 @@ class FusedBoundaryKernel:
         pre: bool = True,
         mxfp8: bool = False,
         aux: bool = False,
+        fp8: str | None = None,
         world_size: int = 1,
         protocol: str = "oneshot",
         staged: bool = False,
@@ -72,7 +73,7 @@ class FusedBoundaryKernel:
         # (docs/PERF.md decisions: spin).
         spin = world_size > 1 and not staged and y_source == "x"
         self.epilogue = Epilogue(
-            H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux, spin=spin
+            H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux, fp8=fp8, spin=spin
         )
         self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
         # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots. `staged`:
@@ -131,6 +132,8 @@ class FusedBoundaryKernel:
         mOut: cute.Tensor | None,  # [T, H] bf16
         mQ: cute.Tensor | None,  # [T, H] e4m3
         mScale: cute.Tensor | None,  # [roundup(T, 128) * H/32] uint8, swizzled 128x4
+        mQ8: cute.Tensor | None,  # [T, H] e4m3, FP8 1x128
+        mScale8: cute.Tensor | None,  # [H/128, T_pad] fp32, column-major per token
         mAux: cute.Tensor | None,  # [T, H] bf16
         mSlots: cute.Tensor | None,  # W > 1: [generations, W + 1, max_rows, H] bf16, this rank's receive slots
         mPeers: cute.Tensor | None,  # W > 1: [W] int64, every rank's receive-slot base address
@@ -158,6 +161,8 @@ class FusedBoundaryKernel:
             mOut,
             mQ,
             mScale,
+            mQ8,
+            mScale8,
             mAux,
             mSlots,
             mPeers,
@@ -192,6 +197,8 @@ class FusedBoundaryKernel:
         mOut: cute.Tensor | None,
         mQ: cute.Tensor | None,
         mScale: cute.Tensor | None,
+        mQ8: cute.Tensor | None,
+        mScale8: cute.Tensor | None,
         mAux: cute.Tensor | None,
         mSlots: cute.Tensor | None,
         mPeers: cute.Tensor | None,
@@ -261,6 +268,8 @@ class FusedBoundaryKernel:
             mOut=mOut,
             mQ=mQ,
             mScale=mScale,
+            mQ8=mQ8,
+            mScale8=mScale8,
             mAux=mAux,
             mError=mError,
             eps=eps,

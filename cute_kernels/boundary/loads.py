@@ -42,6 +42,8 @@ class Ctx:
     mOut: cute.Tensor | None
     mQ: cute.Tensor | None
     mScale: cute.Tensor | None
+    mQ8: cute.Tensor | None
+    mScale8: cute.Tensor | None
     mAux: cute.Tensor | None
     mError: cute.Tensor | None
     eps: Float32
