@@ -121,10 +121,10 @@ def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]])
     assert not failed, "late ranks failed:\n" + _table(failed)
 
 
-def _fresh(world: int, late: int, loading: str, seed: int) -> dict[str, str]:
+def _fresh(world: int, late: int, loading: str, seed: int, kinds: tuple[str, ...] = ()) -> dict[str, str]:
     out = subprocess.run(
         [sys.executable, "-m", "tests.late_rank_case", "--world", str(world), "--late", str(late), "--loading",
-         loading, "--seed", str(seed)],
+         loading, "--seed", str(seed)] + (["--kinds", *kinds] if kinds else []),
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -132,9 +132,8 @@ def _fresh(world: int, late: int, loading: str, seed: int) -> dict[str, str]:
 
 
 def test_first_launches_in_fresh_processes_stall_no_rank() -> None:
-    """Ten fresh processes per W, each launching torch's sleep kernel and a GEMM kernel for the first time on its
-    late rank, and compiling a kernel there: with eager module loading (and the cuBLAS handle made by a warm-up GEMM
-    before any boundary spins) no trial fails."""
+    """Ten fresh processes per W, each launching torch's sleep kernel for the first time on its late rank, compiling a
+    kernel there and allocating device memory there: with eager module loading no trial fails."""
     cells: dict[str, list[str]] = defaultdict(list)
     plan = [(world, (0, world // 2, world - 1)[k % 3], k) for world in WORLDS for k in range(FRESH_PROCESSES)]
     with ThreadPoolExecutor(4) as pool:  # four processes at a time share the GPU (its contexts time-slice)
@@ -145,6 +144,16 @@ def test_first_launches_in_fresh_processes_stall_no_rank() -> None:
     _write("first_launch_eager", cells)
     failed = {c: r for c, r in cells.items() if any(r)}
     assert not failed, "first launches stalled ranks:\n" + _table(failed)
+
+
+def test_a_cublas_kernels_first_launch_stalls_a_shared_context_even_with_eager_loading() -> None:
+    """Why CONTRACT §7 asks ranks sharing a context to run every GEMM shape once before any boundary spins: cuBLAS
+    loads a kernel at its first launch whatever CUDA_MODULE_LOADING says (its output allocated and its stream's
+    workspace made beforehand), and that load waits for the peers' spinning grids (measured: 30 of 30 trials)."""
+    errors = [_fresh(2, 1, "eager", seed=200 + k, kinds=("gemm",))["gemm"] for k in range(3)]
+    _write("first_launch_cublas", {"W2 first launch: cuBLAS GEMM": errors})
+    assert any(errors), "a cuBLAS kernel's first launch stalled nothing: CONTRACT §7's warm-up rule rests on a stale fact"
+    assert all("gave up waiting" in e for e in errors if e), errors
 
 
 def test_negative_control_lazy_loading_brings_the_stall_back() -> None:
@@ -170,16 +179,22 @@ def test_negative_control_a_rank_absent_past_the_timeout_is_reported() -> None:
     assert late_rank.trial(ranks, "oneshot", 2, lambda: delays.sleep(5.0), seed=8).error == "", "after reset(): exact"
 
 
-def test_warmup_loads_every_variant_onto_the_gpu() -> None:
-    """Asked of the driver in a fresh process with lazy loading: a kernel never launched reads "unloaded" (the
-    probe's control), and the kernels of variants nothing but warmup() had launched read "loaded"."""
-    out = subprocess.run([sys.executable, "-m", "tests.module_loading_case"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+def _loading_case(flag: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "tests.module_loading_case", flag], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    states = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])["error"]
+
+
+def test_warmup_loads_every_variant_onto_the_gpu() -> None:
+    """In fresh processes with lazy loading, a rank launches its variant for the first time while its peer spins (a
+    MoE boundary, the shared output on one rank only): after warmup() nothing stalls; the control, the same kernels
+    compiled but never launched, stalls the peer to its timeout (the load waits for the spinning grid)."""
+    states = {"after warmup()": [_loading_case("--warmup") for _ in range(2)],
+              "control: never launched": [_loading_case("--not-loaded") for _ in range(2)]}  # fmt: skip
     _write("module_loading", states)
-    assert states["control_never_launched"] == ["unloaded"], f"the probe cannot see an unloaded kernel: {states}"
-    assert all(s and set(s) == {"loaded"} for s in states["after_warmup"].values()), states
+    assert states["after warmup()"] == ["", ""], states
+    assert all("gave up waiting for rank(s) [1]" in e for e in states["control: never launched"]), states
 
 
 def test_a_peer_kernel_never_loaded_raises_before_it_launches() -> None:
