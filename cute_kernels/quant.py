@@ -206,7 +206,7 @@ class Fp8GroupWriter:
         padded: Int32,
     ):
         """The 8 e4m3 bytes of a vector, and from the group's first lane its scale (after the last row, the zeros of
-        the padding rows T..T_pad-1 of its column)."""
+        the padding rows T..T_pad-1 of its column: docs/PERF.md decisions: Fp8GroupWriter.store)."""
         ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
         if lane % FP8_GROUP_LANES == 0:
             ptx.st_global_b32(scale_addr, sf_bits)
