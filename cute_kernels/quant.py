@@ -157,25 +157,8 @@ class Fp8GroupWriter:
         """FP8 1x128 of one 8-element vector (4 packed bf16 words) of column vector `vcol` of `row` (of `rows`):
         sf = max(amax, 1e-4) / 448 (IEEE division; NaN stays NaN), q = e4m3(x * (1 / sf)). Idle tail lanes come in
         whole groups (a chunk is a multiple of 128 columns): they only skip the stores."""
-        # amax over bf16 bit patterns: |x| orders like its bits, and NaN sorts above Inf.
-        amax = Uint32(0)
-        for i in cutlass.range_constexpr(4):
-            amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
-        for off in cutlass.range_constexpr(4):
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
-        a = ptx.f32_from_bits(amax << 16)
-        # A select, not fmax: fmax would turn a NaN amax into the floor.
-        a = Float32(cutlass.select_(a < Float32(FP8_GROUP_AMAX_FLOOR), Float32(FP8_GROUP_AMAX_FLOOR), a))
-        sf = amax_over_e4m3_max(a, amax >= Uint32(0x7F80))
-        if const_expr(self.ue8m0):
-            sf = ceil_to_ue8m0(sf)
-            # A power of two 2^(e-127), e in [1, 254]: its reciprocal 2^(127-e) is exact; 0 for Inf, NaN for NaN.
-            e = Int32((ptx.f32_bits(sf) >> 23) & Uint32(0xFF))
-            inverse = ptx.f32_from_bits(Uint32(cutlass.max(Int32(254) - e, Int32(1))) << 23)
-            inverse = Float32(cutlass.select_(e == Int32(254), Float32(2.0**-127), inverse))
-            inverse = Float32(cutlass.select_(e == Int32(0xFF), ptx.rcp_rn(sf), inverse))
-        else:
-            inverse = ptx.rcp_rn(sf)
+        amax = self.group_amax(words)
+        sf, inverse = self.scale(amax)
         q = []
         for i in cutlass.range_constexpr(8):
             x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
@@ -193,6 +176,35 @@ class Fp8GroupWriter:
                 self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows, padded)
 
     @cute.jit
+    def group_amax(self, words: list) -> Uint32:
+        """max |x| of the group as a bf16 magnitude bit pattern, on every lane of the group: |x| orders like its bits,
+        and NaN sorts above Inf."""
+        amax = Uint32(0)
+        for i in cutlass.range_constexpr(4):
+            amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
+        for off in cutlass.range_constexpr(4):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
+        return amax
+
+    @cute.jit
+    def scale(self, amax: Uint32) -> tuple:
+        """(sf, 1 / sf) of a group from its amax bits: the rule's IEEE quotient and reciprocal."""
+        a = ptx.f32_from_bits(amax << 16)
+        # A select, not fmax: fmax would turn a NaN amax into the floor.
+        a = Float32(cutlass.select_(a < Float32(FP8_GROUP_AMAX_FLOOR), Float32(FP8_GROUP_AMAX_FLOOR), a))
+        sf = amax_over_e4m3_max(a, amax >= Uint32(0x7F80))
+        if const_expr(self.ue8m0):
+            sf = ceil_to_ue8m0(sf)
+            # A power of two 2^(e-127), e in [1, 254]: its reciprocal 2^(127-e) is exact; 0 for Inf, NaN for NaN.
+            e = Int32((ptx.f32_bits(sf) >> 23) & Uint32(0xFF))
+            inverse = ptx.f32_from_bits(Uint32(cutlass.max(Int32(254) - e, Int32(1))) << 23)
+            inverse = Float32(cutlass.select_(e == Int32(254), Float32(2.0**-127), inverse))
+            inverse = Float32(cutlass.select_(e == Int32(0xFF), ptx.rcp_rn(sf), inverse))
+        else:
+            inverse = ptx.rcp_rn(sf)
+        return sf, inverse
+
+    @cute.jit
     def store(
         self,
         q_addr: Int64,
@@ -205,9 +217,19 @@ class Fp8GroupWriter:
         rows: Int32,
         padded: Int32,
     ):
-        """The 8 e4m3 bytes of a vector, and from the group's first lane its scale (after the last row, the zeros of
-        the padding rows T..T_pad-1 of its column: docs/PERF.md decisions: Fp8GroupWriter.store)."""
+        """The 8 e4m3 bytes of a vector, then the group's scale."""
+        self.store_data(q_addr, q_lo, q_hi)
+        self.store_scale(scale_addr, sf_bits, lane, row, rows, padded)
+
+    @cute.jit
+    def store_data(self, q_addr: Int64, q_lo: Uint32, q_hi: Uint32):
+        """The 8 e4m3 bytes of a vector."""
         ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
+
+    @cute.jit
+    def store_scale(self, scale_addr: Int64, sf_bits: Uint32, lane: Int32, row: Int32, rows: Int32, padded: Int32):
+        """From the group's first lane its scale and, after the last row, the zeros of the padding rows T..T_pad-1 of
+        its column (docs/PERF.md decisions: Fp8GroupWriter.store)."""
         if lane % FP8_GROUP_LANES == 0:
             ptx.st_global_b32(scale_addr, sf_bits)
             if row == rows - 1:

@@ -13,7 +13,7 @@ import argparse
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, Uint32, const_expr
+from cutlass import Uint32, const_expr
 
 from bench.kernels import boundary_inputs
 from bench.timing import GraphTimer
@@ -22,7 +22,7 @@ from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import arch_for_device
-from cute_kernels.quant import FP8_GROUP_LANES, Fp8GroupWriter, amax_over_e4m3_max
+from cute_kernels.quant import Fp8GroupWriter
 
 SETS = 20
 DROPS = ("shuffles", "rcp", "scale stores", "data stores")
@@ -36,36 +36,32 @@ class AblatedWriter(Fp8GroupWriter):
         self.drop = drop
 
     @cute.jit
-    def quantize_vector(self, words, mQ, mScale, row, rows, vcol, valid):
-        amax = Uint32(0)
+    def group_amax(self, words: list) -> Uint32:
+        if const_expr(self.drop != "shuffles"):
+            return super().group_amax(words)
+        amax = Uint32(0)  # this lane's own 8 values only
         for i in cutlass.range_constexpr(4):
             amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
-        if const_expr(self.drop != "shuffles"):
-            for off in cutlass.range_constexpr(4):
-                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
-        a = ptx.f32_from_bits(amax << 16)
-        a = Float32(cutlass.select_(a < Float32(1e-4), Float32(1e-4), a))
-        sf = amax_over_e4m3_max(a, amax >= Uint32(0x7F80))
-        inverse = ptx.rcp_approx(sf) if const_expr(self.drop == "rcp") else ptx.rcp_rn(sf)
-        q = []
-        for i in cutlass.range_constexpr(8):
-            x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
-            q.append(ptx.mul_rn(x, inverse))
-        q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
-        q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
-        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * 8))
-        padded = mScale.shape[1]
-        scale_addr = mScale.iterator.toint() + (Int64(vcol // FP8_GROUP_LANES) * Int64(padded) + Int64(row)) * 4
-        if const_expr(self.drop != "data stores"):
-            ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
-        else:  # keep the data live without storing it
-            ptx.st_global_b32(scale_addr, q_lo ^ q_hi)
+        return amax
+
+    @cute.jit
+    def scale(self, amax: Uint32) -> tuple:
+        sf, inverse = super().scale(amax)
+        if const_expr(self.drop == "rcp"):
+            inverse = ptx.rcp_approx(sf)  # rcp.rn left to dead-code elimination
+        return sf, inverse
+
+    @cute.jit
+    def store_data(self, q_addr, q_lo, q_hi):
+        if const_expr(self.drop == "data stores"):
+            ptx.st_global_b32(q_addr, q_lo ^ q_hi)  # 4 bytes where 8 went: keeps the data live
+        else:
+            super().store_data(q_addr, q_lo, q_hi)
+
+    @cute.jit
+    def store_scale(self, scale_addr, sf_bits, lane, row, rows, padded):
         if const_expr(self.drop != "scale stores"):
-            if cute.arch.lane_idx() % FP8_GROUP_LANES == 0:
-                ptx.st_global_b32(scale_addr, ptx.f32_bits(sf))
-                if row == rows - 1:
-                    for p in cutlass.range(rows, padded):
-                        ptx.st_global_b32(scale_addr + Int64(p - row) * 4, Uint32(0))
+            super().store_scale(scale_addr, sf_bits, lane, row, rows, padded)
 
 
 def compiled(H: int, arch: str, form: str) -> object:
