@@ -1,6 +1,6 @@
 """The fused mHC decode boundary for DeepSeek-V4.1-style models: the public names of CONTRACT §5."""
 
-from boundary.all_reduce import BoundaryAllReduce
+from boundary.all_reduce import BoundaryAllReduce, BoundaryPath
 from boundary.mhc import mhc_post, mhc_pre_delayed, mhc_pre_delayed_overlap
 from boundary.params import MHCParams
 from boundary.reference import mxfp8_scale_bytes
@@ -17,6 +17,7 @@ from boundary.types import (
 __all__ = [
     "MHC_OVERLAP_MAX_ROWS",
     "BoundaryAllReduce",
+    "BoundaryPath",
     "Boundaries",
     "BoundaryState",
     "DecodeStep",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import weakref
@@ -24,14 +25,12 @@ from cute_kernels.allreduce.protocol import (
     PROTOCOLS,
 )
 from cute_kernels.boundary import api as boundary_api
-from cute_kernels.boundary.config import default_config
-from cute_kernels.compile import arch_for_device, lazy_module_loading, warmup
+from cute_kernels.compile import lazy_module_loading, warmup
 
 log = logging.getLogger("boundary")
 
 BF16 = torch.bfloat16
 F32 = torch.float32
-BACKENDS = ("auto", "kernel", "reference")
 # A peer later than this is taken for gone (CONTRACT §7): long enough for any host-side skew between
 # ranks (a Python pause, a first-call load), short enough that a dead rank surfaces as an error.
 DEFAULT_TIMEOUT_US = 10_000_000
@@ -50,14 +49,34 @@ def from_handle(handle: int) -> BoundaryAllReduce:
                          "BoundaryAllReduce alive while anything calls an op with it") from None  # fmt: skip
 
 
-def multi_rank_path(world_size: int, peers_map: Callable[[], tuple[bool, str]]) -> tuple[str, str]:
+class BoundaryPath(str, enum.Enum):
+    """How a BoundaryAllReduce computes its boundaries, chosen once at construction (CONTRACT §7); equal to its name
+    as a string ("kernel", "peer", "nccl+kernel", "reference")."""
+
+    KERNEL = "kernel"  # W = 1 on sm_90a / sm_100a: the fused kernel
+    PEER = "peer"  # W > 1, every rank maps every other's memory: the fused kernel with the all-reduce inside
+    NCCL_KERNEL = "nccl+kernel"  # W > 1 otherwise: an NCCL all-reduce, then the one-rank kernel
+    REFERENCE = "reference"  # the CPU, or backend="reference": torch.distributed and the torch epilogue
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# The paths whose boundary is the fused kernel's single launch (the all-reduce inside it, or none).
+FUSED_PATHS = frozenset((BoundaryPath.KERNEL, BoundaryPath.PEER))
+
+
+def multi_rank_path(world_size: int, peers_map: Callable[[], tuple[bool, str]]) -> tuple[BoundaryPath, str]:
     """The path of a W > 1 rank on a supported GPU, and why it is not "peer": "peer" where the peer protocol serves
     W and every rank maps every other's memory (`peers_map()`: whether, and why not; a collective, so it runs only
     where W is served, which every rank of the group decides alike), else "nccl+kernel"."""
     if world_size not in PEER_WORLD_SIZES:
-        return "nccl+kernel", f"the peer protocol is built for {PEER_WORLD_SIZES} ranks, not {world_size}"
+        return BoundaryPath.NCCL_KERNEL, f"the peer protocol is built for {PEER_WORLD_SIZES} ranks, not {world_size}"
     can_map, why = peers_map()
-    return ("peer", "") if can_map else ("nccl+kernel", f"peers cannot map each other: {why}")
+    return (BoundaryPath.PEER, "") if can_map else (BoundaryPath.NCCL_KERNEL, f"peers cannot map each other: {why}")
 
 
 class BoundaryAllReduce:
@@ -98,18 +117,18 @@ class BoundaryAllReduce:
         # The checked values (plain ints: a numpy int would key its own compile cache entries).
         hidden_size, max_rows, timeout_us = self.hidden_size, self.max_rows, self.timeout_us
         why = ""
+        self.path: BoundaryPath
         if self.arch is None:
-            self.path = "reference"
+            self.path = BoundaryPath.REFERENCE
             self.workspace = Workspace(hidden_size, max_rows, self.device)
         elif self.world_size == 1:
-            self.path = "kernel"
+            self.path = BoundaryPath.KERNEL
             self.workspace = Workspace(hidden_size, max_rows, self.device)
         else:
             self.path, why = multi_rank_path(self.world_size, lambda: peers_can_map(group, self.device))
-            if self.path == "peer":
+            if self.path == BoundaryPath.PEER:
                 sharing = ranks_on_each_device(group, self.device)
-                config = default_config(hidden_size, self.arch, sharing, self.world_size)
-                launch = (config.cluster_n, config.threads, config.max_clusters)
+                launch = boundary_api.peer_launch_shape(hidden_size, self.arch, sharing, self.world_size)
                 if sharing > 1:  # processes sharing a GPU: CUDA IPC (symmetric memory takes one rank per GPU)
                     self.workspace = Workspace.ipc(hidden_size, max_rows, self.device, group, timeout_us, launch,
                                                    sharing)  # fmt: skip
@@ -131,8 +150,8 @@ class BoundaryAllReduce:
         hc_mult = checks.integer("hc_mult", hc_mult)
         if hc_mult != 4:
             raise ValueError(f"hc_mult must be 4 (the mHC models this boundary serves), got {hc_mult!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in mhc.BACKENDS:
+            raise ValueError(f"backend must be one of {mhc.BACKENDS}, got {backend!r}")
         timeout_us = checks.positive_int("timeout_us", timeout_us)
         if world > MAX_WORLD:
             raise ValueError(f"the TP group has {world} ranks; the peer boundary serves at most {MAX_WORLD}")
@@ -152,11 +171,7 @@ class BoundaryAllReduce:
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
-        self.arch: str | None = None
-        if backend == "kernel" and self.device.type != "cuda":
-            raise ValueError(f"backend='kernel' needs a CUDA device, got device={self.device}")
-        if backend != "reference" and self.device.type == "cuda":
-            self.arch = arch_for_device(self.device)  # raises on GPUs without the kernels
+        self.arch = mhc.kernel_arch(self.device, backend)  # raises on GPUs without the kernels
         # Checked where the path is not known yet: with the receive slots wherever the peer path may run, and for
         # simulated ranks (no group) every rank's buffers on the one GPU, once.
         if group is not None or rank == 0:
@@ -165,14 +180,14 @@ class BoundaryAllReduce:
 
     def _log_path(self, why: str) -> None:
         how = {
-            "kernel": f"the fused CuTe DSL kernel ({self.arch}), one launch per boundary",
-            "peer": f"the fused kernel with the peer all-reduce inside ({self.arch}), one launch per boundary"
-            + (", simulated ranks sharing one GPU" if self.simulated_ranks else ""),
-            "nccl+kernel": f"an NCCL all-reduce, then the fused kernel ({self.arch}): {why}",
-            "reference": "all-gather through torch.distributed, rank-order sum, torch epilogue",
+            BoundaryPath.KERNEL: f"the fused CuTe DSL kernel ({self.arch}), one launch per boundary",
+            BoundaryPath.PEER: f"the fused kernel with the peer all-reduce inside ({self.arch}), one launch per "
+            "boundary" + (", simulated ranks sharing one GPU" if self.simulated_ranks else ""),
+            BoundaryPath.NCCL_KERNEL: f"an NCCL all-reduce, then the fused kernel ({self.arch}): {why}",
+            BoundaryPath.REFERENCE: "all-gather through torch.distributed, rank-order sum, torch epilogue",
         }[self.path]
         # The NCCL path is the fused one's fallback: said where a default logging setup shows it.
-        level = logging.WARNING if self.path == "nccl+kernel" else logging.INFO
+        level = logging.WARNING if self.path == BoundaryPath.NCCL_KERNEL else logging.INFO
         log.log(level, "BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
                 self.rank, self.world_size, self.device, self.hidden_size, self.path, how)  # fmt: skip
 
@@ -211,7 +226,7 @@ class BoundaryAllReduce:
             ar = cls.__new__(cls)
             ar._setup(hidden_size, max_rows, 4, device, "kernel", timeout_us, rank, world_size, None)
             ar.simulated_ranks = True
-            ar.path = "peer"
+            ar.path = BoundaryPath.PEER
             ar.protocol = protocol
             ar.stream = torch.cuda.Stream(ar.device)
             ranks.append(ar)
@@ -278,7 +293,7 @@ class BoundaryAllReduce:
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size),
                                device=self.device, align16=a16)  # fmt: skip
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
-        if self.path in ("kernel", "peer"):
+        if self.path in FUSED_PATHS:
             return self._kernel(residual, *args, x=x, shared=shared_output)
         y = self._reduce(reference.add_shared(x, shared_output))
         return self._epilogue(y, residual, *args)
@@ -312,7 +327,7 @@ class BoundaryAllReduce:
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev,
                                align16=a16)  # fmt: skip
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
-        if self.path in ("kernel", "peer"):
+        if self.path in FUSED_PATHS:
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
             return self._kernel(residual, *args, moe=moe, shared=shared_output)
         partial = reference.moe_finalize(
@@ -332,7 +347,7 @@ class BoundaryAllReduce:
         if self.arch is None:
             log.info("BoundaryAllReduce.warmup: the %s path has nothing to compile", self.path)
             return
-        world = self.world_size if self.path == "peer" else 1
+        world = self.world_size if self.path == BoundaryPath.PEER else 1
         protocols = boundary_api.warmup_protocols(world, self.hidden_size, rows, self._protocol) if world > 1 else ()
         jobs = boundary_api.warmup_jobs(
             self.hidden_size, arch=self.arch, world_size=world, ranks_per_device=self.workspace.ranks_per_device,
@@ -456,7 +471,7 @@ class BoundaryAllReduce:
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
         peer = None
-        if self.path == "peer":
+        if self.path == BoundaryPath.PEER:
             peer = self._peer_args
             if peer is None:  # made once: this runs ~100 times per decode step
                 ws = self.workspace
@@ -484,7 +499,7 @@ class BoundaryAllReduce:
         """y of the "nccl+kernel" and "reference" paths from this rank's partial `x`."""
         if self.world_size == 1:
             return x
-        if self.path == "nccl+kernel":
+        if self.path == BoundaryPath.NCCL_KERNEL:
             # fp32 on the wire: NCCL's order is its own, but only the final bf16 rounding is ours.
             y32 = x.to(F32)
             dist.all_reduce(y32, group=self.group)
@@ -509,7 +524,7 @@ class BoundaryAllReduce:
         aux_out: Tensor | None,
         fp8_out: Fp8GroupActivation | None,
     ) -> tuple[Tensor, Tensor | None]:
-        if self.path == "nccl+kernel":
+        if self.path == BoundaryPath.NCCL_KERNEL:
             return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out, x=y)
         result = reference.boundary(
             y, residual, post, comb, pre, norm_weight, norm_eps, mxfp8=mxfp8_out is not None, aux=aux_out is not None,

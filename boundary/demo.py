@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep
-from boundary.all_reduce import BACKENDS
+from boundary.mhc import BACKENDS
 from boundary.toy import (
     ToyConfig,
     ToyModel,

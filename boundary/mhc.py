@@ -19,11 +19,11 @@ from cute_kernels import coefficients
 from cute_kernels.boundary.api import fused_boundary
 from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
 from cute_kernels.compile import WarmupJob, arch_for_device
+from cute_kernels.hardware import MAX_GRID_Y
 
 BF16 = torch.bfloat16
 F32 = torch.float32
 BACKENDS = ("auto", "kernel", "reference")
-MAX_GRID_Y = 65535  # clusters (the grid's y extent) of one launch
 _WORKSPACES: dict[tuple[torch.device, int], Any] = {}
 
 
@@ -33,7 +33,8 @@ def _device_arch(device: torch.device) -> str:
 
 
 def kernel_arch(device: torch.device, backend: str) -> str | None:
-    """The compile target the mHC ops use on `device`, or None for the torch reference."""
+    """The compile target the kernels take on `device` under `backend` (the mHC ops' and BoundaryAllReduce's one
+    choice), or None for the torch reference."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):

@@ -14,12 +14,9 @@ import torch
 from torch import Tensor
 
 from boundary.params import MHCParams
-from cute_kernels import HC
+from cute_kernels import E4M3_MAX, FP8_GROUP, HC, MXFP8_BLOCK, mxfp8_scale_bytes
 
 MIX_WIDTH = HC * (HC + 2)  # 24: pre (4), post (4), comb (16)
-MXFP8_BLOCK = 32
-FP8_GROUP = 128  # columns per scale of the FP8 1x128 form (CONTRACT §4b)
-E4M3_MAX = 448.0
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -111,12 +108,6 @@ def mean_of_streams(residual: Tensor) -> Tensor:
     for j in range(1, residual.shape[1]):
         acc = acc + r32[:, j]
     return (acc / residual.shape[1]).to(BF16)
-
-
-def mxfp8_scale_bytes(num_tokens: int, hidden_size: int) -> int:
-    """Bytes of the swizzled 128x4 E8M0 scale buffer for a [num_tokens, hidden_size] MXFP8 tensor."""
-    cols = -(-hidden_size // MXFP8_BLOCK)
-    return -(-num_tokens // 128) * 128 * (-(-cols // 4) * 4)
 
 
 def swizzled_scale_offsets(num_tokens: int, hidden_size: int, device: torch.device | str = "cpu") -> Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,26 +21,15 @@ from boundary.types import (
     empty_fp8_group,
     empty_quantized,
 )
+from cute_kernels.hardware import env_int
 
 # Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
 # the whole step up to 128 rows; from 256 rows inline is 0.8-1.6 % faster.
 MEASURED_OVERLAP_MAX_ROWS = 128
 
 
-def _overlap_max_rows_default() -> int:
-    raw = os.environ.get("MHC_OVERLAP_MAX_ROWS")
-    if raw is None:
-        return MEASURED_OVERLAP_MAX_ROWS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"MHC_OVERLAP_MAX_ROWS must be an int, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"MHC_OVERLAP_MAX_ROWS must be >= 0, got {value}")
-    return value
-
-
-MHC_OVERLAP_MAX_ROWS: int = _overlap_max_rows_default()
+_OVERLAP_ENV = env_int("MHC_OVERLAP_MAX_ROWS", 0)
+MHC_OVERLAP_MAX_ROWS: int = MEASURED_OVERLAP_MAX_ROWS if _OVERLAP_ENV is None else _OVERLAP_ENV
 """Steps of at most this many rows compute the coefficients on the layers' side streams."""
 
 QUANTIZE = ("mxfp8", "fp8_1x128", "fp8_1x128_ue8m0")

@@ -17,11 +17,6 @@ from cute_kernels import E4M3_MAX, FP8_GROUP, MXFP8_BLOCK, SCALE_WORD_COLS, VEC,
 E4M3_NAN_WORD = 0x7F7F7F7F
 
 
-def mxfp8_scale_bytes(rows: int, H: int) -> int:
-    """Bytes of the swizzled 128x4 scale buffer for [rows, H] (H a multiple of 128)."""
-    return -(-rows // 128) * 128 * (H // MXFP8_BLOCK)
-
-
 class Mxfp8Writer:
     """Writes the MXFP8 form of rows of H columns, of which a CTA of `threads` threads owns `chunk`."""
 

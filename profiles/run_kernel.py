@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import boundary_inputs, coefficient_inputs, coefficients_call, fused_call  # noqa: E402
-from cute_kernels.coefficients import CoefficientsConfig, default_config  # noqa: E402
+from cute_kernels.coefficients import CoefficientsConfig, coefficients_config  # noqa: E402
 from cute_kernels.compile import arch_for_device  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def main() -> None:
         if args.knobs:
             broadcast = args.variant == "broadcast"
             inline = args.variant == "inline"
-            config = replace(default_config(args.hidden, broadcast, args.rows, inline, arch=arch), **dict(args.knobs))
+            config = replace(coefficients_config(args.hidden, broadcast, args.rows, inline, arch=arch), **dict(args.knobs))
         inp = coefficient_inputs(args.rows, args.hidden, device, 0)
         call = coefficients_call(inp, arch, args.variant, config)
     for _ in range(args.calls):

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from boundary import checks
-from cute_kernels import hardware
+from cute_kernels import hardware, mxfp8_scale_bytes
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import BoundaryConfig, default_config, row_split
-from cute_kernels.quant import mxfp8_scale_bytes
 
 ARCHS = ("sm_90a", "sm_100a")
 MAIN = api.BoundaryVariant("x", shared=False, pre=True, mxfp8=True, aux=False)

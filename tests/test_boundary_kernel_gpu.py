@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from boundary import reference as ref
+from cute_kernels import mxfp8_scale_bytes
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import BoundaryConfig, default_config
-from cute_kernels.quant import mxfp8_scale_bytes
 from tests.bf16 import bitwise_equal, max_ulp, ulp_distance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -21,7 +21,7 @@ FORMS = (("standard", api.LAYER_INPUTS), ("broadcast", ("none", "one_hot")))
 
 
 def default(H: int, variant: str, rows: int = 1, inline: bool = False, arch: str = "sm_90a") -> CoefficientsConfig:
-    return tuning.default_config(H, variant == "broadcast", rows, inline, arch=arch)
+    return tuning.coefficients_config(H, variant == "broadcast", rows, inline, arch=arch)
 
 
 # --- the split along K (a function of H only) ----------------------------------------------------

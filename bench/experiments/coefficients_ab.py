@@ -122,7 +122,7 @@ def mark_default(
     cfgs: dict[str, CoefficientsConfig], H: int, broadcast: bool, rows: int, arch: str, inline: bool = False
 ) -> dict:
     """The same configs, with `*` after the label of the one the defaults pick for `rows` rows."""
-    default = tuning.default_config(H, broadcast, rows, inline, arch=arch)
+    default = tuning.coefficients_config(H, broadcast, rows, inline, arch=arch)
     return {f"{label}*" if cfg == default else label: cfg for label, cfg in cfgs.items()}
 
 

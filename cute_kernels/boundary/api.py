@@ -15,7 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from cute_kernels import FP8_GROUP, HC
+from cute_kernels import FP8_GROUP, HC, mxfp8_scale_bytes
 from cute_kernels.allreduce.protocol import (
     ERROR_WORDS,
     GENERATIONS,
@@ -37,7 +37,6 @@ from cute_kernels.compile import (
     launched,
     mark_launched,
 )
-from cute_kernels.quant import mxfp8_scale_bytes
 
 Y_SOURCES = ("x", "moe")
 FP8_FORMS = ("fp8_1x128", "fp8_1x128_ue8m0")  # the FP8 1x128 layer input: fp32 scales, or powers of two (UE8M0)
@@ -165,6 +164,13 @@ def compiled_boundary(
         return compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
     staged = staged_call(variant, config, rows)
     return compile_fused_boundary(H, *variant, config, world_size, protocol, staged, arch=arch)
+
+
+def peer_launch_shape(H: int, arch: str, ranks_per_device: int, world_size: int) -> tuple[int, int, int]:
+    """(CTAs per row, threads, cluster cap) of the peer kernels: what every rank of a group must share, since a call's
+    cluster count decides the two-shot owners."""
+    config = default_config(H, arch, ranks_per_device, world_size)
+    return config.cluster_n, config.threads, config.max_clusters
 
 
 def call_protocol(world_size: int, H: int, rows: int, forced: str | None) -> str:

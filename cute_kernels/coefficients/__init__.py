@@ -13,7 +13,7 @@ from cute_kernels.coefficients.api import (
 )
 from cute_kernels.coefficients.config import CoefficientsConfig, projection_split, projection_width
 from cute_kernels.coefficients.projection import SENTINEL
-from cute_kernels.coefficients.tuning import default_config
+from cute_kernels.coefficients.tuning import coefficients_config
 
 __all__ = [
     "MAX_ROWS",
@@ -22,7 +22,7 @@ __all__ = [
     "CoefficientsWorkspace",
     "compile_coefficients",
     "compile_layer_input",
-    "default_config",
+    "coefficients_config",
     "grid_clusters",
     "layer_input_mode",
     "mhc_coefficients",

@@ -16,7 +16,7 @@ from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, CoefficientsC
 from cute_kernels.coefficients.kernel import CoefficientsKernel
 from cute_kernels.coefficients.layer_input import LayerInputKernel
 from cute_kernels.coefficients.projection import SENTINEL
-from cute_kernels.coefficients.tuning import default_config, default_row_classes
+from cute_kernels.coefficients.tuning import coefficients_config, default_row_classes
 from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 MAX_ROWS = 16384  # rows of the largest workspace (and so of a call)
@@ -80,7 +80,7 @@ def _kernel(H: int, variant: str, layer_input: str, config: CoefficientsConfig) 
 
 def grid_clusters(H: int, broadcast: bool, layer_input: str, rows: int, *, arch: str) -> int:
     """The first launch's grid y extent of a call of `rows` rows with the shipped config (at most 65535)."""
-    config = default_config(H, broadcast, rows, layer_input != "none", arch=arch)
+    config = coefficients_config(H, broadcast, rows, layer_input != "none", arch=arch)
     return _kernel(H, "broadcast" if broadcast else "standard", layer_input, config).grid_clusters(rows)
 
 
@@ -100,7 +100,7 @@ def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) 
         for mode in modes:
             inline = mode != "none"
             for rows in default_row_classes(H, broadcast, inline, max_rows, arch=arch):
-                config = default_config(H, broadcast, rows, inline, arch=arch)
+                config = coefficients_config(H, broadcast, rows, inline, arch=arch)
                 name = f"coefficients H={H} {variant} layer_input={mode} tile={config.rows_per_tile}"
                 name += " split" if config.row_split > 1 else ""
                 key = (H, variant, mode, sinkhorn_repeat, config)
@@ -233,7 +233,7 @@ def mhc_coefficients(
         return
     H = x.shape[-1]
     if config is None:
-        config = default_config(H, broadcast, rows, layer_input_out is not None, arch=arch)
+        config = coefficients_config(H, broadcast, rows, layer_input_out is not None, arch=arch)
     mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None)
     compiled = compile_coefficients(
         H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch

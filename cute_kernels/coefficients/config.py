@@ -25,7 +25,7 @@ class CoefficientsConfig:
     """Compile-time launch shape: rows per tile, the split along K (warps per CTA, clusters along K), knobs.
 
     (warps, groups) fix the reduction order and are a function of H alone (`for_shape`), so every config
-    of one H gives the very same bits: the host picks one per call by row count (`tuning.default_config`)
+    of one H gives the very same bits: the host picks one per call by row count (`tuning.coefficients_config`)
     without breaking batch invariance. The knob defaults are the shipped 32-row tile schedule.
     - `rows_per_tile`: rows of one row tile (16-128; 256 or 512 with schedule "partials").
     - `warps`, `groups`: 32-column chunks per CTA and clusters of 8 CTAs along K (`projection_split`).
