@@ -11,8 +11,10 @@ import torch
 def gpu_arch() -> str | None:
     """The compile target of the GPU in hand, or None (with the reason printed) when there is none."""
     if not torch.cuda.is_available():
-        print("make bench: no CUDA GPU found. The fused CuTe DSL kernels need an sm_90a (H100/H200) or "
-              "sm_100a (B200) GPU; running the toy decode demo on the CPU (reference path) instead.")  # fmt: skip
+        print(
+            "make bench: no CUDA GPU found. The fused CuTe DSL kernels need an sm_90a (H100/H200) or "
+            "sm_100a (B200) GPU; running the toy decode demo on the CPU (reference path) instead."
+        )
         return None
     from cute_kernels.compile import UnsupportedGPUError, arch_for_device
 

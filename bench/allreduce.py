@@ -74,8 +74,14 @@ def warmup_every_protocol(ar: BoundaryAllReduce, variants: Sequence[Any] | None 
         from cute_kernels.boundary import api
         from cute_kernels.compile import warmup
 
-        jobs = api.warmup_jobs(ar.hidden_size, arch=ar.arch, world_size=ar.world_size,
-                               ranks_per_device=ar.workspace.ranks_per_device, variants=variants, protocols=PROTOCOLS)  # fmt: skip
+        jobs = api.warmup_jobs(
+            ar.hidden_size,
+            arch=ar.arch,
+            world_size=ar.world_size,
+            ranks_per_device=ar.workspace.ranks_per_device,
+            variants=variants,
+            protocols=PROTOCOLS,
+        )
         warmup(jobs, progress=False, device=ar.device)
         return
     with forced_protocol([ar], None):
@@ -132,8 +138,9 @@ def simulated_sequence(ranks: list[BoundaryAllReduce], sets: list[list[dict[str,
     return lambda: BoundaryAllReduce.run_simulated(ranks, [rank] * len(ranks))
 
 
-def one_rank_sequence(streams: Sequence[torch.cuda.Stream], one_rank: BoundaryAllReduce,
-                      sets: list[list[dict[str, Any]]]):  # fmt: skip
+def one_rank_sequence(
+    streams: Sequence[torch.cuda.Stream], one_rank: BoundaryAllReduce, sets: list[list[dict[str, Any]]]
+):
     """A closure launching one-rank boundaries (no exchange) the way the simulated ranks launch theirs: stream i runs
     rank i's inputs of all `sets` back to back. One stream: the one-rank kernel; W streams: what W ranks cost on
     this GPU before any byte is exchanged."""
@@ -178,8 +185,16 @@ def bench_allreduce(args: argparse.Namespace, arch: str, timer: GraphTimer, copy
     return out
 
 
-def bench_point(world: int, hidden: int, rows: int, max_rows: int, single: BoundaryAllReduce,
-                side: torch.cuda.Stream, timer: GraphTimer, copy_bw: float) -> dict[str, Any]:  # fmt: skip
+def bench_point(
+    world: int,
+    hidden: int,
+    rows: int,
+    max_rows: int,
+    single: BoundaryAllReduce,
+    side: torch.cuda.Stream,
+    timer: GraphTimer,
+    copy_bw: float,
+) -> dict[str, Any]:
     """One (W, H, rows) point of bench_allreduce: every time steady (long graph) and short (CALLS_PER_GRAPH)."""
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max_rows, device=timer.device)
     sets = rank_sets(world, rows, hidden, CALLS_PER_LONG_GRAPH, timer.device)
@@ -211,25 +226,39 @@ def bench_point(world: int, hidden: int, rows: int, max_rows: int, single: Bound
 
 def print_allreduce(rows: list[dict], copy_bw: float) -> None:
     """The simulated multi-rank table and the one-shot / two-shot switch it suggests per (W, H)."""
-    print(f"\nmulti-rank boundary, SIMULATED ranks (W kernels on one GPU, not NVLink), GPU us per call in a long graph "
-          f"(marginal, {CALLS_PER_GRAPH} -> {CALLS_PER_LONG_GRAPH} calls per rank); copy {copy_bw / 1e12:.2f} TB/s")  # fmt: skip
-    head = (f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} {'ships':>7} | {'1 rank':>7} {'W x 1':>7} "
-            f"{'gather':>7} | {'1s-bud':>7} {'2s-bud':>7} | {'1s-Wx1':>7} {'2s-Wx1':>7} | {'1s xB':>6} {'2s xB':>6}")  # fmt: skip
+    print(
+        f"\nmulti-rank boundary, SIMULATED ranks (W kernels on one GPU, not NVLink), GPU us per call in a long graph "
+        f"(marginal, {CALLS_PER_GRAPH} -> {CALLS_PER_LONG_GRAPH} calls per rank); copy {copy_bw / 1e12:.2f} TB/s"
+    )
+    head = (
+        f"{'W':>2} {'H':>5} {'rows':>4} | {'1-shot':>7} {'2-shot':>7} {'ships':>7} | {'1 rank':>7} {'W x 1':>7} "
+        f"{'gather':>7} | {'1s-bud':>7} {'2s-bud':>7} | {'1s-Wx1':>7} {'2s-Wx1':>7} | {'1s xB':>6} {'2s xB':>6}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_us']:7.2f} {r['twoshot_us']:7.2f} "
-              f"{r['shipped_protocol']:>7} | {r['one_rank_forked_us']:7.2f} {r['w_one_rank_forked_us']:7.2f} "
-              f"{r['gather_us']:7.2f} | {r['oneshot_over_budget_us']:+7.2f} {r['twoshot_over_budget_us']:+7.2f} | "
-              f"{r['oneshot_over_w_one_rank_us']:+7.2f} {r['twoshot_over_w_one_rank_us']:+7.2f} | "
-              f"{r['oneshot_x_bytes']:6.2f} {r['twoshot_x_bytes']:6.2f}")  # fmt: skip
-    print("(1 rank: the one-rank boundary on one forked stream; W x 1: W of them, one per rank stream, no exchange; "
-          "1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; 1s-Wx1 / 2s-Wx1: us "
-          "above W x 1; xB: time over all ranks' bytes at copy bandwidth)")  # fmt: skip
+        print(
+            f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | {r['oneshot_us']:7.2f} {r['twoshot_us']:7.2f} "
+            f"{r['shipped_protocol']:>7} | {r['one_rank_forked_us']:7.2f} {r['w_one_rank_forked_us']:7.2f} "
+            f"{r['gather_us']:7.2f} | {r['oneshot_over_budget_us']:+7.2f} {r['twoshot_over_budget_us']:+7.2f} | "
+            f"{r['oneshot_over_w_one_rank_us']:+7.2f} {r['twoshot_over_w_one_rank_us']:+7.2f} | "
+            f"{r['oneshot_x_bytes']:6.2f} {r['twoshot_x_bytes']:6.2f}"
+        )
+    print(
+        "(1 rank: the one-rank boundary on one forked stream; W x 1: W of them, one per rank stream, no exchange; "
+        "1s-bud / 2s-bud: us above the one-rank kernel + the extra bytes over copy bandwidth; 1s-Wx1 / 2s-Wx1: us "
+        "above W x 1; xB: time over all ranks' bytes at copy bandwidth)"
+    )
     print(f"\nthe same, us per call of a {CALLS_PER_GRAPH}-call graph (its launch, fork and first call included)")
-    print_us_table(rows, [("1-shot", "oneshot_short_us"), ("2-shot", "twoshot_short_us")],
-                   [("1 rank", "one_rank_forked_short_us"), ("W x 1", "w_one_rank_forked_short_us"),
-                    ("gather", "gather_short_us")])  # fmt: skip
+    print_us_table(
+        rows,
+        [("1-shot", "oneshot_short_us"), ("2-shot", "twoshot_short_us")],
+        [
+            ("1 rank", "one_rank_forked_short_us"),
+            ("W x 1", "w_one_rank_forked_short_us"),
+            ("gather", "gather_short_us"),
+        ],
+    )
     for key in sorted({(r["W"], r["H"]) for r in rows}):
         sel = sorted((r for r in rows if (r["W"], r["H"]) == key), key=lambda r: r["rows"])
         oneshot = [r["rows"] for r in sel if r["oneshot_us"] <= r["twoshot_us"]]
@@ -249,23 +278,38 @@ def print_multi_gpu(rows: list[dict]) -> None:
 
 def print_us_table(rows: list[dict], fused: list[tuple[str, str]], baselines: list[tuple[str, str]]) -> None:
     """A table of (W, H, rows) | the fused columns | the baseline columns, each (header, row key), in us."""
-    head = (f"{'W':>2} {'H':>5} {'rows':>4} | " + " ".join(f"{label:>7}" for label, _ in fused) + " | "
-            + " ".join(f"{label:>7}" for label, _ in baselines))  # fmt: skip
+    head = (
+        f"{'W':>2} {'H':>5} {'rows':>4} | "
+        + " ".join(f"{label:>7}" for label, _ in fused)
+        + " | "
+        + " ".join(f"{label:>7}" for label, _ in baselines)
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | " + " ".join(f"{r[key]:7.2f}" for _, key in fused) + " | "
-              + " ".join(f"{r[key]:7.2f}" for _, key in baselines))  # fmt: skip
+        print(
+            f"{r['W']:>2} {r['H']:>5} {r['rows']:>4} | "
+            + " ".join(f"{r[key]:7.2f}" for _, key in fused)
+            + " | "
+            + " ".join(f"{r[key]:7.2f}" for _, key in baselines)
+        )
 
 
-SIMULATED_SERIES = (("oneshot_us", "one-shot"), ("twoshot_us", "two-shot"), ("one_rank_forked_us", "one rank"),
-                    ("w_one_rank_forked_us", "W one-rank kernels, no exchange"),
-                    ("gather_us", "gather path (no all-gather)"))  # fmt: skip
+SIMULATED_SERIES = (
+    ("oneshot_us", "one-shot"),
+    ("twoshot_us", "two-shot"),
+    ("one_rank_forked_us", "one rank"),
+    ("w_one_rank_forked_us", "W one-rank kernels, no exchange"),
+    ("gather_us", "gather path (no all-gather)"),
+)
 # The NVLink columns: (row key, table header, plot label); the fused protocols first, then the baselines.
-MULTI_GPU_SERIES = (("oneshot_us", "1-shot", "fused one-shot"), ("twoshot_us", "2-shot", "fused two-shot"),
-                    ("nccl_kernel_us", "NCCL+k", "NCCL all-reduce + one-rank kernel"),
-                    ("symm_oneshot_kernel_us", "symm1+k", "symm-mem one-shot + one-rank kernel"),
-                    ("symm_twoshot_kernel_us", "symm2+k", "symm-mem two-shot + one-rank kernel"))  # fmt: skip
+MULTI_GPU_SERIES = (
+    ("oneshot_us", "1-shot", "fused one-shot"),
+    ("twoshot_us", "2-shot", "fused two-shot"),
+    ("nccl_kernel_us", "NCCL+k", "NCCL all-reduce + one-rank kernel"),
+    ("symm_oneshot_kernel_us", "symm1+k", "symm-mem one-shot + one-rank kernel"),
+    ("symm_twoshot_kernel_us", "symm2+k", "symm-mem two-shot + one-rank kernel"),
+)
 
 
 def plot_allreduce(rows: list[dict], path: Any, *, simulated: bool = True) -> None:
@@ -329,8 +373,9 @@ def _multi_gpu_worker(rank: int, world: int, port: int, args: argparse.Namespace
     dist.destroy_process_group()
 
 
-def _multi_gpu_hidden(rank: int, world: int, hidden: int, args: argparse.Namespace, device: torch.device,
-                      results: Any) -> None:  # fmt: skip
+def _multi_gpu_hidden(
+    rank: int, world: int, hidden: int, args: argparse.Namespace, device: torch.device, results: Any
+) -> None:
     """Every row count of one H on this rank's GPU; rank 0 records the rows."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
@@ -368,8 +413,11 @@ def _multi_gpu_hidden(rank: int, world: int, hidden: int, args: argparse.Namespa
                     lambda s=s: boundary_call(ar, s), device
                 )
         # Collectives: a failure on one rank would leave the others waiting, so none is caught here.
-        for key, fn in (("nccl_kernel_us", nccl_then_kernel), ("symm_oneshot_kernel_us", symm_oneshot_then_kernel),
-                        ("symm_twoshot_kernel_us", symm_twoshot_then_kernel)):  # fmt: skip
+        for key, fn in (
+            ("nccl_kernel_us", nccl_then_kernel),
+            ("symm_oneshot_kernel_us", symm_oneshot_then_kernel),
+            ("symm_twoshot_kernel_us", symm_twoshot_then_kernel),
+        ):
             row[key], row[key.replace("_us", "_short_us")] = _max_over_ranks(fn, device)
         if rank == 0:
             results.append(row)
@@ -410,8 +458,9 @@ def _slowest_rank_us(call: Any, device: torch.device, calls: int, samples: int =
     return statistics.median(per_sample[1:])
 
 
-def measure(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float, png: Callable[[str], Any]
-            ) -> tuple[str, list[dict]]:  # fmt: skip
+def measure(
+    args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float, png: Callable[[str], Any]
+) -> tuple[str, list[dict]]:
     """The multi-rank part ("nvlink": one process per GPU where there are several; else "simulated" ranks on one
     GPU) and its rows; its table printed and its plot written to png(label)."""
     if torch.cuda.device_count() > 1:

@@ -10,8 +10,9 @@ from torch import Tensor
 from boundary import reference
 
 
-def boundary_chain(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, w: Tensor, eps: float
-                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
+def boundary_chain(
+    y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, w: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """The W = 1 boundary as torch ops: mHC post, collapse, RMSNorm."""
     new = reference.mhc_post(y, residual, post, comb)
     return new, reference.rms_norm(reference.collapse(new, pre), w, eps)

@@ -35,8 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
-    p.add_argument("--parts", nargs="+", default=["boundary", "allreduce", "coefficients", "step"],
-                   choices=["boundary", "allreduce", "coefficients", "step"], help="what to measure")  # fmt: skip
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["boundary", "allreduce", "coefficients", "step"],
+        choices=["boundary", "allreduce", "coefficients", "step"],
+        help="what to measure",
+    )
     p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8], help="world sizes of the allreduce part")
     p.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--step-hidden", type=int, default=5120, help="hidden size of the toy decode step")
@@ -94,12 +99,22 @@ def fused_call(inp: dict[str, torch.Tensor], arch: str, quant: str | None):
 
     def call() -> None:
         boundary_api.fused_boundary(
-            residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"],
-            norm_weight=inp["norm_weight"], norm_eps=1e-20, x=inp["x"], new_residual=inp["new_residual"],
-            out=inp["out"], mxfp8_data=inp["mxfp8_data"] if mx else None,
-            mxfp8_scale=inp["mxfp8_scale"] if mx else None, fp8_data=inp["fp8_data"] if fp8 else None,
-            fp8_scale=inp["fp8_scale"] if fp8 else None, fp8_form=quant if fp8 else None, arch=arch,
-        )  # fmt: skip
+            residual=inp["residual"],
+            post=inp["post"],
+            comb=inp["comb"],
+            pre=inp["pre"],
+            norm_weight=inp["norm_weight"],
+            norm_eps=1e-20,
+            x=inp["x"],
+            new_residual=inp["new_residual"],
+            out=inp["out"],
+            mxfp8_data=inp["mxfp8_data"] if mx else None,
+            mxfp8_scale=inp["mxfp8_scale"] if mx else None,
+            fp8_data=inp["fp8_data"] if fp8 else None,
+            fp8_scale=inp["fp8_scale"] if fp8 else None,
+            fp8_form=quant if fp8 else None,
+            arch=arch,
+        )
 
     return call
 
@@ -144,7 +159,7 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
         row["host_boundary_all_reduce_us"] = host_us_per_call(
             lambda ar=ar, s0=s0: ar(
                 s0["x"], s0["residual"], s0["post"], s0["comb"], s0["pre"], s0["norm_weight"], 1e-20, None
-            )  # fmt: skip
+            )
         )
         row["path"] = ar.path
         for key, quant in (("fused_us", None), ("fused_mxfp8_us", "mxfp8"), ("fused_fp8_1x128_us", "fp8_1x128")):
@@ -160,8 +175,9 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
     return out
 
 
-def coefficient_inputs(rows: int, hidden: int, device: torch.device, seed: int,
-                       workspace: ck.CoefficientsWorkspace | None = None) -> dict[str, Any]:  # fmt: skip
+def coefficient_inputs(
+    rows: int, hidden: int, device: torch.device, seed: int, workspace: ck.CoefficientsWorkspace | None = None
+) -> dict[str, Any]:
     """One set of inputs (with its own fn, so that fn is read cold) and outputs for the coefficients."""
     g = torch.Generator(device=device).manual_seed(seed)
     fn = torch.randn(24, 4 * hidden, generator=g, device=device) * 1e-2
@@ -195,13 +211,27 @@ def coefficients_call(
 
     def call() -> None:
         ck.mhc_coefficients(
-            x, inp["fn_broadcast"] if broadcast else inp["fn"], inp["scale"], inp["base"], rms_eps=1e-20,
-            pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhorn_repeat=sinkhorn_repeat, broadcast=broadcast,
-            workspace=inp["workspace"], post_out=inp["post"], comb_out=inp["comb"], pre_out=inp["pre"],
-            pre_mix=inp["pre_mix"] if inline else None, norm_weight=inp["norm_weight"] if inline else None,
-            norm_eps=1e-20 if inline else None, layer_input_out=inp["layer_input"] if inline else None, arch=arch,
+            x,
+            inp["fn_broadcast"] if broadcast else inp["fn"],
+            inp["scale"],
+            inp["base"],
+            rms_eps=1e-20,
+            pre_eps=1e-6,
+            sinkhorn_eps=1e-6,
+            post_mult=2.0,
+            sinkhorn_repeat=sinkhorn_repeat,
+            broadcast=broadcast,
+            workspace=inp["workspace"],
+            post_out=inp["post"],
+            comb_out=inp["comb"],
+            pre_out=inp["pre"],
+            pre_mix=inp["pre_mix"] if inline else None,
+            norm_weight=inp["norm_weight"] if inline else None,
+            norm_eps=1e-20 if inline else None,
+            layer_input_out=inp["layer_input"] if inline else None,
+            arch=arch,
             config=config,
-        )  # fmt: skip
+        )
 
     return call
 
@@ -246,15 +276,19 @@ def bench_coefficients(args: argparse.Namespace, arch: str, timer: GraphTimer, c
 def print_coefficients(rows: list[dict]) -> None:
     """The coefficients table."""
     print("\nmHC coefficients (mhc_pre_delayed), GPU us per call, fn read cold")
-    head = f"{'H':>5} {'rows':>4} | {'std':>6} {'bcast':>6} {'inline':>6} | {'floor':>6} {'x floor':>7} | " \
-           f"{'eager':>7} {'compile':>8} | {'x eager':>7} {'x comp':>7}"  # fmt: skip
+    head = (
+        f"{'H':>5} {'rows':>4} | {'std':>6} {'bcast':>6} {'inline':>6} | {'floor':>6} {'x floor':>7} | "
+        f"{'eager':>7} {'compile':>8} | {'x eager':>7} {'x comp':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['H']:>5} {r['rows']:>4} | {r['standard_us']:6.2f} {r['broadcast_us']:6.2f} {r['inline_us']:6.2f} | "
-              f"{r['standard_floor_us']:6.2f} {r['floor_ratio']:7.2f} | {r['eager_chain_us']:7.2f} "
-              f"{r.get('compile_chain_us', float('nan')):8.2f} | {r['eager_ratio']:7.1f} "
-              f"{r.get('compile_ratio', float('nan')):7.1f}")  # fmt: skip
+        print(
+            f"{r['H']:>5} {r['rows']:>4} | {r['standard_us']:6.2f} {r['broadcast_us']:6.2f} {r['inline_us']:6.2f} | "
+            f"{r['standard_floor_us']:6.2f} {r['floor_ratio']:7.2f} | {r['eager_chain_us']:7.2f} "
+            f"{r.get('compile_chain_us', float('nan')):8.2f} | {r['eager_ratio']:7.1f} "
+            f"{r.get('compile_ratio', float('nan')):7.1f}"
+        )
 
 
 def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
@@ -298,23 +332,29 @@ def print_boundary(rows: list[dict], copy_bw: float) -> None:
     print(
         f"\nfused boundary (W=1, bf16 partial in, bf16 out), GPU us per call; copy bandwidth {copy_bw / 1e12:.2f} TB/s"
     )
-    head = f"{'H':>5} {'rows':>4} | {'fused':>7} {'+mxfp8':>7} {'+fp8':>7} {'1-call':>7} | {'api':>7} " \
-           f"{'+mxfp8':>7} {'+fp8':>7} | {'eager':>7} {'compile':>8} | {'x eager':>7} {'x comp':>7} | " \
-           f"{'GB/s':>6} {'%copy':>6} | {'host us':>7}"  # fmt: skip
+    head = (
+        f"{'H':>5} {'rows':>4} | {'fused':>7} {'+mxfp8':>7} {'+fp8':>7} {'1-call':>7} | {'api':>7} "
+        f"{'+mxfp8':>7} {'+fp8':>7} | {'eager':>7} {'compile':>8} | {'x eager':>7} {'x comp':>7} | "
+        f"{'GB/s':>6} {'%copy':>6} | {'host us':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         comp = r.get("compile_chain_us", float("nan"))
         ratio = r.get("compile_ratio", float("nan"))
-        print(f"{r['H']:>5} {r['rows']:>4} | {r['fused_us']:7.2f} {r['fused_mxfp8_us']:7.2f} "
-              f"{r['fused_fp8_1x128_us']:7.2f} {r['fused_latency_us']:7.2f} | {r['api_us']:7.2f} {r['api_mxfp8_us']:7.2f} "
-              f"{r['api_fp8_1x128_us']:7.2f} | {r['eager_chain_us']:7.2f} {comp:8.2f} | {r['eager_ratio']:7.1f} "
-              f"{ratio:7.1f} | {r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}")  # fmt: skip
+        print(
+            f"{r['H']:>5} {r['rows']:>4} | {r['fused_us']:7.2f} {r['fused_mxfp8_us']:7.2f} "
+            f"{r['fused_fp8_1x128_us']:7.2f} {r['fused_latency_us']:7.2f} | {r['api_us']:7.2f} {r['api_mxfp8_us']:7.2f} "
+            f"{r['api_fp8_1x128_us']:7.2f} | {r['eager_chain_us']:7.2f} {comp:8.2f} | {r['eager_ratio']:7.1f} "
+            f"{ratio:7.1f} | {r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}"
+        )
     print("FP8 1x128 against bf16 only (fused): us added, and the bytes it adds at copy bandwidth")
     for r in rows:
         added = r["fused_fp8_1x128_us"] - r["fused_us"]
-        print(f"  H {r['H']:>5} rows {r['rows']:>4}: +{added:5.2f} us (MXFP8 +{r['fused_mxfp8_us'] - r['fused_us']:5.2f}),"
-              f" bytes at copy {r['adds_fp8_1x128_us_at_copy']:5.2f} us")  # fmt: skip
+        print(
+            f"  H {r['H']:>5} rows {r['rows']:>4}: +{added:5.2f} us (MXFP8 +{r['fused_mxfp8_us'] - r['fused_us']:5.2f}),"
+            f" bytes at copy {r['adds_fp8_1x128_us_at_copy']:5.2f} us"
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -329,8 +369,13 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, hidden in zip(axes[0], hiddens):
         sel = [r for r in rows if r["H"] == hidden]
         xs = [r["rows"] for r in sel]
-        for key, label in (("fused_us", "fused"), ("fused_mxfp8_us", "fused + MXFP8"), ("fused_fp8_1x128_us", "fused + FP8 1x128"),
-                           ("eager_chain_us", "torch eager chain"), ("compile_chain_us", "torch.compile chain")):  # fmt: skip
+        for key, label in (
+            ("fused_us", "fused"),
+            ("fused_mxfp8_us", "fused + MXFP8"),
+            ("fused_fp8_1x128_us", "fused + FP8 1x128"),
+            ("eager_chain_us", "torch eager chain"),
+            ("compile_chain_us", "torch.compile chain"),
+        ):
             if key in sel[0]:
                 ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
         ax.set_xscale("log", base=2)
@@ -354,9 +399,14 @@ def main(argv: list[str] | None, *, arch: str) -> int:
     print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     results: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": name, "arch": arch, "torch": torch.__version__, "python": platform.python_version(),
-        "copy_bandwidth_Bps": copy_bw, "calls_per_graph": CALLS_PER_GRAPH, "replays": args.replays,
-    }  # fmt: skip
+        "gpu": name,
+        "arch": arch,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "copy_bandwidth_Bps": copy_bw,
+        "calls_per_graph": CALLS_PER_GRAPH,
+        "replays": args.replays,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
     if "boundary" in args.parts:

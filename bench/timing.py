@@ -48,8 +48,9 @@ class GraphTimer:
         del graph
         return statistics.median(samples[1:])
 
-    def steady_per_call_us(self, make: Callable[[int], Sequence[Callable[[], object]]], short: int, long: int
-                           ) -> tuple[float, float]:  # fmt: skip
+    def steady_per_call_us(
+        self, make: Callable[[int], Sequence[Callable[[], object]]], short: int, long: int
+    ) -> tuple[float, float]:
         """(marginal us per call from a `short`- to a `long`-call graph, us per call of the `short` graph): `make(n)`
         gives closures making n calls in all. The marginal leaves out what a graph costs once (its launch, the
         fork into rank streams, the first call after the L2 flush), as a model-length decode graph would."""

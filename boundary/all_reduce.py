@@ -45,8 +45,10 @@ def from_handle(handle: int) -> BoundaryAllReduce:
     try:
         return _REGISTRY[handle]
     except KeyError:
-        raise ValueError(f"handle {handle!r} names no live BoundaryAllReduce: pass all_reduce.handle, and keep the "
-                         "BoundaryAllReduce alive while anything calls an op with it") from None  # fmt: skip
+        raise ValueError(
+            f"handle {handle!r} names no live BoundaryAllReduce: pass all_reduce.handle, and keep the "
+            "BoundaryAllReduce alive while anything calls an op with it"
+        ) from None
 
 
 class BoundaryPath(str, enum.Enum):
@@ -130,8 +132,9 @@ class BoundaryAllReduce:
                 sharing = ranks_on_each_device(group, self.device)
                 launch = boundary_api.peer_launch_shape(hidden_size, self.arch, sharing, self.world_size)
                 if sharing > 1:  # processes sharing a GPU: CUDA IPC (symmetric memory takes one rank per GPU)
-                    self.workspace = Workspace.ipc(hidden_size, max_rows, self.device, group, timeout_us, launch,
-                                                   sharing)  # fmt: skip
+                    self.workspace = Workspace.ipc(
+                        hidden_size, max_rows, self.device, group, timeout_us, launch, sharing
+                    )
                 else:
                     self.workspace = Workspace.symmetric(hidden_size, max_rows, self.device, group, timeout_us, launch)
             else:
@@ -139,9 +142,17 @@ class BoundaryAllReduce:
         self._log_path(why)
 
     def _setup(
-        self, hidden_size: Any, max_rows: Any, hc_mult: Any, device: Any, backend: Any, timeout_us: Any, rank: int,
-        world: int, group: Any,
-    ) -> None:  # fmt: skip
+        self,
+        hidden_size: Any,
+        max_rows: Any,
+        hc_mult: Any,
+        device: Any,
+        backend: Any,
+        timeout_us: Any,
+        rank: int,
+        world: int,
+        group: Any,
+    ) -> None:
         """Check the construction arguments once and set what every path shares (the arch: None on the reference)."""
         hidden_size = checks.positive_int("hidden_size", hidden_size)
         if hidden_size % 256:
@@ -175,8 +186,14 @@ class BoundaryAllReduce:
         # Checked where the path is not known yet: with the receive slots wherever the peer path may run, and for
         # simulated ranks (no group) every rank's buffers on the one GPU, once.
         if group is not None or rank == 0:
-            checks.workspace_capacity(hidden_size, max_rows, world, self.device, slots=world in PEER_WORLD_SIZES
-                                      and self.arch is not None, ranks=world if group is None else 1)  # fmt: skip
+            checks.workspace_capacity(
+                hidden_size,
+                max_rows,
+                world,
+                self.device,
+                slots=world in PEER_WORLD_SIZES and self.arch is not None,
+                ranks=world if group is None else 1,
+            )
 
     def _log_path(self, why: str) -> None:
         how = {
@@ -188,8 +205,16 @@ class BoundaryAllReduce:
         }[self.path]
         # The NCCL path is the fused one's fallback: said where a default logging setup shows it.
         level = logging.WARNING if self.path == BoundaryPath.NCCL_KERNEL else logging.INFO
-        log.log(level, "BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
-                self.rank, self.world_size, self.device, self.hidden_size, self.path, how)  # fmt: skip
+        log.log(
+            level,
+            "BoundaryAllReduce rank %d/%d on %s, H=%d: %s path: %s",
+            self.rank,
+            self.world_size,
+            self.device,
+            self.hidden_size,
+            self.path,
+            how,
+        )
 
     @property
     def protocol(self) -> str | None:
@@ -206,16 +231,23 @@ class BoundaryAllReduce:
 
     @classmethod
     def simulated(
-        cls, hidden_size: int, world_size: int, *, max_rows: int = 512, device: Any = None,
-        timeout_us: int = DEFAULT_TIMEOUT_US, protocol: str | None = None,
-    ) -> list[BoundaryAllReduce]:  # fmt: skip
+        cls,
+        hidden_size: int,
+        world_size: int,
+        *,
+        max_rows: int = 512,
+        device: Any = None,
+        timeout_us: int = DEFAULT_TIMEOUT_US,
+        protocol: str | None = None,
+    ) -> list[BoundaryAllReduce]:
         """W ranks inside this process on one GPU (CONTRACT §5): separate receive slots, one object and one
         stream per rank, the "peer" path. Their timings are "simulated": the ranks share one GPU's SMs and
         HBM, never NVLink. Issue every rank's call before waiting for any: `run_simulated`."""
         world_size = checks.positive_int("world_size", world_size)
         if world_size not in PEER_WORLD_SIZES:
-            raise ValueError(f"simulated ranks run the peer protocol: world_size must be one of {PEER_WORLD_SIZES}, "
-                             f"got {world_size}")  # fmt: skip
+            raise ValueError(
+                f"simulated ranks run the peer protocol: world_size must be one of {PEER_WORLD_SIZES}, got {world_size}"
+            )
         need = "simulated ranks need a CUDA GPU (sm_90a / sm_100a): they run the peer kernels side by side on one GPU"
         if not torch.cuda.is_available():
             raise ValueError(f"{need}, and none is available here")
@@ -244,8 +276,9 @@ class BoundaryAllReduce:
         return ranks
 
     @staticmethod
-    def run_simulated(ranks: Sequence[BoundaryAllReduce], calls: Sequence[Callable[[BoundaryAllReduce], Any]]
-                      ) -> list[Any]:  # fmt: skip
+    def run_simulated(
+        ranks: Sequence[BoundaryAllReduce], calls: Sequence[Callable[[BoundaryAllReduce], Any]]
+    ) -> list[Any]:
         """calls[r](ranks[r]) for every simulated rank, each on its own stream forked from the current one
         and joined back into it, all issued before any is waited for; returns their results in rank order."""
         if len(calls) != len(ranks) or not ranks or not all(r.simulated_ranks for r in ranks):
@@ -290,8 +323,9 @@ class BoundaryAllReduce:
         rows = residual.shape[0]
         a16 = self.arch is not None
         checks.tensor("x", x, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align16=a16)
-        checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size),
-                               device=self.device, align16=a16)  # fmt: skip
+        checks.optional_tensor(
+            "shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align16=a16
+        )
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in FUSED_PATHS:
             return self._kernel(residual, *args, x=x, shared=shared_output)
@@ -322,10 +356,16 @@ class BoundaryAllReduce:
         checks.tensor("gemm2_permuted", gemm2_permuted, dtype=BF16, shape=(None, hidden), device=dev, align16=a16)
         checks.tensor("expert_weights", expert_weights, dtype=F32, shape=(rows, None), device=dev)
         top_k = expert_weights.shape[1]
-        checks.tensor("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, dtype=torch.int32,
-                      shape=(rows, top_k), device=dev)  # fmt: skip
-        checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev,
-                               align16=a16)  # fmt: skip
+        checks.tensor(
+            "expanded_idx_to_permuted_idx",
+            expanded_idx_to_permuted_idx,
+            dtype=torch.int32,
+            shape=(rows, top_k),
+            device=dev,
+        )
+        checks.optional_tensor(
+            "shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev, align16=a16
+        )
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in FUSED_PATHS:
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
@@ -350,9 +390,12 @@ class BoundaryAllReduce:
         world = self.world_size if self.path == BoundaryPath.PEER else 1
         protocols = boundary_api.warmup_protocols(world, self.hidden_size, rows, self._protocol) if world > 1 else ()
         jobs = boundary_api.warmup_jobs(
-            self.hidden_size, arch=self.arch, world_size=world, ranks_per_device=self.workspace.ranks_per_device,
+            self.hidden_size,
+            arch=self.arch,
+            world_size=world,
+            ranks_per_device=self.workspace.ranks_per_device,
             protocols=protocols,
-        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)  # fmt: skip
+        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)
         mhc.prepare_workspace(self.hidden_size, rows, self.device)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
 
@@ -399,8 +442,14 @@ class BoundaryAllReduce:
             raise ValueError(f"rows ({rows}) exceed this boundary's capacity max_rows={self.max_rows}")
 
     def _check_residual(self, residual: object) -> Tensor:
-        residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, self.hc_mult, self.hidden_size),
-                                 device=self.device, align16=self.arch is not None)  # fmt: skip
+        residual = checks.tensor(
+            "residual",
+            residual,
+            dtype=BF16,
+            shape=(None, self.hc_mult, self.hidden_size),
+            device=self.device,
+            align16=self.arch is not None,
+        )
         self._check_rows(residual.shape[0])
         return residual
 
@@ -416,9 +465,15 @@ class BoundaryAllReduce:
         aux_out: object,
         fp8_out: object,
     ) -> tuple[
-        Tensor, Tensor, Tensor | None, Tensor | None, float, QuantizedActivation | None, Tensor | None,
+        Tensor,
+        Tensor,
+        Tensor | None,
+        Tensor | None,
+        float,
+        QuantizedActivation | None,
+        Tensor | None,
         Fp8GroupActivation | None,
-    ]:  # fmt: skip
+    ]:
         dev, hidden, a16 = self.device, self.hidden_size, self.arch is not None
         post, comb, pre = checks.coefficients(rows, self.hc_mult, dev, post, comb, pre)
         if pre is None:
@@ -432,8 +487,14 @@ class BoundaryAllReduce:
         if mxfp8_out is not None:
             if not isinstance(mxfp8_out, QuantizedActivation):
                 raise TypeError(f"mxfp8_out must be a QuantizedActivation or None, got {type(mxfp8_out).__name__}")
-            checks.tensor("mxfp8_out.data", mxfp8_out.data, dtype=torch.float8_e4m3fn, shape=(rows, hidden),
-                          device=dev, align16=a16)  # fmt: skip
+            checks.tensor(
+                "mxfp8_out.data",
+                mxfp8_out.data,
+                dtype=torch.float8_e4m3fn,
+                shape=(rows, hidden),
+                device=dev,
+                align16=a16,
+            )
             nbytes = reference.mxfp8_scale_bytes(rows, hidden)
             checks.tensor("mxfp8_out.scale", mxfp8_out.scale, dtype=torch.uint8, shape=(nbytes,), device=dev)
         checks.optional_tensor("aux_out", aux_out, dtype=BF16, shape=(rows, hidden), device=dev, align16=a16)
@@ -444,10 +505,21 @@ class BoundaryAllReduce:
     def _check_fp8_out(self, rows: int, fp8_out: object) -> None:
         if not isinstance(fp8_out, Fp8GroupActivation):
             raise TypeError(f"fp8_out must be an Fp8GroupActivation or None, got {type(fp8_out).__name__}")
-        checks.tensor("fp8_out.data", fp8_out.data, dtype=torch.float8_e4m3fn, shape=(rows, self.hidden_size),
-                      device=self.device, align16=self.arch is not None)  # fmt: skip
-        checks.tensor("fp8_out.scale", fp8_out.scale, dtype=F32, shape=(self.hidden_size // reference.FP8_GROUP,
-                      reference.fp8_group_scale_rows(rows)), device=self.device)  # fmt: skip
+        checks.tensor(
+            "fp8_out.data",
+            fp8_out.data,
+            dtype=torch.float8_e4m3fn,
+            shape=(rows, self.hidden_size),
+            device=self.device,
+            align16=self.arch is not None,
+        )
+        checks.tensor(
+            "fp8_out.scale",
+            fp8_out.scale,
+            dtype=F32,
+            shape=(self.hidden_size // reference.FP8_GROUP, reference.fp8_group_scale_rows(rows)),
+            device=self.device,
+        )
         checks.flag("fp8_out.ue8m0", fp8_out.ue8m0)
 
     def _kernel(
@@ -485,14 +557,27 @@ class BoundaryAllReduce:
                     ws.shared_context,
                 )
         boundary_api.fused_boundary(
-            residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, norm_eps=norm_eps, x=x,
-            shared=shared, moe=moe, new_residual=new_residual, out=out,
+            residual=residual,
+            post=post,
+            comb=comb,
+            pre=pre,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            x=x,
+            shared=shared,
+            moe=moe,
+            new_residual=new_residual,
+            out=out,
             mxfp8_data=None if mxfp8_out is None else mxfp8_out.data,
             mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale,
-            fp8_data=None if fp8_out is None else fp8_out.data, fp8_scale=None if fp8_out is None else fp8_out.scale,
-            fp8_form=None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"), aux=aux_out,
-            error=self.workspace.error, peer=peer, arch=self.arch,
-        )  # fmt: skip
+            fp8_data=None if fp8_out is None else fp8_out.data,
+            fp8_scale=None if fp8_out is None else fp8_out.scale,
+            fp8_form=None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
+            aux=aux_out,
+            error=self.workspace.error,
+            peer=peer,
+            arch=self.arch,
+        )
         return new_residual, out
 
     def _reduce(self, x: Tensor) -> Tensor:
@@ -527,9 +612,18 @@ class BoundaryAllReduce:
         if self.path == BoundaryPath.NCCL_KERNEL:
             return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out, x=y)
         result = reference.boundary(
-            y, residual, post, comb, pre, norm_weight, norm_eps, mxfp8=mxfp8_out is not None, aux=aux_out is not None,
-            fp8_group=fp8_out is not None, ue8m0=fp8_out is not None and fp8_out.ue8m0,
-        )  # fmt: skip
+            y,
+            residual,
+            post,
+            comb,
+            pre,
+            norm_weight,
+            norm_eps,
+            mxfp8=mxfp8_out is not None,
+            aux=aux_out is not None,
+            fp8_group=fp8_out is not None,
+            ue8m0=fp8_out is not None and fp8_out.ue8m0,
+        )
         if mxfp8_out is not None:
             mxfp8_out.data.copy_(result.mxfp8[0])
             mxfp8_out.scale.copy_(result.mxfp8[1])

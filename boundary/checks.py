@@ -191,8 +191,11 @@ def device(name: str, value: object) -> torch.device:
         raise _error(ValueError, name, f"must be a CPU or CUDA device, got {dev}")
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise _error(ValueError, name, f"is {dev}, but no CUDA GPU is available here (torch {torch.__version__}, "
-                     f"{build}); pass device='cpu'")  # fmt: skip
+        raise _error(
+            ValueError,
+            name,
+            f"is {dev}, but no CUDA GPU is available here (torch {torch.__version__}, {build}); pass device='cpu'",
+        )
     index = torch.cuda.current_device() if dev.index is None else dev.index
     if index >= torch.cuda.device_count():
         raise _error(ValueError, name, f"is {dev}, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
@@ -227,13 +230,25 @@ def workspace_capacity(
     free = free_bytes(dev)
     gib = f"{nbytes / 2**30:.2f} GiB"
     if free is not None and nbytes > free:
-        raise _error(ValueError, "max_rows", f"is {max_rows}: its workspace needs {nbytes} bytes ({gib}) on {dev}, "
-                     f"but {dev} has {free} bytes ({free / 2**30:.2f} GiB) free: lower max_rows to the most rows "
-                     "one decode step takes")  # fmt: skip
+        raise _error(
+            ValueError,
+            "max_rows",
+            f"is {max_rows}: its workspace needs {nbytes} bytes ({gib}) on {dev}, "
+            f"but {dev} has {free} bytes ({free / 2**30:.2f} GiB) free: lower max_rows to the most rows "
+            "one decode step takes",
+        )
     level = logging.WARNING if nbytes >= WORKSPACE_WARNING_BYTES else logging.INFO
     known = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
-    log.log(level, "BoundaryAllReduce workspace: %d bytes (%s) on %s for max_rows=%d at H=%d (free: %s)",
-            nbytes, gib, dev, max_rows, hidden_size, known)  # fmt: skip
+    log.log(
+        level,
+        "BoundaryAllReduce workspace: %d bytes (%s) on %s for max_rows=%d at H=%d (free: %s)",
+        nbytes,
+        gib,
+        dev,
+        max_rows,
+        hidden_size,
+        known,
+    )
 
 
 def mhc_params(params: MHCParams, hc: int, width: int, dev: torch.device) -> MHCParams:

@@ -55,8 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sizes = world_sizes(config(args), MAX_WORLD)
     if args.tp not in sizes:
         widths = ", ".join(f"{k}={v}" for k, v in sharded_widths(config(args)).items())
-        p.error(f"--tp must be one of {', '.join(map(str, sizes))} (a divisor of the toy's sharded widths {widths}, "
-                f"and at most {MAX_WORLD} ranks in a TP group), got {args.tp}")  # fmt: skip
+        p.error(
+            f"--tp must be one of {', '.join(map(str, sizes))} (a divisor of the toy's sharded widths {widths}, "
+            f"and at most {MAX_WORLD} ranks in a TP group), got {args.tp}"
+        )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "auto":
         args.device = "cuda" if gpus >= args.tp else "cpu"
@@ -65,8 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and gpus < args.tp:
         p.error(f"--tp {args.tp} on --device cuda needs {args.tp} GPUs; this machine has {gpus}")
     if args.backend == "kernel" and args.device != "cuda":
-        p.error("--backend kernel needs a CUDA GPU (sm_90a / sm_100a) and none is used here; "
-                "--backend auto or reference runs the reference path on the CPU")  # fmt: skip
+        p.error(
+            "--backend kernel needs a CUDA GPU (sm_90a / sm_100a) and none is used here; "
+            "--backend auto or reference runs the reference path on the CPU"
+        )
     if args.device == "cuda" and args.backend != "reference":
         try:
             arch_for_device(0)
@@ -97,19 +101,24 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
     device = _device(args, rank)
     world = args.tp
     model = ToyModel(config(args), rank=rank, world_size=world, device=device)
-    all_reduce = BoundaryAllReduce(args.hidden, group=group, max_rows=max(args.rows, 1), device=device,
-                                   backend=args.backend)  # fmt: skip
+    all_reduce = BoundaryAllReduce(
+        args.hidden, group=group, max_rows=max(args.rows, 1), device=device, backend=args.backend
+    )
     boundaries = Boundaries(all_reduce)
     step = DecodeStep.for_rows(args.rows)
     say = print if rank == 0 else (lambda *a, **k: None)
     engram = tuple(layer.index for layer in model.layers if layer.engram)
-    say(f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layer{'s' if args.layers > 1 else ''} "
+    say(
+        f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layer{'s' if args.layers > 1 else ''} "
         f"({f'Engram at {engram}' if engram else 'no Engram layer'}), "
         f"{args.rows} rows, TP={world}, device={device}, boundary path={all_reduce.path}, "
-        f"side streams={'on' if step.side_stream and device.type == 'cuda' else 'off'}")  # fmt: skip
+        f"side streams={'on' if step.side_stream and device.type == 'cuda' else 'off'}"
+    )
     if device.type != "cuda" or all_reduce.path == "reference":
-        say("note: the fused CuTe DSL kernels need an sm_90a (H100/H200) or sm_100a (B200) GPU; "
-            "this run used the reference path (torch).")  # fmt: skip
+        say(
+            "note: the fused CuTe DSL kernels need an sm_90a (H100/H200) or sm_100a (B200) GPU; "
+            "this run used the reference path (torch)."
+        )
     all_reduce.warmup(args.rows)
     ok = True
     for index in range(args.steps + 1):
@@ -144,8 +153,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     use_nccl = args.device == "cuda"
-    dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=args.tp)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if use_nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp
+    )
     try:
         ok = run(args, rank, dist.group.WORLD)
     finally:

@@ -130,17 +130,29 @@ def pre_delayed(
     layer_input = (
         torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
     )
-    post, comb, pre = _kernel_coefficients(residual, x, params, arch, pre_mix=pre_mix if inline else None,
-                                           norm_weight=norm_weight, norm_eps=norm_eps, layer_input=layer_input)  # fmt: skip
+    post, comb, pre = _kernel_coefficients(
+        residual,
+        x,
+        params,
+        arch,
+        pre_mix=pre_mix if inline else None,
+        norm_weight=norm_weight,
+        norm_eps=norm_eps,
+        layer_input=layer_input,
+    )
     if not inline:  # the collapse alone, with no norm: torch ops
         layer_input = delayed_layer_input(residual, pre_mix, None, norm_eps)
     return post, comb, layer_input, pre
 
 
 def _layer_input(
-    residual: Tensor, x: Tensor | None, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float,
+    residual: Tensor,
+    x: Tensor | None,
+    pre_mix: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_eps: float,
     arch: str | None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """The layer input alone, on the current stream: one kernel launch, or torch ops on the reference."""
     if arch is None or norm_weight is None:
         return delayed_layer_input(residual, pre_mix, norm_weight, norm_eps)
@@ -181,8 +193,9 @@ def mhc_pre_delayed_overlap(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """mhc_pre_delayed split in two (`pre_delayed_overlap` with the parameters spelled out)."""
     params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
-    return pre_delayed_overlap(residual, params, pre_mix, x, norm_weight, norm_eps, stream=stream,
-                               layer_input=layer_input, backend=backend)  # fmt: skip
+    return pre_delayed_overlap(
+        residual, params, pre_mix, x, norm_weight, norm_eps, stream=stream, layer_input=layer_input, backend=backend
+    )
 
 
 def pre_delayed_overlap(
@@ -216,8 +229,9 @@ def pre_delayed_overlap(
     if layer_input is None:
         layer_input = _layer_input(residual, x, pre_mix, norm_weight, norm_eps, arch)
     else:
-        checks.tensor("layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]),
-                      device=residual.device)  # fmt: skip
+        checks.tensor(
+            "layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]), device=residual.device
+        )
     if stream is None:
         post, comb, pre = _coefficients(residual, x, params, arch)
         return post, comb, layer_input, pre
@@ -228,8 +242,9 @@ def pre_delayed_overlap(
     return post, comb, layer_input, pre
 
 
-def mixes(residual: Tensor, params: MHCParams, x: Tensor | None = None, *, backend: str = "auto"
-          ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def mixes(
+    residual: Tensor, params: MHCParams, x: Tensor | None = None, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor, Tensor]:
     """post, comb and next_pre alone (no layer input), on the current stream: one launch on the kernels."""
     params, _ = checks.pre_delayed(residual, params, None, x, None, 0.0)
     arch = kernel_arch(residual.device, backend)
@@ -238,8 +253,9 @@ def mixes(residual: Tensor, params: MHCParams, x: Tensor | None = None, *, backe
     return _coefficients(residual, x, params, arch)
 
 
-def _coefficients(residual: Tensor, x: Tensor | None, params: MHCParams, arch: str | None
-                  ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _coefficients(
+    residual: Tensor, x: Tensor | None, params: MHCParams, arch: str | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """post, comb and next pre of one projection input, on the current stream."""
     if arch is None:
         return tuple(reference.coefficients(x if x is not None else residual.reshape(residual.shape[0], -1), params))
@@ -247,9 +263,16 @@ def _coefficients(residual: Tensor, x: Tensor | None, params: MHCParams, arch: s
 
 
 def _kernel_coefficients(
-    residual: Tensor, x: Tensor | None, params: MHCParams, arch: str, *, pre_mix: Tensor | None = None,
-    norm_weight: Tensor | None = None, norm_eps: float | None = None, layer_input: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    residual: Tensor,
+    x: Tensor | None,
+    params: MHCParams,
+    arch: str,
+    *,
+    pre_mix: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float | None = None,
+    layer_input: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """One launch of the coefficients kernel (inline when `layer_input` is given); the args are checked."""
     rows, hc, hidden = residual.shape
     dev = residual.device
@@ -258,13 +281,26 @@ def _kernel_coefficients(
     pre = torch.empty(rows, hc, dtype=F32, device=dev)
     inline = layer_input is not None
     mhc_coefficients(
-        x if x is not None else residual, params.fn, params.scale, params.base, rms_eps=params.rms_eps,
-        pre_eps=params.pre_eps, sinkhorn_eps=params.sinkhorn_eps, post_mult=params.post_mult,
-        sinkhorn_repeat=params.sinkhorn_repeat, broadcast=x is not None,
-        workspace=prepare_workspace(hidden, rows, dev), post_out=post, comb_out=comb, pre_out=pre,
-        pre_mix=pre_mix, norm_weight=norm_weight if inline else None, norm_eps=norm_eps if inline else None,
-        layer_input_out=layer_input, arch=arch,
-    )  # fmt: skip
+        x if x is not None else residual,
+        params.fn,
+        params.scale,
+        params.base,
+        rms_eps=params.rms_eps,
+        pre_eps=params.pre_eps,
+        sinkhorn_eps=params.sinkhorn_eps,
+        post_mult=params.post_mult,
+        sinkhorn_repeat=params.sinkhorn_repeat,
+        broadcast=x is not None,
+        workspace=prepare_workspace(hidden, rows, dev),
+        post_out=post,
+        comb_out=comb,
+        pre_out=pre,
+        pre_mix=pre_mix,
+        norm_weight=norm_weight if inline else None,
+        norm_eps=norm_eps if inline else None,
+        layer_input_out=layer_input,
+        arch=arch,
+    )
     return post, comb, pre
 
 
@@ -284,8 +320,17 @@ def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
     checks.tensor("residual", residual, align16=True)
     checks.tensor("x", x, align16=True)
     new = torch.empty_like(residual)
-    fused_boundary(residual=residual, post=post, comb=comb, pre=None, norm_weight=None, norm_eps=0.0, x=x,
-                   new_residual=new, arch=arch)  # fmt: skip
+    fused_boundary(
+        residual=residual,
+        post=post,
+        comb=comb,
+        pre=None,
+        norm_weight=None,
+        norm_eps=0.0,
+        x=x,
+        new_residual=new,
+        arch=arch,
+    )
     return new
 
 
@@ -298,9 +343,16 @@ def _check_kernel_shape(hc: int, hidden: int) -> None:
 
 
 def _check_kernel_args(
-    residual: Tensor, x: Tensor | None, fn: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, arch: str,
-    *, inline: bool, layer_input_kernel: bool,
-) -> None:  # fmt: skip
+    residual: Tensor,
+    x: Tensor | None,
+    fn: Tensor,
+    pre_mix: Tensor | None,
+    norm_weight: Tensor | None,
+    arch: str,
+    *,
+    inline: bool,
+    layer_input_kernel: bool,
+) -> None:
     """What the coefficients kernels need beyond checks.pre_delayed (dtypes, shapes, contiguity and the
     device are checked there; the outputs and the workspace are allocated here): hc 4 and H a positive
     multiple of 256, the row limit, at most 65535 clusters per launch, and 16-byte alignment of what they

@@ -30,18 +30,32 @@ BOUNDARY_MUTATES = ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "aux_o
 
 
 def _run_boundary(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor | None, norm_weight: Tensor | None, norm_eps: float,
-    mxfp8_data: Tensor | None = None, mxfp8_scale: Tensor | None = None, fp8_data: Tensor | None = None,
-    fp8_scale: Tensor | None = None, fp8_ue8m0: bool = False, aux_out: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_eps: float,
+    mxfp8_data: Tensor | None = None,
+    mxfp8_scale: Tensor | None = None,
+    fp8_data: Tensor | None = None,
+    fp8_scale: Tensor | None = None,
+    fp8_ue8m0: bool = False,
+    aux_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """The direct path of one boundary op: the partial is `x`, or the unfinalised MoE output (all three given)."""
     ar = from_handle(handle)
     moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
     if (x is None) == all(t is None for t in moe) or (x is None and any(t is None for t in moe)):
-        raise ValueError("pass the partial as x, or as gemm2_permuted, expert_weights and "
-                         "expanded_idx_to_permuted_idx, not both")  # fmt: skip
+        raise ValueError(
+            "pass the partial as x, or as gemm2_permuted, expert_weights and expanded_idx_to_permuted_idx, not both"
+        )
     if (mxfp8_data is None) != (mxfp8_scale is None) or (fp8_data is None) != (fp8_scale is None):
         raise ValueError("mxfp8_data and mxfp8_scale (fp8_data and fp8_scale) are given together or not at all")
     mxfp8 = fp8 = None
@@ -58,79 +72,189 @@ def _run_boundary(
 
 @torch.library.custom_op("mhc_boundary::boundary", mutates_args=BOUNDARY_MUTATES)
 def boundary(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, mxfp8_data: Tensor | None,
-    mxfp8_scale: Tensor | None, fp8_data: Tensor | None, fp8_scale: Tensor | None, fp8_ue8m0: bool,
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    mxfp8_data: Tensor | None,
+    mxfp8_scale: Tensor | None,
+    fp8_data: Tensor | None,
+    fp8_scale: Tensor | None,
+    fp8_ue8m0: bool,
     aux_out: Tensor | None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """The fused boundary (CONTRACT §2) of rank `handle`: (new residual, layer input), from a ready partial `x`
     (with `shared_output`: bf16(x + shared)) or an unfinalised MoE output; MXFP8, FP8 1x128 and aux written in place."""
     return _run_boundary(
-        handle, x, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb,
-        pre, norm_weight, norm_eps, mxfp8_data, mxfp8_scale, fp8_data, fp8_scale, fp8_ue8m0, aux_out,
-    )  # fmt: skip
+        handle,
+        x,
+        gemm2_permuted,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        shared_output,
+        residual,
+        post,
+        comb,
+        pre,
+        norm_weight,
+        norm_eps,
+        mxfp8_data,
+        mxfp8_scale,
+        fp8_data,
+        fp8_scale,
+        fp8_ue8m0,
+        aux_out,
+    )
 
 
 @boundary.register_fake
 def _boundary_fake(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, mxfp8_data: Tensor | None,
-    mxfp8_scale: Tensor | None, fp8_data: Tensor | None, fp8_scale: Tensor | None, fp8_ue8m0: bool,
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    mxfp8_data: Tensor | None,
+    mxfp8_scale: Tensor | None,
+    fp8_data: Tensor | None,
+    fp8_scale: Tensor | None,
+    fp8_ue8m0: bool,
     aux_out: Tensor | None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
 
 
 @torch.library.custom_op("mhc_boundary::post_only", mutates_args=("aux_out",))
 def post_only(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, aux_out: Tensor | None,
-) -> Tensor:  # fmt: skip
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    aux_out: Tensor | None,
+) -> Tensor:
     """The residual-only boundary (CONTRACT §2) of rank `handle`: the new streams R' alone."""
-    new, _ = _run_boundary(handle, x, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output,
-                           residual, post, comb, None, None, 0.0, aux_out=aux_out)  # fmt: skip
+    new, _ = _run_boundary(
+        handle,
+        x,
+        gemm2_permuted,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        shared_output,
+        residual,
+        post,
+        comb,
+        None,
+        None,
+        0.0,
+        aux_out=aux_out,
+    )
     return new
 
 
 @post_only.register_fake
 def _post_only_fake(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, aux_out: Tensor | None,
-) -> Tensor:  # fmt: skip
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    aux_out: Tensor | None,
+) -> Tensor:
     return torch.empty_like(residual)
 
 
 @torch.library.custom_op("mhc_boundary::final", mutates_args=())
 def final(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float,
-) -> Tensor:  # fmt: skip
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+) -> Tensor:
     """The final boundary (CONTRACT §4c) of rank `handle`: h = RMSNorm(collapse(R', pre)) with the final norm."""
-    _, hidden = _run_boundary(handle, x, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output,
-                              residual, post, comb, pre, norm_weight, norm_eps)  # fmt: skip
+    _, hidden = _run_boundary(
+        handle,
+        x,
+        gemm2_permuted,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        shared_output,
+        residual,
+        post,
+        comb,
+        pre,
+        norm_weight,
+        norm_eps,
+    )
     return hidden
 
 
 @final.register_fake
 def _final_fake(
-    handle: int, x: Tensor | None, gemm2_permuted: Tensor | None, expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None, shared_output: Tensor | None, residual: Tensor, post: Tensor,
-    comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float,
-) -> Tensor:  # fmt: skip
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+) -> Tensor:
     return residual.new_empty(residual.shape[0], residual.shape[2])
 
 
 @torch.library.custom_op("mhc_boundary::mhc_pre_delayed", mutates_args=())
 def mhc_pre_delayed(
-    residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float, hc_pre_eps: float,
-    hc_sinkhorn_eps: float, hc_post_mult_value: float, sinkhorn_repeat: int, pre_mix: Tensor | None = None,
-    x: Tensor | None = None, norm_weight: Tensor | None = None, norm_eps: float = 1e-6, backend: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    residual: Tensor,
+    fn: Tensor,
+    hc_scale: Tensor,
+    hc_base: Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    pre_mix: Tensor | None = None,
+    x: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(post, comb, layer_input, next_pre) of CONTRACT §3: `boundary.mhc_pre_delayed` as an op."""
     params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
     return mhc.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=backend)
@@ -138,10 +262,21 @@ def mhc_pre_delayed(
 
 @mhc_pre_delayed.register_fake
 def _mhc_pre_delayed_fake(
-    residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float, hc_pre_eps: float,
-    hc_sinkhorn_eps: float, hc_post_mult_value: float, sinkhorn_repeat: int, pre_mix: Tensor | None = None,
-    x: Tensor | None = None, norm_weight: Tensor | None = None, norm_eps: float = 1e-6, backend: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    residual: Tensor,
+    fn: Tensor,
+    hc_scale: Tensor,
+    hc_base: Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    pre_mix: Tensor | None = None,
+    x: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rows, hc, hidden = residual.shape
     post, comb, pre = _mixes_fake(residual)
     return post, comb, residual.new_empty(rows, hidden), pre
@@ -149,10 +284,18 @@ def _mhc_pre_delayed_fake(
 
 @torch.library.custom_op("mhc_boundary::mhc_mixes", mutates_args=())
 def mhc_mixes(
-    residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float, hc_pre_eps: float,
-    hc_sinkhorn_eps: float, hc_post_mult_value: float, sinkhorn_repeat: int, x: Tensor | None = None,
+    residual: Tensor,
+    fn: Tensor,
+    hc_scale: Tensor,
+    hc_base: Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    x: Tensor | None = None,
     backend: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """(post, comb, next_pre) alone, with no layer input: the coefficients a `sublayer` computes after its boundary."""
     params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
     return mhc.mixes(residual, params, x, backend=backend)
@@ -160,17 +303,28 @@ def mhc_mixes(
 
 @mhc_mixes.register_fake
 def _mhc_mixes_fake(
-    residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float, hc_pre_eps: float,
-    hc_sinkhorn_eps: float, hc_post_mult_value: float, sinkhorn_repeat: int, x: Tensor | None = None,
+    residual: Tensor,
+    fn: Tensor,
+    hc_scale: Tensor,
+    hc_base: Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    x: Tensor | None = None,
     backend: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     return _mixes_fake(residual)
 
 
 def _mixes_fake(residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows, hc, _ = residual.shape
-    return (residual.new_empty(rows, hc, dtype=F32), residual.new_empty(rows, hc, hc, dtype=F32),
-            residual.new_empty(rows, hc, dtype=F32))  # fmt: skip
+    return (
+        residual.new_empty(rows, hc, dtype=F32),
+        residual.new_empty(rows, hc, hc, dtype=F32),
+        residual.new_empty(rows, hc, dtype=F32),
+    )
 
 
 @torch.library.custom_op("mhc_boundary::mhc_post", mutates_args=())
@@ -193,5 +347,10 @@ def partial_args(pending: object) -> tuple[Tensor | None, ...]:
     routed = pending.routed
     if isinstance(routed, Tensor):
         return routed, None, None, None, pending.shared_output
-    return (None, routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx,
-            pending.shared_output)  # fmt: skip
+    return (
+        None,
+        routed.gemm2_permuted,
+        routed.expert_weights,
+        routed.expanded_idx_to_permuted_idx,
+        pending.shared_output,
+    )

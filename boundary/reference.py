@@ -31,9 +31,12 @@ def rank_sum(partials: Sequence[Tensor]) -> Tensor:
 
 
 def moe_finalize(
-    gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, shared_output: Tensor | None,
+    gemm2_permuted: Tensor,
+    expert_weights: Tensor,
+    idx: Tensor,
+    shared_output: Tensor | None,
     error: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """A rank's MoE partial: bf16(sum_i w[t,i] * gemm2_permuted[idx[t,i]] + shared[t]); idx -1 adds nothing.
 
     Any other index outside [0, P) adds nothing either (it is a caller bug, CONTRACT §2): with `error`

@@ -80,14 +80,34 @@ class _Reads(NamedTuple):
 
 def _reads(fn: str, kind: str) -> _Reads:
     scale, base, norm = f"hc_{kind}_scale", f"hc_{kind}_base", f"{kind}_norm"
-    names = (fn, scale, base, f"{norm}.weight", f"{norm}.variance_epsilon", "rms_norm_eps", "hc_eps", "hc_post_alpha",
-             "hc_sinkhorn_iters", "hc_mult")  # fmt: skip
+    names = (
+        fn,
+        scale,
+        base,
+        f"{norm}.weight",
+        f"{norm}.variance_epsilon",
+        "rms_norm_eps",
+        "hc_eps",
+        "hc_post_alpha",
+        "hc_sinkhorn_iters",
+        "hc_mult",
+    )
 
     # A plain function rather than operator.attrgetter: as fast, and torch.compile traces it.
     def get(layer: Any) -> tuple[Any, ...]:
         n = getattr(layer, norm)
-        return (getattr(layer, fn), getattr(layer, scale), getattr(layer, base), n.weight, n.variance_epsilon,
-                layer.rms_norm_eps, layer.hc_eps, layer.hc_post_alpha, layer.hc_sinkhorn_iters, layer.hc_mult)  # fmt: skip
+        return (
+            getattr(layer, fn),
+            getattr(layer, scale),
+            getattr(layer, base),
+            n.weight,
+            n.variance_epsilon,
+            layer.rms_norm_eps,
+            layer.hc_eps,
+            layer.hc_post_alpha,
+            layer.hc_sinkhorn_iters,
+            layer.hc_mult,
+        )
 
     return _Reads(names, get)
 
@@ -179,8 +199,9 @@ class Boundaries:
         self._check_state(state, step, pending=False)
         values = self._layer(layer, ATTN)
         ar = self.all_reduce
-        checks.tensor("residual", residual, dtype=torch.bfloat16, shape=(step.rows, ar.hc_mult, ar.hidden_size),
-                      device=ar.device)  # fmt: skip
+        checks.tensor(
+            "residual", residual, dtype=torch.bfloat16, shape=(step.rows, ar.hc_mult, ar.hidden_size), device=ar.device
+        )
         return self._enter(layer, values, ATTN, residual, state.pre, None, step)
 
     def sublayer(
@@ -249,9 +270,15 @@ class Boundaries:
         try:
             if self.custom_ops:
                 hidden = torch.ops.mhc_boundary.final(
-                    self.all_reduce.handle, *ops.partial_args(state.pending), state.residual, state.post, state.comb,
-                    state.pre, norm_weight, eps,
-                )  # fmt: skip
+                    self.all_reduce.handle,
+                    *ops.partial_args(state.pending),
+                    state.residual,
+                    state.post,
+                    state.comb,
+                    state.pre,
+                    norm_weight,
+                    eps,
+                )
             else:
                 _, hidden = self._reduce(state, state.pre, norm_weight, eps, None, None)
         except (TypeError, ValueError) as exc:
@@ -289,17 +316,31 @@ class Boundaries:
             raise
 
     def _enter(
-        self, layer: MHCLayer, values: tuple[Any, ...], reads: _Reads, residual: Tensor,
-        pre_mix: Tensor | None, x: Tensor | None, step: DecodeStep,
-    ) -> tuple[BoundaryState, Tensor]:  # fmt: skip
+        self,
+        layer: MHCLayer,
+        values: tuple[Any, ...],
+        reads: _Reads,
+        residual: Tensor,
+        pre_mix: Tensor | None,
+        x: Tensor | None,
+        step: DecodeStep,
+    ) -> tuple[BoundaryState, Tensor]:
         """Mixes and layer input of a sublayer entered without a reduction (first layer, Engram seam)."""
         post, comb, layer_input, pre = self._mixes(layer, values, reads, residual, pre_mix, step, None, x=x)
         return BoundaryState(residual, post, comb, pre), layer_input
 
     def _mixes(
-        self, layer: MHCLayer, values: tuple[Any, ...], reads: _Reads, residual: Tensor,
-        pre_mix: Tensor | None, step: DecodeStep, layer_input: Tensor | None, *, x: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+        self,
+        layer: MHCLayer,
+        values: tuple[Any, ...],
+        reads: _Reads,
+        residual: Tensor,
+        pre_mix: Tensor | None,
+        step: DecodeStep,
+        layer_input: Tensor | None,
+        *,
+        x: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """post, comb, layer input, next pre: on the side stream for small steps, inline otherwise. Without
         `layer_input` the layer input is computed here, with the sublayer's norm."""
         fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
@@ -308,19 +349,38 @@ class Boundaries:
         try:
             if self.custom_ops:
                 if layer_input is None:
-                    return torch.ops.mhc_boundary.mhc_pre_delayed(residual, *params, pre_mix, x, norm_weight, norm_eps,
-                                                                  self.backend)  # fmt: skip
+                    return torch.ops.mhc_boundary.mhc_pre_delayed(
+                        residual, *params, pre_mix, x, norm_weight, norm_eps, self.backend
+                    )
                 post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend)
                 return post, comb, layer_input, pre
             if self._side(step):
                 stream = self._stream(layer)
                 if not isinstance(stream, torch.cuda.Stream):
                     raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
-                return mhc.pre_delayed_overlap(residual, params, pre_mix, x, norm_weight, norm_eps, stream=stream,
-                                               layer_input=layer_input, backend=self.backend)  # fmt: skip
+                return mhc.pre_delayed_overlap(
+                    residual,
+                    params,
+                    pre_mix,
+                    x,
+                    norm_weight,
+                    norm_eps,
+                    stream=stream,
+                    layer_input=layer_input,
+                    backend=self.backend,
+                )
             if layer_input is not None:
-                return mhc.pre_delayed_overlap(residual, params, pre_mix, x, norm_weight, norm_eps, stream=None,
-                                               layer_input=layer_input, backend=self.backend)  # fmt: skip
+                return mhc.pre_delayed_overlap(
+                    residual,
+                    params,
+                    pre_mix,
+                    x,
+                    norm_weight,
+                    norm_eps,
+                    stream=None,
+                    layer_input=layer_input,
+                    backend=self.backend,
+                )
             return mhc.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=self.backend)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
@@ -328,9 +388,14 @@ class Boundaries:
             raise
 
     def _reduce(
-        self, state: BoundaryState, pre: Tensor | None, norm_weight: Tensor | None, norm_eps: float,
-        quantized: QuantizedActivation | Fp8GroupActivation | None, aux: Tensor | None,
-    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        self,
+        state: BoundaryState,
+        pre: Tensor | None,
+        norm_weight: Tensor | None,
+        norm_eps: float,
+        quantized: QuantizedActivation | Fp8GroupActivation | None,
+        aux: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
         """The fused boundary on whatever the sublayer left pending."""
         ar, pending = self.all_reduce, state.pending
         fp8 = None
@@ -341,19 +406,36 @@ class Boundaries:
             grouped = (None, None, False) if fp8 is None else (fp8.data, fp8.scale, fp8.ue8m0)
             source = ops.partial_args(pending)
             if pre is None:
-                return torch.ops.mhc_boundary.post_only(ar.handle, *source, state.residual, state.post, state.comb,
-                                                        aux), None  # fmt: skip
-            return torch.ops.mhc_boundary.boundary(ar.handle, *source, state.residual, state.post, state.comb, pre,
-                                                   norm_weight, norm_eps, *mx, *grouped, aux)  # fmt: skip
+                return torch.ops.mhc_boundary.post_only(
+                    ar.handle, *source, state.residual, state.post, state.comb, aux
+                ), None
+            return torch.ops.mhc_boundary.boundary(
+                ar.handle,
+                *source,
+                state.residual,
+                state.post,
+                state.comb,
+                pre,
+                norm_weight,
+                norm_eps,
+                *mx,
+                *grouped,
+                aux,
+            )
         common = (state.residual, state.post, state.comb, pre, norm_weight, norm_eps, quantized)
         if isinstance(pending, Tensor):
             return ar(pending, *common, aux_out=aux, fp8_out=fp8)
         routed = pending.routed
         if isinstance(routed, UnfinalizedMoEOutput):
             return ar.finalize(
-                routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx,
-                pending.shared_output, *common, aux_out=aux, fp8_out=fp8,
-            )  # fmt: skip
+                routed.gemm2_permuted,
+                routed.expert_weights,
+                routed.expanded_idx_to_permuted_idx,
+                pending.shared_output,
+                *common,
+                aux_out=aux,
+                fp8_out=fp8,
+            )
         return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8)
 
     def _side(self, step: DecodeStep) -> bool:
@@ -364,9 +446,11 @@ class Boundaries:
         if not isinstance(step, DecodeStep):
             raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
         if step.rows > self.all_reduce.max_rows:
-            raise ValueError(f"step.rows ({step.rows}) exceed the boundary's capacity max_rows="
-                             f"{self.all_reduce.max_rows}: build the BoundaryAllReduce with max_rows >= the largest "
-                             "step")  # fmt: skip
+            raise ValueError(
+                f"step.rows ({step.rows}) exceed the boundary's capacity max_rows="
+                f"{self.all_reduce.max_rows}: build the BoundaryAllReduce with max_rows >= the largest "
+                "step"
+            )
 
     def _check_state(self, state: object, step: DecodeStep | None, *, pending: bool) -> None:
         if not isinstance(state, BoundaryState):
@@ -375,13 +459,17 @@ class Boundaries:
             raise ValueError(f"state.residual has {state.residual.shape[0]} rows but step.rows is {step.rows}")
         if not pending:
             if state.pending is not None:
-                raise ValueError("state.pending is set: reduce it with post_only(state) before pre() (pre enters a "
-                                 "sublayer on the streams post_only returned, and reduces nothing)")  # fmt: skip
+                raise ValueError(
+                    "state.pending is set: reduce it with post_only(state) before pre() (pre enters a "
+                    "sublayer on the streams post_only returned, and reduces nothing)"
+                )
             return
         if state.pending is None:
-            raise ValueError("state.pending is None: set it to the sublayer's output before each boundary; a boundary "
-                             "consumes it (sublayer and post_only set it to None), so carry on with the state that "
-                             "sublayer returned")  # fmt: skip
+            raise ValueError(
+                "state.pending is None: set it to the sublayer's output before each boundary; a boundary "
+                "consumes it (sublayer and post_only set it to None), so carry on with the state that "
+                "sublayer returned"
+            )
         if not isinstance(state.pending, (Tensor, MoEOutput)):
             raise TypeError(f"state.pending must be a Tensor or a MoEOutput, got {type(state.pending).__name__}")
         if isinstance(state.pending, MoEOutput) and not isinstance(

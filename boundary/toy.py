@@ -170,7 +170,7 @@ class ToyModel:
                     engram_gate=None if gate is None else gate.to(self.device),
                     mhc_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None,
                     **moved,
-                )  # fmt: skip
+                )
             )
 
     def attention(self, layer: ToyLayer, x: Tensor) -> Tensor:
@@ -304,8 +304,17 @@ def decode_step_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) -> 
     layers = model.layers
 
     def mixes(layer: ToyLayer, source: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> reference.Coefficients:
-        return reference.mhc_coefficients(source, fn, scale, base, layer.rms_norm_eps, layer.hc_eps, layer.hc_eps,
-                                          layer.hc_post_alpha, layer.hc_sinkhorn_iters)  # fmt: skip
+        return reference.mhc_coefficients(
+            source,
+            fn,
+            scale,
+            base,
+            layer.rms_norm_eps,
+            layer.hc_eps,
+            layer.hc_eps,
+            layer.hc_post_alpha,
+            layer.hc_sinkhorn_iters,
+        )
 
     embedding = model.embed[tokens]
     first = layers[0]
@@ -323,8 +332,9 @@ def decode_step_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) -> 
             if layer.engram:
                 streams = model.engram_inject(layer, streams, tokens)
             x = _input_plain(streams, pre, layer.attn_norm.weight, layer.attn_norm.variance_epsilon)
-            post, comb, pre = mixes(layer, streams.flatten(1), layer.hc_attn_fn, layer.hc_attn_scale,
-                                    layer.hc_attn_base)  # fmt: skip
+            post, comb, pre = mixes(
+                layer, streams.flatten(1), layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base
+            )
         y = _all_reduce_in_rank_order(model.attention(layer, x), group, world)
         streams = _post_plain(y, streams, post, comb)
         x = _input_plain(streams, pre, layer.ffn_norm.weight, layer.ffn_norm.variance_epsilon)

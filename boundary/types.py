@@ -77,8 +77,9 @@ class Fp8GroupActivation:
         return self.scale[:, : self.data.shape[0]].t()
 
 
-def empty_fp8_group_layer_input(num_tokens: int, hidden_size: int, device: Any, ue8m0: bool = False
-                                ) -> Fp8GroupActivation:  # fmt: skip
+def empty_fp8_group_layer_input(
+    num_tokens: int, hidden_size: int, device: Any, ue8m0: bool = False
+) -> Fp8GroupActivation:
     """An uninitialised FP8 1x128 layer input for `num_tokens` rows, for a boundary to write into."""
     num_tokens = checks.positive_int("num_tokens", num_tokens)
     hidden_size = checks.positive_int("hidden_size", hidden_size)

@@ -75,24 +75,34 @@ class Workspace:
         self.arm()
 
     @classmethod
-    def simulated(cls, hidden_size: int, world_size: int, max_rows: int, device: torch.device,
-                  timeout_us: int) -> list[Workspace]:  # fmt: skip
+    def simulated(
+        cls, hidden_size: int, world_size: int, max_rows: int, device: torch.device, timeout_us: int
+    ) -> list[Workspace]:
         """W ranks' buffers on one GPU: plain allocations that address each other directly."""
         n = slot_elements(world_size, max_rows, hidden_size)
         buffers = [torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(world_size)]
         peers = [b.data_ptr() for b in buffers]
         spaces = []
         for rank, buf in enumerate(buffers):
-            ws = cls(hidden_size, max_rows, device, world_size, rank, timeout_us, ranks_per_device=world_size,
-                     shared_context=True)  # fmt: skip
+            ws = cls(
+                hidden_size,
+                max_rows,
+                device,
+                world_size,
+                rank,
+                timeout_us,
+                ranks_per_device=world_size,
+                shared_context=True,
+            )
             ws._attach(buf, peers)
             spaces.append(ws)
         torch.cuda.synchronize(device)
         return spaces
 
     @classmethod
-    def symmetric(cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int,
-                  launch: tuple[int, ...]) -> Workspace:  # fmt: skip
+    def symmetric(
+        cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int, launch: tuple[int, ...]
+    ) -> Workspace:
         """This rank's buffers in symmetric memory of the TP group (unicast only): collective. `launch`: the
         kernel's launch shape (CTAs per row, threads, cluster cap), which every rank must share (a call's
         cluster count decides the two-shot owners)."""
@@ -114,8 +124,16 @@ class Workspace:
         return ws
 
     @classmethod
-    def ipc(cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int,
-            launch: tuple[int, ...], ranks_per_device: int) -> Workspace:  # fmt: skip
+    def ipc(
+        cls,
+        hidden_size: int,
+        max_rows: int,
+        device: torch.device,
+        group: Any,
+        timeout_us: int,
+        launch: tuple[int, ...],
+        ranks_per_device: int,
+    ) -> Workspace:
         """This rank's buffers for a TP group whose processes share GPUs (torch's symmetric memory refuses several
         ranks on one device): plain allocations whose CUDA IPC handles travel through the group; collective."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -137,9 +155,11 @@ def _same_everywhere(group: Any, hidden_size: int, max_rows: int, timeout_us: in
     shapes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(shapes, (hidden_size, max_rows, timeout_us, tuple(launch)), group=group)
     if len(set(shapes)) > 1:
-        raise ValueError(f"every rank must build its BoundaryAllReduce with the same hidden_size, max_rows and "
-                         f"timeout_us, on GPUs with the same launch shape (CTAs per row, threads, cluster cap: "
-                         f"the SM count, or ${SM_COUNT_ENV}); the ranks gave {shapes}")  # fmt: skip
+        raise ValueError(
+            f"every rank must build its BoundaryAllReduce with the same hidden_size, max_rows and "
+            f"timeout_us, on GPUs with the same launch shape (CTAs per row, threads, cluster cap: "
+            f"the SM count, or ${SM_COUNT_ENV}); the ranks gave {shapes}"
+        )
 
 
 def ranks_on_each_device(group: Any, device: torch.device) -> int:
@@ -165,8 +185,10 @@ def unicast_only() -> None:
     NVLink multicast stays off): set $TORCH_SYMM_MEM_DISABLE_MULTICAST=1, or raise where it is set otherwise."""
     value = os.environ.setdefault(MULTICAST_ENV, "1")
     if value != "1":
-        raise ValueError(f"the peer workspace is unicast only, but ${MULTICAST_ENV}={value!r} would let torch make "
-                         f"NVLink multicast objects for it: unset it or set it to 1")  # fmt: skip
+        raise ValueError(
+            f"the peer workspace is unicast only, but ${MULTICAST_ENV}={value!r} would let torch make "
+            f"NVLink multicast objects for it: unset it or set it to 1"
+        )
 
 
 def peers_can_map(group: Any, device: torch.device) -> tuple[bool, str]:
@@ -186,8 +208,11 @@ def peers_can_map(group: Any, device: torch.device) -> tuple[bool, str]:
             if missing:
                 verdict = (False, f"this process cannot see the peers' GPUs {missing} to check peer access")
             else:
-                blocked = [b for _, b in everyone if visible[b] != device.index
-                           and not torch.cuda.can_device_access_peer(device.index, visible[b])]  # fmt: skip
+                blocked = [
+                    b
+                    for _, b in everyone
+                    if visible[b] != device.index and not torch.cuda.can_device_access_peer(device.index, visible[b])
+                ]
                 verdict = (not blocked, f"no CUDA peer access to {blocked}" if blocked else "")
     except Exception as exc:
         verdict = (False, f"the peer-access probe failed: {type(exc).__name__}: {exc}")

@@ -54,7 +54,9 @@ def main() -> None:
         if args.knobs:
             broadcast = args.variant == "broadcast"
             inline = args.variant == "inline"
-            config = replace(coefficients_config(args.hidden, broadcast, args.rows, inline, arch=arch), **dict(args.knobs))
+            config = replace(
+                coefficients_config(args.hidden, broadcast, args.rows, inline, arch=arch), **dict(args.knobs)
+            )
         inp = coefficient_inputs(args.rows, args.hidden, device, 0)
         call = coefficients_call(inp, arch, args.variant, config)
     for _ in range(args.calls):

@@ -41,8 +41,12 @@ def variants() -> list:
     """The fused-boundary variants the MODES call (what their ranks warm up)."""
     from cute_kernels.boundary import api
 
-    return [api.BoundaryVariant(), api.BoundaryVariant(pre=False), api.BoundaryVariant("moe"),
-            api.BoundaryVariant("moe", shared=True)]  # fmt: skip
+    return [
+        api.BoundaryVariant(),
+        api.BoundaryVariant(pre=False),
+        api.BoundaryVariant("moe"),
+        api.BoundaryVariant("moe", shared=True),
+    ]
 
 
 @dataclass

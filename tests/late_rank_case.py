@@ -27,8 +27,9 @@ def main() -> int:
     parser.add_argument("--loading", choices=("eager", "lazy"), required=True)
     parser.add_argument("--lateness-ms", type=float, default=50.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", nargs="+", default=["sleep", "compile", "alloc"],
-                        choices=["sleep", "gemm", "compile", "alloc"])  # fmt: skip
+    parser.add_argument(
+        "--kinds", nargs="+", default=["sleep", "compile", "alloc"], choices=["sleep", "gemm", "compile", "alloc"]
+    )
     args = parser.parse_args()
     os.environ["CUDA_MODULE_LOADING"] = args.loading.upper()  # before anything initialises CUDA
 
@@ -40,12 +41,19 @@ def main() -> int:
     from tests import late_rank
     from tests.tiny_kernel import compile_tiny
 
-    ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, args.world, max_rows=64, device="cuda",
-                                        timeout_us=late_rank.TIMEOUT_US)  # fmt: skip
+    ranks = BoundaryAllReduce.simulated(
+        late_rank.HIDDEN, args.world, max_rows=64, device="cuda", timeout_us=late_rank.TIMEOUT_US
+    )
     assert lazy_module_loading() == (args.loading == "lazy"), "CUDA_MODULE_LOADING did not take effect"
     # The one variant these trials launch: a bf16 partial, one-shot (a process's warmup() loads all of them).
-    jobs = api.warmup_jobs(late_rank.HIDDEN, arch=ranks[0].arch, world_size=args.world, ranks_per_device=args.world,
-                           variants=[api.BoundaryVariant()], protocols=("oneshot",))  # fmt: skip
+    jobs = api.warmup_jobs(
+        late_rank.HIDDEN,
+        arch=ranks[0].arch,
+        world_size=args.world,
+        ranks_per_device=args.world,
+        variants=[api.BoundaryVariant()],
+        protocols=("oneshot",),
+    )
     warmup(jobs, progress=False, device=ranks[0].device)
     ms = args.lateness_ms
     clock_khz = sm_clock_khz()  # read from the driver: calibrating would launch the sleep kernel first

@@ -34,15 +34,22 @@ def main() -> int:
     from tests import late_rank
 
     world, rows = 2, late_rank.MODES["moe mixed shared"][1]
-    ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=64, device="cuda",
-                                        timeout_us=late_rank.TIMEOUT_US)  # fmt: skip
+    ranks = BoundaryAllReduce.simulated(
+        late_rank.HIDDEN, world, max_rows=64, device="cuda", timeout_us=late_rank.TIMEOUT_US
+    )
     assert lazy_module_loading(), "CUDA_MODULE_LOADING=LAZY did not take effect"
     if args.warmup:
         ranks[0].warmup(progress=False)  # one context: what rank 0 loads, every rank has
     else:
         for shared in (False, True):
-            fn = api.compiled_boundary(late_rank.HIDDEN, api.BoundaryVariant("moe", shared=shared), arch=ranks[0].arch,
-                                       world_size=world, ranks_per_device=world, rows=rows)  # fmt: skip
+            fn = api.compiled_boundary(
+                late_rank.HIDDEN,
+                api.BoundaryVariant("moe", shared=shared),
+                arch=ranks[0].arch,
+                world_size=world,
+                ranks_per_device=world,
+                rows=rows,
+            )
             mark_launched(fn)
     outcome = late_rank.trial(ranks, "moe mixed shared", 1, lambda: time.sleep(0.005), seed=3)
     print(json.dumps({"error": outcome.error}))

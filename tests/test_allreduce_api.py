@@ -296,11 +296,20 @@ def test_the_peer_trace_summary_reads_the_epilogue_tail() -> None:
             tail = 1500 if k % 5 == 3 else 800  # one call in five has a slow epilogue
             for c in range(ctas):
                 arrived = start + 1000 + 200 * c  # the cluster's last CTA is in 0.2 us after its first
-                times = {"released": start, "gen": start + 100, "loaded": start + 200, "pushed": start + 300,
-                         "arrived": arrived, "rearmed": arrived + 50, "computed": arrived + 300,
-                         "summed": start + 1200 + tail - 100, "row done": start + 1200 + tail,
-                         "all arrived": arrived + 250,  # another warp of the CTA is in 0.25 us later
-                         "all computed": arrived + 350, "all sent": arrived + 400}  # fmt: skip
+                times = {
+                    "released": start,
+                    "gen": start + 100,
+                    "loaded": start + 200,
+                    "pushed": start + 300,
+                    "arrived": arrived,
+                    "rearmed": arrived + 50,
+                    "computed": arrived + 300,
+                    "summed": start + 1200 + tail - 100,
+                    "row done": start + 1200 + tail,
+                    "all arrived": arrived + 250,  # another warp of the CTA is in 0.25 us later
+                    "all computed": arrived + 350,
+                    "all sent": arrived + 400,
+                }
                 for name, ns in times.items():
                     stamps[r, k, c, at[name], 0] = ns
                     stamps[r, k, c, at[name], 1] = ns  # one cycle per ns
@@ -334,8 +343,7 @@ def test_the_multi_rank_plot_draws_every_series(tmp_path, monkeypatch: pytest.Mo
 
     from bench import allreduce
 
-    series = (allreduce.SIMULATED_SERIES if simulated
-              else [(key, label) for key, _, label in allreduce.MULTI_GPU_SERIES])  # fmt: skip
+    series = allreduce.SIMULATED_SERIES if simulated else [(key, label) for key, _, label in allreduce.MULTI_GPU_SERIES]
     rows = [
         {"W": world, "H": 4096, "rows": n, **{key: float(i + n) for i, (key, _) in enumerate(series)}}
         for world in (2, 4)

@@ -70,9 +70,12 @@ forcing = forced_protocol
 
 def _variant(mode: str) -> api.BoundaryVariant:
     return api.BoundaryVariant(
-        "moe" if mode == "moe" else "x", mode in ("shared", "moe"), mode != "residual-only", mode == "mxfp8",
+        "moe" if mode == "moe" else "x",
+        mode in ("shared", "moe"),
+        mode != "residual-only",
+        mode == "mxfp8",
         mode == "aux",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -307,8 +310,9 @@ def test_every_row_count_up_to_512(world: int) -> None:
 def first_rows(inp: RankInputs, rows: int) -> RankInputs:
     """The inputs of `inp`'s first `rows` rows (a ready partial)."""
     shared = None if inp.shared is None else inp.shared[:rows]
-    return RankInputs(inp.x[:rows], shared, None, inp.residual[:rows], inp.post[:rows], inp.comb[:rows],
-                      inp.pre[:rows], inp.w)  # fmt: skip
+    return RankInputs(
+        inp.x[:rows], shared, None, inp.residual[:rows], inp.post[:rows], inp.comb[:rows], inp.pre[:rows], inp.w
+    )
 
 
 @pytest.mark.parametrize("hidden", (4096, 7168))
@@ -546,9 +550,15 @@ def test_random_host_sleeps_between_the_ranks_calls() -> None:
 
 @pytest.mark.parametrize(
     ("world", "protocol", "staged"),
-    [(2, "oneshot", False), (4, "oneshot", False), (4, "twoshot", False), (4, "oneshot", True), (4, "twoshot", True),
-     (8, "twoshot", False)],
-)  # fmt: skip
+    [
+        (2, "oneshot", False),
+        (4, "oneshot", False),
+        (4, "twoshot", False),
+        (4, "oneshot", True),
+        (4, "twoshot", True),
+        (8, "twoshot", False),
+    ],
+)
 def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable(
     world: int, protocol: str, staged: bool
 ) -> None:
@@ -667,8 +677,28 @@ def _race(role: type, protocol: str, rows: int | list[int], world: int = 2) -> t
             inp = sets[k][ar.rank]
             new = torch.empty_like(inp.residual)
             out = torch.empty(inp.residual.shape[0], hidden, dtype=BF16, device="cuda")
-            fn(inp.residual, inp.post, inp.comb, inp.pre, inp.w, inp.x, None, None, None, None, new, out, None, None,
-               None, ws.slots, ws.peers, ws.state, ws.error, EPS)  # fmt: skip
+            fn(
+                inp.residual,
+                inp.post,
+                inp.comb,
+                inp.pre,
+                inp.w,
+                inp.x,
+                None,
+                None,
+                None,
+                None,
+                new,
+                out,
+                None,
+                None,
+                None,
+                ws.slots,
+                ws.peers,
+                ws.state,
+                ws.error,
+                EPS,
+            )
             outs.append(new)
         return outs
 

@@ -148,8 +148,9 @@ def _spawn(placement: tuple[int, bool], scenario: str) -> None:
     _compile_first(world, one_gpu)
     ctx = mp.get_context("spawn")
     failures = ctx.Manager().list()
-    mp.start_processes(_worker, args=(world, _free_port(), scenario, failures, one_gpu), nprocs=world, join=True,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _worker, args=(world, _free_port(), scenario, failures, one_gpu), nprocs=world, join=True, start_method="spawn"
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -167,8 +168,14 @@ def _compile_first(world: int, one_gpu: bool) -> None:
     from cute_kernels.compile import arch_for_device, warmup
 
     arch = arch_for_device(torch.device("cuda"))
-    jobs = api.warmup_jobs(4096, arch=arch, world_size=world, ranks_per_device=world if one_gpu else 1,
-                           variants=_variants(), protocols=PROTOCOLS)  # fmt: skip
+    jobs = api.warmup_jobs(
+        4096,
+        arch=arch,
+        world_size=world,
+        ranks_per_device=world if one_gpu else 1,
+        variants=_variants(),
+        protocols=PROTOCOLS,
+    )
     warmup(jobs, progress=False)
 
 

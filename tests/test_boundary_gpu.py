@@ -60,8 +60,17 @@ def test_boundary_all_reduce_kernel_path(rows: int) -> None:
     aux = torch.empty(rows, H, dtype=BF16, device="cuda")
     new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q, aux_out=aux)
     check_against_reference(inp["x"], inp, new, out, q, aux)
-    new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, None,
-                  shared_output=inp["shared"])  # fmt: skip
+    new, out = ar(
+        inp["x"],
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["w"],
+        1e-20,
+        None,
+        shared_output=inp["shared"],
+    )
     check_against_reference(ref.add_shared(inp["x"], inp["shared"]), inp, new, out)
     new, none = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], None, None, 0.0, None)
     assert none is None
@@ -82,8 +91,19 @@ def test_boundary_all_reduce_finalize_kernel_path() -> None:
     idx = torch.randperm(rows * k, generator=g, device="cuda").to(torch.int32).view(rows, k)
     idx[0, 2] = idx[5, 0] = -1
     idx[3] = -1
-    new, out = ar.finalize(permuted, weights, idx, inp["shared"], inp["residual"], inp["post"], inp["comb"],
-                           inp["pre"], inp["w"], 1e-20, None)  # fmt: skip
+    new, out = ar.finalize(
+        permuted,
+        weights,
+        idx,
+        inp["shared"],
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["w"],
+        1e-20,
+        None,
+    )
     # The MoE combine may fuse multiply-adds: y within 1 ulp of the reference, then as above.
     y = ref.moe_finalize(permuted, weights, idx, inp["shared"])
     want = ref.mhc_post(y, inp["residual"], inp["post"], inp["comb"])
@@ -110,9 +130,20 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
     torch.cuda.current_stream().wait_stream(side)
     for a, b in zip(overlap, got):  # the split form (layer input alone + mixes) gives the inline form's bits
         assert bitwise_equal(a, b)
-    broadcast = mhc_pre_delayed(inp["residual"][:, :1].expand(-1, 4, -1).contiguous(), fn.view(24, 4, H).sum(1),
-                                scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20, x=inp["residual"][:, 0].contiguous(),
-                                norm_weight=inp["w"], norm_eps=1e-20)  # fmt: skip
+    broadcast = mhc_pre_delayed(
+        inp["residual"][:, :1].expand(-1, 4, -1).contiguous(),
+        fn.view(24, 4, H).sum(1),
+        scale,
+        base,
+        1e-20,
+        1e-6,
+        1e-6,
+        2.0,
+        20,
+        x=inp["residual"][:, 0].contiguous(),
+        norm_weight=inp["w"],
+        norm_eps=1e-20,
+    )
     assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["w"], 1e-20)) <= 1
 
 

@@ -33,9 +33,18 @@ def _compile(H: int, variant: api.BoundaryVariant, arch: str):
 
 @pytest.mark.parametrize(
     ("H", "expected"),
-    [(256, (1, 32)), (1024, (2, 64)), (2560, (5, 64)), (4096, (4, 128)), (5120, (5, 128)), (6144, (6, 128)),
-     (7168, (7, 128)), (8192, (8, 128)), (16384, (8, 256))],
-)  # fmt: skip
+    [
+        (256, (1, 32)),
+        (1024, (2, 64)),
+        (2560, (5, 64)),
+        (4096, (4, 128)),
+        (5120, (5, 128)),
+        (6144, (6, 128)),
+        (7168, (7, 128)),
+        (8192, (8, 128)),
+        (16384, (8, 256)),
+    ],
+)
 def test_row_split_depends_on_h_only(H: int, expected: tuple[int, int]) -> None:
     assert row_split(H) == expected
     config = default_config(H, "sm_90a")
@@ -81,8 +90,10 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert jobs[0].compile_fn is api.compile_fused_boundary
     config = default_config(5120, "sm_90a")
     assert isinstance(config, BoundaryConfig) and (config.cluster_n, config.threads) == (5, 128)
-    assert all(j.args[0] == 5120 and j.args[7:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
-               for j in jobs)  # fmt: skip
+    assert all(
+        j.args[0] == 5120 and j.args[7:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
+        for j in jobs
+    )
     peer = api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)
     # Both protocols of every variant, each inline, and staged too for the 20 variants with a ready partial x.
     assert len(peer) == 40 * 2 + 20 * 2 and {j.args[9] for j in peer} == {"oneshot", "twoshot"}
@@ -194,7 +205,9 @@ def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: 
         _fake_cuda((H,), bf16) if variant.pre else None,  # norm weight
         _fake_cuda((T, H), bf16) if moe is None else None,  # x
         _fake_cuda((T, H), bf16) if variant.shared else None,  # shared
-        g, ew, idx,
+        g,
+        ew,
+        idx,
         _fake_cuda((T, 4, H), bf16),  # new residual
         _fake_cuda((T, H), bf16) if variant.pre else None,  # out
         _fake_cuda((T, H), torch.float8_e4m3fn) if variant.mxfp8 else None,
@@ -202,18 +215,24 @@ def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: 
         _fake_cuda((T, H), torch.float8_e4m3fn) if variant.fp8 else None,
         _fake_cuda((H // 128, -(-T // 4) * 4), f32) if variant.fp8 else None,  # FP8 1x128 scales [H/128, T_pad]
         _fake_cuda((T, H), bf16) if variant.aux else None,
-        None, None, None,  # the peer slots, addresses and state (W = 1: none)
+        None,
+        None,
+        None,  # the peer slots, addresses and state (W = 1: none)
         _fake_cuda((4,), torch.int32) if moe is not None else None,  # the error word
         1e-6,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors must never reach a real GPU")
 @pytest.mark.parametrize(
     "variant",
-    [MAIN, api.BoundaryVariant("moe", True, True, True, True), api.BoundaryVariant("x", True, False, False, True),
-     api.BoundaryVariant("x", False, True, True, False, "fp8_1x128_ue8m0")],
+    [
+        MAIN,
+        api.BoundaryVariant("moe", True, True, True, True),
+        api.BoundaryVariant("x", True, False, False, True),
+        api.BoundaryVariant("x", False, True, True, False, "fp8_1x128_ue8m0"),
+    ],
     ids=api.variant_name,
 )
 def test_exported_kernel_accepts_the_call_tuple(variant: api.BoundaryVariant, tmp_path, monkeypatch) -> None:

@@ -51,8 +51,16 @@ class Inputs:
             return None if t is None else t[index].contiguous()
 
         moe = None if self.moe is None else (self.moe[0], take(self.moe[1]), take(self.moe[2]))
-        return Inputs(take(self.residual), take(self.post), take(self.comb), take(self.pre), self.w, take(self.x),
-                      take(self.shared), moe)  # fmt: skip
+        return Inputs(
+            take(self.residual),
+            take(self.post),
+            take(self.comb),
+            take(self.pre),
+            self.w,
+            take(self.x),
+            take(self.shared),
+            moe,
+        )
 
 
 def make_inputs(
@@ -128,16 +136,49 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
     error = torch.zeros(4, dtype=torch.int32, device="cuda") if moe is not None else None
     if config is None:
         api.fused_boundary(
-            residual=inp.residual, post=inp.post, comb=inp.comb, pre=pre, norm_weight=w, norm_eps=EPS, x=x,
-            shared=shared, moe=moe, new_residual=res.new_residual, out=res.out, mxfp8_data=res.data,
-            mxfp8_scale=res.scale, aux=res.aux, error=error, arch=arch,
-        )  # fmt: skip
+            residual=inp.residual,
+            post=inp.post,
+            comb=inp.comb,
+            pre=pre,
+            norm_weight=w,
+            norm_eps=EPS,
+            x=x,
+            shared=shared,
+            moe=moe,
+            new_residual=res.new_residual,
+            out=res.out,
+            mxfp8_data=res.data,
+            mxfp8_scale=res.scale,
+            aux=res.aux,
+            error=error,
+            arch=arch,
+        )
     else:
         H = inp.residual.shape[-1]
         g, ew, idx = moe if moe is not None else (None, None, None)
         fn = api.compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
-        fn(inp.residual, inp.post.view(-1, 4), inp.comb, pre, w, x, shared, g, ew, idx, res.new_residual, res.out,
-           res.data, res.scale, res.aux, None, None, None, error, EPS)  # fmt: skip
+        fn(
+            inp.residual,
+            inp.post.view(-1, 4),
+            inp.comb,
+            pre,
+            w,
+            x,
+            shared,
+            g,
+            ew,
+            idx,
+            res.new_residual,
+            res.out,
+            res.data,
+            res.scale,
+            res.aux,
+            None,
+            None,
+            None,
+            error,
+            EPS,
+        )
     if error is not None:
         torch.cuda.synchronize()
         assert not bool(error.any()), f"the kernel reported an error word {error.tolist()} on valid MoE indices"
@@ -211,9 +252,10 @@ def _row_outputs(res: Outputs, r: int, T: int, H: int) -> list[Tensor]:
 
 
 @pytest.mark.parametrize(
-    "variant", [api.BoundaryVariant("x", False, True, True, True), api.BoundaryVariant("moe", True, True, True, False)],
+    "variant",
+    [api.BoundaryVariant("x", False, True, True, True), api.BoundaryVariant("moe", True, True, True, False)],
     ids=_variant_id,
-)  # fmt: skip
+)
 @pytest.mark.parametrize("H", [5120, 7168])
 def test_batch_invariance(H: int, variant: api.BoundaryVariant, arch: str) -> None:
     big = make_inputs(512, H, variant, seed=7)
@@ -346,10 +388,14 @@ def test_cluster_caps_are_bit_identical_to_the_default(H: int, rows: int, arch: 
 
 @pytest.mark.parametrize(
     "variant",
-    [api.BoundaryVariant("moe", True, True, True, True), api.BoundaryVariant("x", False, False, False, True),
-     api.BoundaryVariant("moe", False, False, False, False), MAIN],
+    [
+        api.BoundaryVariant("moe", True, True, True, True),
+        api.BoundaryVariant("x", False, False, False, True),
+        api.BoundaryVariant("moe", False, False, False, False),
+        MAIN,
+    ],
     ids=_variant_id,
-)  # fmt: skip
+)
 def test_looping_variants_are_bit_identical_to_the_default(variant: api.BoundaryVariant, arch: str) -> None:
     H, rows = 5120, 129
     inp = make_inputs(rows, H, variant, seed=17)

@@ -250,16 +250,19 @@ def test_partials_schedule_compiles(variant: str, arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("H,variant,knobs", [
-    (7168, "standard", dict(rows_per_tile=256)),
-    (4096, "standard", dict(rows_per_tile=64, min_blocks=3, stage_rows=True)),
-    (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
-    (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
-    (7168, "standard", dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2)),  # a staging ring
-    (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
-    (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2)),
-    (5120, "standard", dict(rows_per_tile=128, row_split=2, sum_buffers=2)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "H,variant,knobs",
+    [
+        (7168, "standard", dict(rows_per_tile=256)),
+        (4096, "standard", dict(rows_per_tile=64, min_blocks=3, stage_rows=True)),
+        (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
+        (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
+        (7168, "standard", dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2)),  # a staging ring
+        (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
+        (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2)),
+        (5120, "standard", dict(rows_per_tile=128, row_split=2, sum_buffers=2)),
+    ],
+)
 def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict, arch: str) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
     assert callable(api.compile_coefficients(H, variant, "none", 20, config, arch=arch))
@@ -348,9 +351,16 @@ def test_the_edge_takes_well_formed_kernel_arguments(broadcast: bool) -> None:
 
 @pytest.mark.parametrize(
     "name,broadcast",
-    [("residual", False), ("x", True), ("fn", False), ("fn", True), ("pre_mix", False), ("norm_weight", False),
-     ("norm_weight", True)],
-)  # fmt: skip
+    [
+        ("residual", False),
+        ("x", True),
+        ("fn", False),
+        ("fn", True),
+        ("pre_mix", False),
+        ("norm_weight", False),
+        ("norm_weight", True),
+    ],
+)
 def test_the_edge_rejects_a_misaligned_tensor_the_kernels_read_16_bytes_at_a_time(name: str, broadcast: bool) -> None:
     args = kernel_args(broadcast=broadcast, offset={name: 1})
     with pytest.raises(ValueError, match=f"{name} must start on a 16-byte boundary"):
@@ -360,10 +370,15 @@ def test_the_edge_rejects_a_misaligned_tensor_the_kernels_read_16_bytes_at_a_tim
 def test_the_edge_lets_pass_what_no_kernel_reads() -> None:
     # The first layer's kernels read x, not the streams, and no pre_mix; without a layer-input kernel
     # (torch computes the collapse) neither pre_mix nor norm_weight reach a kernel.
-    mhc._check_kernel_args(*kernel_args(broadcast=True, offset={"residual": 1, "pre_mix": 1}), "sm_90a",
-                           inline=True, layer_input_kernel=True)  # fmt: skip
-    mhc._check_kernel_args(*kernel_args(offset={"pre_mix": 1, "norm_weight": 1}), "sm_90a",
-                           inline=False, layer_input_kernel=False)  # fmt: skip
+    mhc._check_kernel_args(
+        *kernel_args(broadcast=True, offset={"residual": 1, "pre_mix": 1}),
+        "sm_90a",
+        inline=True,
+        layer_input_kernel=True,
+    )
+    mhc._check_kernel_args(
+        *kernel_args(offset={"pre_mix": 1, "norm_weight": 1}), "sm_90a", inline=False, layer_input_kernel=False
+    )
 
 
 def test_the_edge_rejects_shapes_the_kernels_do_not_serve() -> None:

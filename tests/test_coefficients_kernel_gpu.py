@@ -110,14 +110,24 @@ def call(
         )
     kwargs = dict(EPS, rms_eps=rms_eps)
     mhc_coefficients(
-        x, wt.fn_broadcast if broadcast else wt.fn, wt.scale, wt.base, **kwargs,
-        broadcast=broadcast, workspace=ws if ws is not None else workspace(H),
-        post_out=out.post, comb_out=out.comb, pre_out=out.pre,
+        x,
+        wt.fn_broadcast if broadcast else wt.fn,
+        wt.scale,
+        wt.base,
+        **kwargs,
+        broadcast=broadcast,
+        workspace=ws if ws is not None else workspace(H),
+        post_out=out.post,
+        comb_out=out.comb,
+        pre_out=out.pre,
         pre_mix=pre_mix if inline else None,
         norm_weight=wt.norm_weight if inline else None,
         norm_eps=NORM_EPS if inline else None,
-        layer_input_out=out.layer_input, arch=arch(), stream=stream, config=config,
-    )  # fmt: skip
+        layer_input_out=out.layer_input,
+        arch=arch(),
+        stream=stream,
+        config=config,
+    )
     return out
 
 
@@ -250,18 +260,40 @@ def test_inline_collapse_is_exact_before_the_norm() -> None:
     x = torch.randn(rows, 4, H, device="cuda", generator=gen(19)).to(BF16)
     x[:, 0] = sign.to(BF16)
     wt = weights(H)
-    out = Out(*(torch.empty(rows, *s, device="cuda") for s in ((4,), (4, 4), (4,))), torch.empty(rows, H, dtype=BF16, device="cuda"))  # fmt: skip
+    out = Out(
+        *(torch.empty(rows, *s, device="cuda") for s in ((4,), (4, 4), (4,))),
+        torch.empty(rows, H, dtype=BF16, device="cuda"),
+    )
     kwargs = dict(EPS, broadcast=False, workspace=workspace(H), post_out=out.post, comb_out=out.comb, pre_out=out.pre)
-    mhc_coefficients(x, wt.fn, wt.scale, wt.base, **kwargs, norm_weight=wt.norm_weight, norm_eps=0.0,
-                     layer_input_out=out.layer_input, arch=arch())  # fmt: skip
+    mhc_coefficients(
+        x,
+        wt.fn,
+        wt.scale,
+        wt.base,
+        **kwargs,
+        norm_weight=wt.norm_weight,
+        norm_eps=0.0,
+        layer_input_out=out.layer_input,
+        arch=arch(),
+    )
     assert bitwise_equal(out.layer_input, (sign * wt.norm_weight.float()).to(BF16))
     x[:, 0] = (sign * 1.003).to(BF16)  # bf16(1.003) = 1.0
     x[:, 1:] = 0
     x[:, 1] = (sign * 0.003).to(BF16)
     pre_mix = torch.ones(rows, 4, device="cuda")
     assert torch.all(ref.collapse(x, pre_mix).abs() == 1.0)
-    mhc_coefficients(x, wt.fn, wt.scale, wt.base, **kwargs, pre_mix=pre_mix, norm_weight=wt.norm_weight,
-                     norm_eps=0.0, layer_input_out=out.layer_input, arch=arch())  # fmt: skip
+    mhc_coefficients(
+        x,
+        wt.fn,
+        wt.scale,
+        wt.base,
+        **kwargs,
+        pre_mix=pre_mix,
+        norm_weight=wt.norm_weight,
+        norm_eps=0.0,
+        layer_input_out=out.layer_input,
+        arch=arch(),
+    )
     assert bitwise_equal(out.layer_input, (sign * wt.norm_weight.float()).to(BF16))
 
 

@@ -122,8 +122,9 @@ def test_final_on_gloo_ranks_matches_the_rank_order_reference_on_every_rank() ->
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_rank_worker, args=(world, _free_port(), results), nprocs=world, join=True,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            _rank_worker, args=(world, _free_port(), results), nprocs=world, join=True, start_method="spawn"
+        )
         results = dict(results)
     assert sorted(results) == list(range(world))
     for form in FORMS:
@@ -138,10 +139,14 @@ def cuda(v: Any) -> Any:
     if isinstance(v, MoEOutput):
         return MoEOutput(cuda(v.routed), cuda(v.shared_output))
     if isinstance(v, UnfinalizedMoEOutput):
-        return UnfinalizedMoEOutput(*(cuda(t) for t in (v.gemm2_permuted, v.expert_weights,
-                                                        v.expanded_idx_to_permuted_idx)))  # fmt: skip
-    return None if v is None else BoundaryState(*(cuda(getattr(v, f)) for f in ("residual", "post", "comb", "pre",
-                                                                               "pending")))  # fmt: skip
+        return UnfinalizedMoEOutput(
+            *(cuda(t) for t in (v.gemm2_permuted, v.expert_weights, v.expanded_idx_to_permuted_idx))
+        )
+    return (
+        None
+        if v is None
+        else BoundaryState(*(cuda(getattr(v, f)) for f in ("residual", "post", "comb", "pre", "pending")))
+    )
 
 
 @pytest.mark.gpu
@@ -160,8 +165,9 @@ def test_final_on_the_kernel_is_the_fused_boundary_with_the_final_norm(form: str
         new, out = ar(pending.routed, *common, shared_output=pending.shared_output)
     else:
         r = pending.routed
-        new, out = ar.finalize(r.gemm2_permuted, r.expert_weights, r.expanded_idx_to_permuted_idx,
-                               pending.shared_output, *common)  # fmt: skip
+        new, out = ar.finalize(
+            r.gemm2_permuted, r.expert_weights, r.expanded_idx_to_permuted_idx, pending.shared_output, *common
+        )
     hidden = Boundaries(ar).final(state, weight, 1e-20)
     torch.cuda.synchronize()
     assert bitwise_equal(hidden, out)

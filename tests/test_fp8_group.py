@@ -84,8 +84,7 @@ def special_rows(hidden: int) -> torch.Tensor:
     """Rows whose groups hold NaN, +/-Inf, all zeros, tiny values (amax below 1e-4, subnormal bf16), a power-of-two
     amax, values near bf16's largest, and ordinary data at assorted magnitudes."""
     g = torch.Generator().manual_seed(7)
-    rows = [torch.randn(hidden, generator=g) * 10.0 ** torch.randint(-6, 6, (1,), generator=g).item()
-            for _ in range(3)]  # fmt: skip
+    rows = [torch.randn(hidden, generator=g) * 10.0 ** torch.randint(-6, 6, (1,), generator=g).item() for _ in range(3)]
     special = torch.randn(hidden, generator=g)
     groups = special.view(-1, 128)
     cases = [
@@ -174,10 +173,12 @@ def test_the_gemm_view_is_column_major_and_tma_aligned() -> None:
 
 @pytest.mark.parametrize(
     "args,error,match",
-    [((4, 200, "cpu"), ValueError, "hidden_size must be a positive multiple of 128"),
-     ((0, 256, "cpu"), ValueError, "num_tokens must be a positive int"),
-     ((4, 256, "cpu", 1), TypeError, "ue8m0 must be a bool")],
-)  # fmt: skip
+    [
+        ((4, 200, "cpu"), ValueError, "hidden_size must be a positive multiple of 128"),
+        ((0, 256, "cpu"), ValueError, "num_tokens must be a positive int"),
+        ((4, 256, "cpu", 1), TypeError, "ue8m0 must be a bool"),
+    ],
+)
 def test_empty_fp8_group_layer_input_checks_its_arguments(args: tuple, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         empty_fp8_group_layer_input(*args)
@@ -215,8 +216,12 @@ def test_the_boundary_writes_it_beside_mxfp8(ue8m0: bool) -> None:
     with pytest.raises(TypeError, match="fp8_out must be an Fp8GroupActivation or None, got QuantizedActivation"):
         ar(inp["x"], *args, None, fp8_out=mx)
     with pytest.raises(ValueError, match=r"fp8_out.scale must have shape \[4, 4\]"):
-        ar(inp["x"], *args, None, fp8_out=Fp8GroupActivation(fp8.data, fp8.scale[:, :3].contiguous(), BF16,
-                                                             fp8.orig_shape, fp8.quant_key))  # fmt: skip
+        ar(
+            inp["x"],
+            *args,
+            None,
+            fp8_out=Fp8GroupActivation(fp8.data, fp8.scale[:, :3].contiguous(), BF16, fp8.orig_shape, fp8.quant_key),
+        )
 
 
 @pytest.mark.parametrize("quantize", ["fp8_1x128", "fp8_1x128_ue8m0"])

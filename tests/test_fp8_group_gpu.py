@@ -74,8 +74,10 @@ def call(ar: BoundaryAllReduce, inp: dict, q: Fp8GroupActivation | None, mxfp8=N
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize(("hidden", "rows"), [(4096, 1), (4096, 3), (4096, 16), (4096, 512), (7168, 1), (7168, 17),
-                                              (7168, 128), (4352, 5), (2560, 64)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hidden", "rows"),
+    [(4096, 1), (4096, 3), (4096, 16), (4096, 512), (7168, 1), (7168, 17), (7168, 128), (4352, 5), (2560, 64)],
+)
 def test_one_rank_writes_the_reference_bytes(form: str, hidden: int, rows: int) -> None:
     """At one rank, alone and beside MXFP8; the bf16 layer input is the same bits with or without it."""
     ar = BoundaryAllReduce(hidden, max_rows=512, device="cuda")
@@ -118,8 +120,20 @@ def test_a_moe_boundary_writes_it_too() -> None:
     weights = torch.rand(rows, top_k, generator=g, device="cuda") / top_k
     idx = torch.randperm(rows * top_k, generator=g, device="cuda").view(rows, top_k).to(torch.int32)
     q = poisoned_fp8(rows, hidden, True)
-    _, out = ar.finalize(gemm2, weights, idx, inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"],
-                         inp["w"], EPS, None, fp8_out=q)  # fmt: skip
+    _, out = ar.finalize(
+        gemm2,
+        weights,
+        idx,
+        inp["x"],
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["w"],
+        EPS,
+        None,
+        fp8_out=q,
+    )
     assert_fp8_bytes(q, out)
 
 
@@ -131,8 +145,11 @@ def test_simulated_ranks_write_the_same_reference_bytes(world: int) -> None:
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=512, device="cuda")
     arch = arch_for_device(torch.device("cuda"))
     variants = [api.BoundaryVariant(fp8=form) for form in FORMS]
-    warmup(api.warmup_jobs(hidden, arch=arch, world_size=world, ranks_per_device=world, variants=variants),
-           progress=False, device=torch.device("cuda"))  # fmt: skip
+    warmup(
+        api.warmup_jobs(hidden, arch=arch, world_size=world, ranks_per_device=world, variants=variants),
+        progress=False,
+        device=torch.device("cuda"),
+    )
     for protocol in ("oneshot", "twoshot"):
         for ar in ranks:
             ar.protocol = protocol
@@ -208,8 +225,9 @@ def test_a_real_fp8_gemm_reads_the_bytes(ue8m0: bool) -> None:
     # 128x128 scales go K-major: [K/128 (padded to 4), N/128] with strides (1, K/128 padded).
     k_blocks = -(-(hidden // 128) // 4) * 4
     b_scale = torch.nn.functional.pad(w_sf, (0, k_blocks - hidden // 128)).t()
-    got = scaled_mm(q.data, w_q.t(), a_scale, ScalingType.BlockWise1x128, b_scale, ScalingType.BlockWise128x128,
-                    output_dtype=BF16)  # fmt: skip
+    got = scaled_mm(
+        q.data, w_q.t(), a_scale, ScalingType.BlockWise1x128, b_scale, ScalingType.BlockWise128x128, output_dtype=BF16
+    )
     a_deq = (q.data.float().view(rows, hidden // 128, 128) * q.scale[:, :rows].t()[:, :, None]).view(rows, hidden)
     w_deq = (w_q.float().view(n // 128, 128, hidden // 128, 128) * w_sf[:, None, :, None]).view(n, hidden)
     emulated = a_deq @ w_deq.t()

@@ -74,9 +74,17 @@ def test_guide_worked_example_gives_the_bits_of_the_plain_toy() -> None:
 
 def test_guide_covers_what_an_integrator_needs() -> None:
     headings = set(re.findall(r"^## (.+)$", GUIDE.read_text(), re.M))
-    for needed in ("The layer protocol", "The workspace and its lifetime", "Warm-up before capture",
-                   "Errors, `check()` and `reset()`", "The Engram seam", "The final boundary",
-                   "Several ranks: a TP group", "The kernel cache", "NaN and inf inputs"):  # fmt: skip
+    for needed in (
+        "The layer protocol",
+        "The workspace and its lifetime",
+        "Warm-up before capture",
+        "Errors, `check()` and `reset()`",
+        "The Engram seam",
+        "The final boundary",
+        "Several ranks: a TP group",
+        "The kernel cache",
+        "NaN and inf inputs",
+    ):
         assert needed in headings, needed
 
 

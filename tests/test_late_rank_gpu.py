@@ -27,8 +27,11 @@ from cute_kernels.compile import lazy_module_loading
 from tests import late_rank
 from tests.tiny_kernel import compile_tiny
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]  # fmt: skip
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = (2, 4, 8)
@@ -60,8 +63,9 @@ def ranks_by_world() -> dict[int, list[BoundaryAllReduce]]:
     assert not lazy_module_loading(), "the tests load CUDA modules eagerly (conftest)"
     out = {}
     for world in WORLDS:
-        ranks = BoundaryAllReduce.simulated(late_rank.HIDDEN, world, max_rows=512, device="cuda",
-                                            timeout_us=late_rank.TIMEOUT_US)  # fmt: skip
+        ranks = BoundaryAllReduce.simulated(
+            late_rank.HIDDEN, world, max_rows=512, device="cuda", timeout_us=late_rank.TIMEOUT_US
+        )
         warmup_every_protocol(ranks[0], late_rank.variants())  # every variant the modes call, both protocols, loaded
         out[world] = ranks
     return out
@@ -89,20 +93,27 @@ def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]])
             # The GEMMs share the GPU with the peers' waiting grids, which take SMs from them: their rate there (this
             # mode's grids at this W) sets how many GEMMs make a lateness. The timing trial is a cell of its own.
             seed += 1
-            timing = late_rank.trial(ranks, mode, world - 1, lambda: delays.gemms(GEMM_CALIBRATION * delays.gemm_ms),
-                                     seed)  # fmt: skip
+            timing = late_rank.trial(
+                ranks, mode, world - 1, lambda: delays.gemms(GEMM_CALIBRATION * delays.gemm_ms), seed
+            )
             record(world, mode, "gemm timing", 0.0, world - 1, timing)
             gemm_ms = delays.gemm_ms
             delays.gemm_ms = timing.late_ms / GEMM_CALIBRATION
             # Its first call after warmup() (the compile and the load were warmup's), then every kind and lateness,
             # the late rank's position cycling so that each kind meets all three.
             plan = [("first call", 5.0, positions[seed % 3])]
-            plan += [(kind, ms, positions[(i + j) % 3]) for i, kind in enumerate(late_rank.KINDS)
-                     for j, ms in enumerate(late_rank.LATENESS_MS)]  # fmt: skip
+            plan += [
+                (kind, ms, positions[(i + j) % 3])
+                for i, kind in enumerate(late_rank.KINDS)
+                for j, ms in enumerate(late_rank.LATENESS_MS)
+            ]
             for kind, ms, late in plan:
                 seed += 1
-                make = (lambda ms=ms: delays.make("host", ms)) if kind == "first call" else (
-                    lambda kind=kind, ms=ms: delays.make(kind, ms))  # fmt: skip
+                make = (
+                    (lambda ms=ms: delays.make("host", ms))
+                    if kind == "first call"
+                    else (lambda kind=kind, ms=ms: delays.make(kind, ms))
+                )
                 record(world, mode, kind, ms, late, late_rank.trial(ranks, mode, late, make, seed))
             delays.gemm_ms = gemm_ms
     # A first-call compile: the late rank compiles a kernel (its first launch after its boundary) while its peers wait.
@@ -111,8 +122,9 @@ def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]])
             seed += 1
             width = 2048 + 8 * (seed + os.getpid() % 1000 * 64)
             late = (0, world // 2, world - 1)[k]
-            outcome = late_rank.trial(ranks, "oneshot", late, lambda width=width, ar=ranks[0]: compile_tiny(width, arch=ar.arch),
-                                      seed)  # fmt: skip
+            outcome = late_rank.trial(
+                ranks, "oneshot", late, lambda width=width, ar=ranks[0]: compile_tiny(width, arch=ar.arch), seed
+            )
             record(world, "oneshot", "first-call compile", 0.0, late, outcome)
     _write("lateness_matrix", cells)
     past = {c: t for c, t in cells.items() if any(late_ms >= 0.9 * timeout_ms for _, late_ms in t)}
@@ -123,10 +135,26 @@ def test_the_lateness_matrix(ranks_by_world: dict[int, list[BoundaryAllReduce]])
 
 def _fresh(world: int, late: int, loading: str, seed: int, kinds: tuple[str, ...] = ()) -> dict[str, str]:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.late_rank_case", "--world", str(world), "--late", str(late), "--loading",
-         loading, "--seed", str(seed)] + (["--kinds", *kinds] if kinds else []),
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.late_rank_case",
+            "--world",
+            str(world),
+            "--late",
+            str(late),
+            "--loading",
+            loading,
+            "--seed",
+            str(seed),
+        ]
+        + (["--kinds", *kinds] if kinds else []),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -152,7 +180,9 @@ def test_a_cublas_kernels_first_launch_stalls_a_shared_context_even_with_eager_l
     workspace made beforehand), and that load waits for the peers' spinning grids (measured: 30 of 30 trials)."""
     errors = [_fresh(2, 1, "eager", seed=200 + k, kinds=("gemm",))["gemm"] for k in range(3)]
     _write("first_launch_cublas", {"W2 first launch: cuBLAS GEMM": errors})
-    assert any(errors), "a cuBLAS kernel's first launch stalled nothing: CONTRACT §7's warm-up rule rests on a stale fact"
+    assert any(errors), (
+        "a cuBLAS kernel's first launch stalled nothing: CONTRACT §7's warm-up rule rests on a stale fact"
+    )
     assert all("gave up waiting" in e for e in errors if e), errors
 
 
@@ -180,8 +210,9 @@ def test_negative_control_a_rank_absent_past_the_timeout_is_reported() -> None:
 
 
 def _loading_case(flag: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "tests.module_loading_case", flag], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.module_loading_case", flag], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])["error"]
 
@@ -190,8 +221,10 @@ def test_warmup_loads_every_variant_onto_the_gpu() -> None:
     """In fresh processes with lazy loading, a rank launches its variant for the first time while its peer spins (a
     MoE boundary, the shared output on one rank only): after warmup() nothing stalls; the control, the same kernels
     compiled but never launched, stalls the peer to its timeout (the load waits for the spinning grid)."""
-    states = {"after warmup()": [_loading_case("--warmup") for _ in range(2)],
-              "control: never launched": [_loading_case("--not-loaded") for _ in range(2)]}  # fmt: skip
+    states = {
+        "after warmup()": [_loading_case("--warmup") for _ in range(2)],
+        "control: never launched": [_loading_case("--not-loaded") for _ in range(2)],
+    }
     _write("module_loading", states)
     assert states["after warmup()"] == ["", ""], states
     assert all("gave up waiting for rank(s) [1]" in e for e in states["control: never launched"]), states
@@ -211,8 +244,9 @@ def test_a_peer_kernel_never_loaded_raises_before_it_launches() -> None:
     assert int(ranks[0].workspace.state[0]) == 0, "nothing launched: the call counter never moved"
     for ar in ranks:
         ar.warmup(progress=False)
-    outputs = BoundaryAllReduce.run_simulated(ranks, [lambda ar: late_rank.sim.call(ar, sim_inputs[ar.rank], "partial")]
-                                              * world)  # fmt: skip
+    outputs = BoundaryAllReduce.run_simulated(
+        ranks, [lambda ar: late_rank.sim.call(ar, sim_inputs[ar.rank], "partial")] * world
+    )
     torch.cuda.synchronize()
     late_rank.sim.check(outputs, inputs, "partial")
     for ar in ranks:

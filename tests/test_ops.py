@@ -66,8 +66,15 @@ def source(inp: dict, form: str) -> tuple:
 
 
 def direct(ar: BoundaryAllReduce, inp: dict, form: str, pre: bool, **outs: object) -> tuple:
-    epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"] if pre else None, inp["w"] if pre else None,
-                1e-20 if pre else 0.0, outs.pop("mxfp8_out", None))  # fmt: skip
+    epilogue = (
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"] if pre else None,
+        inp["w"] if pre else None,
+        1e-20 if pre else 0.0,
+        outs.pop("mxfp8_out", None),
+    )
     if form == "moe":
         return ar.finalize(inp["permuted"], inp["weights"], inp["idx"], inp["shared"], *epilogue, **outs)
     return ar(inp["x"], *epilogue, shared_output=inp["shared"] if form == "shared" else None, **outs)
@@ -76,16 +83,41 @@ def direct(ar: BoundaryAllReduce, inp: dict, form: str, pre: bool, **outs: objec
 @pytest.mark.parametrize("form", ["ready", "shared", "moe"])
 def test_the_boundary_op_gives_the_direct_paths_bits(ar: BoundaryAllReduce, form: str) -> None:
     inp = inputs()
-    mx, fp8, aux = empty_quantized_layer_input(ROWS, H, "cpu"), empty_fp8_group_layer_input(ROWS, H, "cpu"), (
-        torch.empty(ROWS, H, dtype=BF16))  # fmt: skip
-    new, out = OPS.boundary(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], inp["pre"],
-                            inp["w"], 1e-20, mx.data, mx.scale, fp8.data, fp8.scale, False, aux)  # fmt: skip
-    mx2, fp82, aux2 = empty_quantized_layer_input(ROWS, H, "cpu"), empty_fp8_group_layer_input(ROWS, H, "cpu"), (
-        torch.empty(ROWS, H, dtype=BF16))  # fmt: skip
+    mx, fp8, aux = (
+        empty_quantized_layer_input(ROWS, H, "cpu"),
+        empty_fp8_group_layer_input(ROWS, H, "cpu"),
+        (torch.empty(ROWS, H, dtype=BF16)),
+    )
+    new, out = OPS.boundary(
+        ar.handle,
+        *source(inp, form),
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["w"],
+        1e-20,
+        mx.data,
+        mx.scale,
+        fp8.data,
+        fp8.scale,
+        False,
+        aux,
+    )
+    mx2, fp82, aux2 = (
+        empty_quantized_layer_input(ROWS, H, "cpu"),
+        empty_fp8_group_layer_input(ROWS, H, "cpu"),
+        (torch.empty(ROWS, H, dtype=BF16)),
+    )
     want_new, want_out = direct(ar, inp, form, True, mxfp8_out=mx2, fp8_out=fp82, aux_out=aux2)
     assert bitwise_equal(new, want_new) and bitwise_equal(out, want_out)
-    for a, b in ((mx.data, mx2.data), (mx.scale, mx2.scale), (fp8.data, fp82.data), (fp8.scale, fp82.scale),
-                 (aux, aux2)):  # fmt: skip
+    for a, b in (
+        (mx.data, mx2.data),
+        (mx.scale, mx2.scale),
+        (fp8.data, fp82.data),
+        (fp8.scale, fp82.scale),
+        (aux, aux2),
+    ):
         assert bitwise_equal(a, b)
     only = OPS.post_only(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], None)
     assert bitwise_equal(only, direct(ar, inp, form, False)[0])
@@ -113,20 +145,75 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
     inp = inputs()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = {k: mode.from_tensor(v) for k, v in inp.items()}
-        new, out = OPS.boundary(ar.handle, *source(fake, "moe"), fake["residual"], fake["post"], fake["comb"],
-                                fake["pre"], fake["w"], 1e-20, None, None, None, None, False, None)  # fmt: skip
+        new, out = OPS.boundary(
+            ar.handle,
+            *source(fake, "moe"),
+            fake["residual"],
+            fake["post"],
+            fake["comb"],
+            fake["pre"],
+            fake["w"],
+            1e-20,
+            None,
+            None,
+            None,
+            None,
+            False,
+            None,
+        )
         only = OPS.post_only(ar.handle, *source(fake, "ready"), fake["residual"], fake["post"], fake["comb"], None)
-        h = OPS.final(ar.handle, *source(fake, "shared"), fake["residual"], fake["post"], fake["comb"], fake["pre"],
-                      fake["w"], 1e-20)  # fmt: skip
-        coeffs = OPS.mhc_pre_delayed(fake["residual"], fake["fn"], fake["scale"], fake["base"], 1e-20, 1e-6, 1e-6, 2.0,
-                                     20, fake["pre"], None, fake["w"], 1e-20)  # fmt: skip
+        h = OPS.final(
+            ar.handle,
+            *source(fake, "shared"),
+            fake["residual"],
+            fake["post"],
+            fake["comb"],
+            fake["pre"],
+            fake["w"],
+            1e-20,
+        )
+        coeffs = OPS.mhc_pre_delayed(
+            fake["residual"],
+            fake["fn"],
+            fake["scale"],
+            fake["base"],
+            1e-20,
+            1e-6,
+            1e-6,
+            2.0,
+            20,
+            fake["pre"],
+            None,
+            fake["w"],
+            1e-20,
+        )
         mixes = OPS.mhc_mixes(fake["residual"], fake["fn"], fake["scale"], fake["base"], 1e-20, 1e-6, 1e-6, 2.0, 20)
         post = OPS.mhc_post(fake["x"], fake["residual"], fake["post"], fake["comb"])
-    real_coeffs = mhc_pre_delayed(inp["residual"], inp["fn"], inp["scale"], inp["base"], 1e-20, 1e-6, 1e-6, 2.0, 20,
-                                  inp["pre"], None, inp["w"], 1e-20)  # fmt: skip
+    real_coeffs = mhc_pre_delayed(
+        inp["residual"],
+        inp["fn"],
+        inp["scale"],
+        inp["base"],
+        1e-20,
+        1e-6,
+        1e-6,
+        2.0,
+        20,
+        inp["pre"],
+        None,
+        inp["w"],
+        1e-20,
+    )
     real_new, real_out = direct(ar, inp, "moe", True)
-    for fake_t, real in [(new, real_new), (out, real_out), (only, real_new), (h, real_out), (post, real_new),
-                         *zip(coeffs, real_coeffs), *zip(mixes, (real_coeffs[0], real_coeffs[1], real_coeffs[3]))]:  # fmt: skip
+    for fake_t, real in [
+        (new, real_new),
+        (out, real_out),
+        (only, real_new),
+        (h, real_out),
+        (post, real_new),
+        *zip(coeffs, real_coeffs),
+        *zip(mixes, (real_coeffs[0], real_coeffs[1], real_coeffs[3])),
+    ]:
         assert fake_t.shape == real.shape and fake_t.dtype == real.dtype and fake_t.device == real.device
 
 
@@ -137,14 +224,26 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
     epi = (inp["residual"], inp["post"], inp["comb"])
     coeff = (inp["residual"], inp["fn"], inp["scale"], inp["base"], 1e-20, 1e-6, 1e-6, 2.0, 20)
     args = {
-        "boundary": (ar.handle, *src, *epi, inp["pre"], inp["w"], 1e-20, None, None, None, None, False,
-                     torch.empty(ROWS, H, dtype=BF16)),
+        "boundary": (
+            ar.handle,
+            *src,
+            *epi,
+            inp["pre"],
+            inp["w"],
+            1e-20,
+            None,
+            None,
+            None,
+            None,
+            False,
+            torch.empty(ROWS, H, dtype=BF16),
+        ),
         "post_only": (ar.handle, *src, *epi, None),
         "final": (ar.handle, *src, *epi, inp["pre"], inp["w"], 1e-20),
         "mhc_pre_delayed": (*coeff, inp["pre"], None, inp["w"], 1e-20, "auto"),
         "mhc_mixes": (*coeff, None, "auto"),
         "mhc_post": (inp["x"], *epi, "auto"),
-    }[op]  # fmt: skip
+    }[op]
     torch.library.opcheck(getattr(OPS, op), args)
 
 
@@ -159,8 +258,18 @@ def test_a_handle_names_a_live_boundary_all_reduce_only() -> None:
     with pytest.raises(ValueError, match=rf"^handle {handle} names no live BoundaryAllReduce"):
         OPS.post_only(handle, inp["x"], None, None, None, None, inp["residual"], inp["post"], inp["comb"], None)
     with pytest.raises(ValueError, match="pass the partial as x, or as gemm2_permuted"):
-        OPS.post_only(other.handle, inp["x"], inp["permuted"], inp["weights"], inp["idx"], None, inp["residual"],
-                      inp["post"], inp["comb"], None)  # fmt: skip
+        OPS.post_only(
+            other.handle,
+            inp["x"],
+            inp["permuted"],
+            inp["weights"],
+            inp["idx"],
+            None,
+            inp["residual"],
+            inp["post"],
+            inp["comb"],
+            None,
+        )
 
 
 def test_errors_through_the_ops_name_the_layer_attribute() -> None:
@@ -210,8 +319,26 @@ def test_the_ops_compiled_by_inductor_give_the_direct_paths_bits(ar: BoundaryAll
     def chain(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor):
         aux = torch.empty_like(x)
         mx = empty_quantized_layer_input(ROWS, H, "cpu")
-        new, out = OPS.boundary(ar.handle, x, None, None, None, None, residual, post, comb, pre, inp["w"], 1e-20,
-                                mx.data, mx.scale, None, None, False, aux)  # fmt: skip
+        new, out = OPS.boundary(
+            ar.handle,
+            x,
+            None,
+            None,
+            None,
+            None,
+            residual,
+            post,
+            comb,
+            pre,
+            inp["w"],
+            1e-20,
+            mx.data,
+            mx.scale,
+            None,
+            None,
+            False,
+            aux,
+        )
         p2, c2, pre2 = OPS.mhc_mixes(new, *coeff)
         streams = OPS.mhc_post(out, new, p2, c2)
         h = OPS.final(ar.handle, x, None, None, None, None, streams, p2, c2, pre2, inp["w"], 1e-20)

@@ -20,8 +20,20 @@ import boundary
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("boundary", "cute_kernels")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-SKIP_COPY = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                   ".ruff_cache", ".device", ".whl", "results", "reports")  # fmt: skip
+SKIP_COPY = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".device",
+    ".whl",
+    "results",
+    "reports",
+)
 
 
 def clean_env() -> dict[str, str]:
@@ -46,9 +58,24 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=SKIP_COPY)
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-         str(src)], capture_output=True, text=True, cwd=tmp, env=clean_env(), timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=clean_env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (built,) = (tmp / "dist").glob("mhc_boundary-*.whl")
     return built, out.stdout + out.stderr
@@ -73,8 +100,11 @@ def test_installed_wheel_imports_every_public_name(wheel: tuple[Path, str], tmp_
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    purelib = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                                           text=True, env=clean_env()).strip())  # fmt: skip
+    purelib = Path(
+        subprocess.check_output(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True, env=clean_env()
+        ).strip()
+    )
     # The fresh venv sees this environment's packages (torch, the CuTe DSL, ...), but not the editable install.
     test_sites = [Path(p) for p in site.getsitepackages() + [sysconfig.get_path("purelib")]]
     test_sites = list(dict.fromkeys(p for p in test_sites if p.is_dir()))
@@ -83,8 +113,18 @@ def test_installed_wheel_imports_every_public_name(wheel: tuple[Path, str], tmp_
         text = pth.read_text()
         if not pth.name.startswith("__editable__") and str(ROOT) not in text:
             (purelib / pth.name).write_text(text)
-    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-               str(wheel[0])]  # fmt: skip
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-index",
+        str(wheel[0]),
+    ]
     out = subprocess.run(install, capture_output=True, text=True, env=clean_env(), timeout=300)
     assert out.returncode == 0, out.stderr
     probe = f"""
@@ -100,8 +140,9 @@ step = decode_step(model, boundary.Boundaries(ar), tokens, boundary.DecodeStep.f
 files = {{m: getattr(mod, "__file__", None) for m, mod in sys.modules.items() if m.split(".")[0] in {PACKAGES!r}}}
 print(json.dumps(dict(names=names, files=files, bitwise=compare(step, decode_step_plain(model, tokens))["bitwise"])))
 """
-    run = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
-                         timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["names"] == list(boundary.__all__)
@@ -113,8 +154,12 @@ print(json.dumps(dict(names=names, files=files, bitwise=compare(step, decode_ste
 
 def make_dry_run(*args: str) -> str:
     """The commands `make install` would run for a fresh venv, with the given variable settings."""
-    out = subprocess.run(["make", "-n", "-C", str(ROOT), "install", "VENV=/nonexistent/venv", *args],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "install", "VENV=/nonexistent/venv", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -136,7 +181,11 @@ def test_readme_documents_the_cpu_route() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the GPU tests")
 def test_make_gpu_test_without_a_gpu_fails_saying_nothing_ran() -> None:
-    out = subprocess.run(["make", "-C", str(ROOT), "gpu-test", f"PYTHON={sys.executable}", "DEPS="],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        ["make", "-C", str(ROOT), "gpu-test", f"PYTHON={sys.executable}", "DEPS="],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode != 0
     assert "no GPU test ran" in out.stdout + out.stderr

@@ -29,8 +29,11 @@ def sanitize(tool: str, module: str) -> tuple[int, str]:
     # conftest puts the working tree on $PYTHONPATH for spawned processes.
     done = subprocess.run(
         [SANITIZER, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), sys.executable, "-m", module],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     return done.returncode, done.stdout + done.stderr
 
 

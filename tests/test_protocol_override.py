@@ -50,6 +50,10 @@ def test_one_policy_picks_a_calls_protocol_and_what_warmup_loads(world: int, hid
 def test_nothing_patches_the_protocol_switch() -> None:
     """Tests and benchmarks force a protocol through the public attribute, never by replacing the switch."""
     patched = re.compile(r"\.(protocol_for|protocols_up_to|oneshot_max_rows)\s*=")
-    offenders = [str(p.relative_to(ROOT)) for top in ("tests", "bench", "boundary") for p in (ROOT / top).rglob("*.py")
-                 if patched.search(p.read_text())]  # fmt: skip
+    offenders = [
+        str(p.relative_to(ROOT))
+        for top in ("tests", "bench", "boundary")
+        for p in (ROOT / top).rglob("*.py")
+        if patched.search(p.read_text())
+    ]
     assert not offenders, f"these files patch the protocol switch: {offenders}"

@@ -95,8 +95,9 @@ def test_collapse_is_rounded_to_bf16_before_the_norm() -> None:
     # A large epsilon makes the norm sensitive to the collapse's scale: 1/sqrt(1 + eps) differs
     # from 1.003/sqrt(1.003^2 + eps) by more than a bf16 step.
     w, eps = torch.ones(hidden, dtype=BF16), 1000.0
-    out = ref.boundary(torch.zeros(1, hidden, dtype=BF16), residual, torch.zeros(1, 4),
-                       torch.eye(4).unsqueeze(0), pre, w, eps).layer_input  # fmt: skip
+    out = ref.boundary(
+        torch.zeros(1, hidden, dtype=BF16), residual, torch.zeros(1, 4), torch.eye(4).unsqueeze(0), pre, w, eps
+    ).layer_input
     assert torch.all(out == torch.tensor(1.0 / math.sqrt(1.0 + eps)).to(BF16))
     unrounded = torch.tensor(1.003 / math.sqrt(1.003**2 + eps)).to(BF16)
     assert not torch.all(out == unrounded)
@@ -199,8 +200,9 @@ def test_pre_delayed_collapses_with_the_carried_pre_not_its_own() -> None:
     fn, scale, base = mix_weights(4 * hidden)
     w = (1 + 0.1 * torch.randn(hidden)).to(BF16)
     _, _, pre_mix = coefficients(rows, seed=9)
-    post, comb, layer_input, next_pre = ref.mhc_pre_delayed(residual, fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20,
-                                                            pre_mix=pre_mix, norm_weight=w, norm_eps=1e-20)  # fmt: skip
+    post, comb, layer_input, next_pre = ref.mhc_pre_delayed(
+        residual, fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20, pre_mix=pre_mix, norm_weight=w, norm_eps=1e-20
+    )
     assert bitwise_equal(layer_input, ref.rms_norm(ref.collapse(residual, pre_mix), w, 1e-20))
     own = ref.mhc_coefficients(residual.reshape(rows, -1), fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
     assert bitwise_equal(next_pre, own.pre) and bitwise_equal(post, own.post) and bitwise_equal(comb, own.comb)
@@ -232,11 +234,13 @@ def test_scale_bytes_and_layout() -> None:
 
 def test_e8m0_round_up_is_the_smallest_exponent_that_covers() -> None:
     g = gen(13)
-    d = torch.cat([
-        torch.exp2(torch.randn(20000, generator=g, dtype=F64) * 50).to(F32),
-        torch.exp2(torch.arange(-149, 128, dtype=F64)).to(F32),
-        torch.tensor([0.0, 2.0**-127, 2.0**-127 * 1.000001, 2.0**-126, 2.0**127, 2.0**127 * 1.5, 3.0e38]),
-    ])  # fmt: skip
+    d = torch.cat(
+        [
+            torch.exp2(torch.randn(20000, generator=g, dtype=F64) * 50).to(F32),
+            torch.exp2(torch.arange(-149, 128, dtype=F64)).to(F32),
+            torch.tensor([0.0, 2.0**-127, 2.0**-127 * 1.000001, 2.0**-126, 2.0**127, 2.0**127 * 1.5, 3.0e38]),
+        ]
+    )
     d = d[torch.isfinite(d)]
     e = ref.e8m0_round_up(d).to(torch.int64)
     for value, got in zip(d.tolist(), e.tolist()):

@@ -47,9 +47,22 @@ def boundary_inputs(rows: int, hidden: int, seed: int = 0) -> dict[str, torch.Te
 
 
 def test_public_names_are_exported() -> None:
-    for name in ("Boundaries", "BoundaryState", "BoundaryAllReduce", "DecodeStep", "MHC_OVERLAP_MAX_ROWS",
-                 "QuantizedActivation", "MoEOutput", "UnfinalizedMoEOutput", "empty_quantized_layer_input",
-                 "mxfp8_scale_bytes", "MHCParams", "mhc_pre_delayed", "mhc_pre_delayed_overlap", "mhc_post"):  # fmt: skip
+    for name in (
+        "Boundaries",
+        "BoundaryState",
+        "BoundaryAllReduce",
+        "DecodeStep",
+        "MHC_OVERLAP_MAX_ROWS",
+        "QuantizedActivation",
+        "MoEOutput",
+        "UnfinalizedMoEOutput",
+        "empty_quantized_layer_input",
+        "mxfp8_scale_bytes",
+        "MHCParams",
+        "mhc_pre_delayed",
+        "mhc_pre_delayed_overlap",
+        "mhc_post",
+    ):
         assert hasattr(boundary, name), name
     assert boundary.MHC_OVERLAP_MAX_ROWS == 128 or "MHC_OVERLAP_MAX_ROWS" in os.environ
 
@@ -62,10 +75,12 @@ def test_boundary_all_reduce_one_rank_matches_the_reference() -> None:
     assert (ar.rank, ar.world_size, ar.path) == (0, 1, "reference")
     q = empty_quantized_layer_input(rows, hidden, "cpu")
     aux = torch.empty(rows, hidden, dtype=BF16)
-    new, x = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, q,
-                aux_out=aux)  # fmt: skip
-    want = ref.boundary(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6,
-                        mxfp8=True, aux=True)  # fmt: skip
+    new, x = ar(
+        inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, q, aux_out=aux
+    )
+    want = ref.boundary(
+        inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, mxfp8=True, aux=True
+    )
     assert bitwise_equal(new, want.residual) and bitwise_equal(x, want.layer_input) and bitwise_equal(aux, want.aux)
     assert bitwise_equal(q.data, want.mxfp8[0]) and bitwise_equal(q.scale, want.mxfp8[1])
     for k, v in inp.items():  # inputs are never modified
@@ -88,16 +103,43 @@ def test_residual_only_and_mailbox_and_finalize() -> None:
     weights = torch.rand(rows, 2, generator=g)
     idx = torch.tensor([[0, 3], [-1, 5], [6, -1]], dtype=torch.int32)
     shared = torch.randn(rows, hidden, generator=g).to(BF16)
-    new, x = ar.finalize(permuted, weights, idx, shared, inp["residual"], inp["post"], inp["comb"], inp["pre"],
-                         inp["norm_weight"], 1e-20, None)  # fmt: skip
+    new, x = ar.finalize(
+        permuted,
+        weights,
+        idx,
+        shared,
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["norm_weight"],
+        1e-20,
+        None,
+    )
     y = ref.moe_finalize(permuted, weights, idx, shared)
     want = ref.boundary(y, inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20)
     assert bitwise_equal(new, want.residual) and bitwise_equal(x, want.layer_input)
     # A combined routed output plus the shared output: the partial is bf16(routed + shared).
-    new, x = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20, None,
-                shared_output=shared)  # fmt: skip
-    want = ref.boundary(ref.add_shared(inp["x"], shared), inp["residual"], inp["post"], inp["comb"], inp["pre"],
-                        inp["norm_weight"], 1e-20)  # fmt: skip
+    new, x = ar(
+        inp["x"],
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["norm_weight"],
+        1e-20,
+        None,
+        shared_output=shared,
+    )
+    want = ref.boundary(
+        ref.add_shared(inp["x"], shared),
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["norm_weight"],
+        1e-20,
+    )
     assert bitwise_equal(new, want.residual) and bitwise_equal(x, want.layer_input)
 
 
@@ -121,8 +163,10 @@ def test_public_mhc_ops_match_the_reference() -> None:
         assert bitwise_equal(a, b) and bitwise_equal(a, c) and bitwise_equal(a, d)
     for a, b in zip(mhc.mixes(inp["residual"], params), (got[0], got[1], got[3])):
         assert bitwise_equal(a, b)
-    assert bitwise_equal(mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]),
-                         ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]))  # fmt: skip
+    assert bitwise_equal(
+        mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]),
+        ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]),
+    )
 
 
 def test_decode_step_for_rows() -> None:
@@ -206,8 +250,9 @@ def test_multi_rank_gloo_matches_plain_and_every_rank_agrees(world: int) -> None
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_rank_worker, args=(world, _free_port(), results), nprocs=world, join=True,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            _rank_worker, args=(world, _free_port(), results), nprocs=world, join=True, start_method="spawn"
+        )
         results = dict(results)
     assert sorted(results) == list(range(world))
     assert all(same for same, _ in results.values())
@@ -221,8 +266,17 @@ def test_multi_rank_gloo_matches_plain_and_every_rank_agrees(world: int) -> None
 def call(ar: BoundaryAllReduce, **overrides):
     inp = boundary_inputs(2, ar.hidden_size)
     inp.update(overrides)
-    return ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"],
-              inp.get("norm_eps", 1e-6), inp.get("mxfp8_out"), aux_out=inp.get("aux_out"))  # fmt: skip
+    return ar(
+        inp["x"],
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["norm_weight"],
+        inp.get("norm_eps", 1e-6),
+        inp.get("mxfp8_out"),
+        aux_out=inp.get("aux_out"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -281,11 +335,33 @@ def test_bad_finalize_input_raises_a_clear_error() -> None:
     inp = boundary_inputs(2, 512)
     permuted = torch.zeros(4, 512, dtype=BF16)
     with pytest.raises(TypeError, match="expanded_idx_to_permuted_idx must have dtype torch.int32"):
-        ar.finalize(permuted, torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64), None, inp["residual"],
-                    inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, None)  # fmt: skip
+        ar.finalize(
+            permuted,
+            torch.ones(2, 2),
+            torch.zeros(2, 2, dtype=torch.int64),
+            None,
+            inp["residual"],
+            inp["post"],
+            inp["comb"],
+            inp["pre"],
+            inp["norm_weight"],
+            1e-6,
+            None,
+        )
     with pytest.raises(ValueError, match=r"expert_weights must have shape \[2, \*\]"):
-        ar.finalize(permuted, torch.ones(3, 2), torch.zeros(2, 2, dtype=torch.int32), None, inp["residual"],
-                    inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6, None)  # fmt: skip
+        ar.finalize(
+            permuted,
+            torch.ones(3, 2),
+            torch.zeros(2, 2, dtype=torch.int32),
+            None,
+            inp["residual"],
+            inp["post"],
+            inp["comb"],
+            inp["pre"],
+            inp["norm_weight"],
+            1e-6,
+            None,
+        )
 
 
 def test_bad_scheduler_input_raises_a_clear_error() -> None:

@@ -109,8 +109,11 @@ def test_simulated_ranks_say_they_need_a_cuda_gpu(kwargs: dict) -> None:
 def test_a_workspace_larger_than_the_free_memory_is_a_value_error_naming_max_rows() -> None:
     rows, hidden = 10**9, 5120  # 10 TB: more than any host's free memory
     needed = rows * hidden * 2 + ERROR_WORDS * 4
-    with pytest.raises(ValueError, match=rf"^max_rows is {rows}: its workspace needs {needed} bytes .* on cpu, but "
-                       r"cpu has \d+ bytes \([\d.]+ GiB\) free"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"^max_rows is {rows}: its workspace needs {needed} bytes .* on cpu, but "
+        r"cpu has \d+ bytes \([\d.]+ GiB\) free",
+    ):
         BoundaryAllReduce(hidden, max_rows=rows, device="cpu")
 
 
@@ -185,8 +188,9 @@ def test_a_state_a_boundary_consumed_is_refused(model: ToyModel, call: str) -> N
     b, step = boundaries(), DecodeStep.for_rows(ROWS)
     state, x = b.first(model.layers[0], model.embed[:ROWS], step)
     state.pending = model.attention(model.layers[0], x)
-    reduce = (lambda: b.sublayer(model.layers[0], True, state, step)) if call == "sublayer" else (
-        lambda: b.post_only(state))  # fmt: skip
+    reduce = (
+        (lambda: b.sublayer(model.layers[0], True, state, step)) if call == "sublayer" else (lambda: b.post_only(state))
+    )
     reduce()
     assert state.pending is None
     with pytest.raises(ValueError, match=r"^state.pending is None: .*a boundary consumes it"):
@@ -205,8 +209,9 @@ def test_pre_refuses_a_state_whose_pending_was_not_reduced(model: ToyModel) -> N
 
 
 def test_numpy_integers_are_taken_as_ints(model: ToyModel) -> None:
-    ar = BoundaryAllReduce(np.int64(512), max_rows=np.int64(16), hc_mult=np.int64(4), timeout_us=np.int32(1000),
-                           device="cpu")  # fmt: skip
+    ar = BoundaryAllReduce(
+        np.int64(512), max_rows=np.int64(16), hc_mult=np.int64(4), timeout_us=np.int32(1000), device="cpu"
+    )
     for name, value in (("hidden_size", 512), ("max_rows", 16), ("hc_mult", 4), ("timeout_us", 1000)):
         assert type(getattr(ar, name)) is int and getattr(ar, name) == value, name
     assert ar.mailbox(np.int64(4)).shape == (4, 512)
@@ -226,8 +231,9 @@ def test_numpy_reals_are_taken_as_floats() -> None:
     fn, scale, base = torch.randn(24, 1024, generator=g) * 0.01, torch.full((3,), 0.5), torch.zeros(24)
     weight = torch.ones(256, dtype=BF16)
     eps = np.float32(1e-6)
-    got = mhc_pre_delayed(residual, fn, scale, base, eps, eps, eps, np.float32(2.0), np.int64(20), None, None, weight,
-                          eps)  # fmt: skip
+    got = mhc_pre_delayed(
+        residual, fn, scale, base, eps, eps, eps, np.float32(2.0), np.int64(20), None, None, weight, eps
+    )
     e = float(eps)
     want = mhc_pre_delayed(residual, fn, scale, base, e, e, e, 2.0, 20, None, None, weight, e)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -271,7 +277,7 @@ def test_layer_hc_mult_is_checked(model: ToyModel, entry: str, hc: Any, error: t
 @pytest.mark.parametrize(
     "flag,value",
     [("ffn", "yes"), ("ffn", "no"), ("ffn", "False"), ("ffn", 1.5), ("ffn", 1), ("capture_aux", 1)],
-)  # fmt: skip
+)
 def test_sublayer_flags_must_be_bools(model: ToyModel, flag: str, value: Any) -> None:
     b, step = boundaries(), DecodeStep.for_rows(ROWS)
     state, x = b.first(model.layers[0], model.embed[:ROWS], step)
@@ -285,15 +291,23 @@ def test_sublayer_flags_must_be_bools(model: ToyModel, flag: str, value: Any) ->
 
 @pytest.mark.parametrize(
     "value,error,match",
-    [(True, TypeError, "got bool True"), (False, TypeError, "got bool False"), (1, TypeError, "got int 1"),
-     ("no", ValueError, "got 'no'"), ("MXFP8", ValueError, "got 'MXFP8'")],
-)  # fmt: skip
+    [
+        (True, TypeError, "got bool True"),
+        (False, TypeError, "got bool False"),
+        (1, TypeError, "got int 1"),
+        ("no", ValueError, "got 'no'"),
+        ("MXFP8", ValueError, "got 'MXFP8'"),
+    ],
+)
 def test_quantize_takes_a_named_form_not_a_flag(model: ToyModel, value: Any, error: type, match: str) -> None:
     b, step = boundaries(), DecodeStep.for_rows(ROWS)
     state, x = b.first(model.layers[0], model.embed[:ROWS], step)
     state.pending = model.attention(model.layers[0], x)
-    with pytest.raises(error, match=rf"^quantize must be None or one of 'mxfp8', 'fp8_1x128', 'fp8_1x128_ue8m0', "
-                       rf"{match}"):  # fmt: skip
+    with pytest.raises(
+        error,
+        match=rf"^quantize must be None or one of 'mxfp8', 'fp8_1x128', 'fp8_1x128_ue8m0', "
+        rf"{match}",
+    ):
         b.sublayer(model.layers[0], True, state, step, quantize=value)
     assert state.pending is not None, "nothing was consumed"
 
@@ -306,35 +320,64 @@ H = SMALL.hidden_size
 @pytest.mark.parametrize(
     "entry,change,error,match",
     [
-        ("attn", dict(hc_attn_fn=torch.zeros(24, 100)), ValueError,
-         rf"^layer.hc_attn_fn must have shape \[24, {4 * H}\], got \[24, 100\]"),
-        ("ffn", dict(hc_ffn_fn=torch.zeros(24, 4 * H, dtype=torch.float16)), TypeError,
-         r"^layer.hc_ffn_fn must have dtype torch.float32, got torch.float16: convert it to torch.float32 once"),
-        ("first", dict(hc_attn_fn_broadcast=torch.zeros(24, 4 * H)), ValueError,
-         rf"^layer.hc_attn_fn_broadcast must have shape \[24, {H}\]"),
-        ("pre", dict(hc_attn_scale=torch.zeros(3, dtype=torch.float64)), TypeError,
-         r"^layer.hc_attn_scale must have dtype torch.float32"),
+        (
+            "attn",
+            dict(hc_attn_fn=torch.zeros(24, 100)),
+            ValueError,
+            rf"^layer.hc_attn_fn must have shape \[24, {4 * H}\], got \[24, 100\]",
+        ),
+        (
+            "ffn",
+            dict(hc_ffn_fn=torch.zeros(24, 4 * H, dtype=torch.float16)),
+            TypeError,
+            r"^layer.hc_ffn_fn must have dtype torch.float32, got torch.float16: convert it to torch.float32 once",
+        ),
+        (
+            "first",
+            dict(hc_attn_fn_broadcast=torch.zeros(24, 4 * H)),
+            ValueError,
+            rf"^layer.hc_attn_fn_broadcast must have shape \[24, {H}\]",
+        ),
+        (
+            "pre",
+            dict(hc_attn_scale=torch.zeros(3, dtype=torch.float64)),
+            TypeError,
+            r"^layer.hc_attn_scale must have dtype torch.float32",
+        ),
         ("ffn", dict(hc_ffn_base=torch.zeros(23)), ValueError, r"^layer.hc_ffn_base must have shape \[24\]"),
         ("ffn", dict(hc_eps=-1.0), ValueError, r"^layer.hc_eps must be >= 0.0, got -1.0"),
         ("attn", dict(hc_sinkhorn_iters=0), ValueError, r"^layer.hc_sinkhorn_iters must be a positive int, got 0"),
         ("first", dict(hc_post_alpha=float("nan")), ValueError, r"^layer.hc_post_alpha must be finite"),
         ("pre", dict(rms_norm_eps="1e-6"), TypeError, r"^layer.rms_norm_eps must be a real number, got str"),
     ],
-    ids=["hc_attn_fn", "hc_ffn_fn", "hc_attn_fn_broadcast", "hc_attn_scale", "hc_ffn_base", "hc_eps",
-         "hc_sinkhorn_iters", "hc_post_alpha", "rms_norm_eps"],
-)  # fmt: skip
+    ids=[
+        "hc_attn_fn",
+        "hc_ffn_fn",
+        "hc_attn_fn_broadcast",
+        "hc_attn_scale",
+        "hc_ffn_base",
+        "hc_eps",
+        "hc_sinkhorn_iters",
+        "hc_post_alpha",
+        "rms_norm_eps",
+    ],
+)
 def test_messages_name_the_layer_attribute(model: ToyModel, entry: str, change: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         enter(model, entry, dataclasses.replace(toy_layer(model, entry), **change))
 
 
-@pytest.mark.parametrize("entry,norm", [("first", "attn_norm"), ("pre", "attn_norm"), ("attn", "attn_norm"),
-                                        ("ffn", "ffn_norm")])  # fmt: skip
+@pytest.mark.parametrize(
+    "entry,norm", [("first", "attn_norm"), ("pre", "attn_norm"), ("attn", "attn_norm"), ("ffn", "ffn_norm")]
+)
 def test_an_fp32_norm_weight_names_the_attribute_and_says_to_convert_it(model: ToyModel, entry: str, norm: str) -> None:
     layer = toy_layer(model, entry)
     layer = with_norm(layer, norm, weight=getattr(layer, norm).weight.float())
-    with pytest.raises(TypeError, match=rf"^layer.{norm}.weight must have dtype torch.bfloat16, got torch.float32: "
-                       r"convert it to torch.bfloat16 once, when the model loads"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=rf"^layer.{norm}.weight must have dtype torch.bfloat16, got torch.float32: "
+        r"convert it to torch.bfloat16 once, when the model loads",
+    ):
         enter(model, entry, layer)
 
 
@@ -358,10 +401,17 @@ def without(layer: Any, path: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize(
     "entry,path",
-    [("first", "hc_attn_fn_broadcast"), ("first", "attn_norm.weight"), ("pre", "hc_attn_fn"), ("pre", "hc_mult"),
-     ("attn", "hc_sinkhorn_iters"), ("ffn", "ffn_norm.variance_epsilon"), ("ffn", "hc_ffn_scale"),
-     ("ffn", "ffn_norm.weight")],
-)  # fmt: skip
+    [
+        ("first", "hc_attn_fn_broadcast"),
+        ("first", "attn_norm.weight"),
+        ("pre", "hc_attn_fn"),
+        ("pre", "hc_mult"),
+        ("attn", "hc_sinkhorn_iters"),
+        ("ffn", "ffn_norm.variance_epsilon"),
+        ("ffn", "hc_ffn_scale"),
+        ("ffn", "ffn_norm.weight"),
+    ],
+)
 def test_a_missing_layer_attribute_is_named_with_the_contract(model: ToyModel, entry: str, path: str) -> None:
     with pytest.raises(TypeError, match=rf"^layer.{path} is missing .*CONTRACT §5"):
         enter(model, entry, without(toy_layer(model, entry), path))
@@ -396,8 +446,9 @@ def test_demo_with_one_layer_has_no_engram_layer() -> None:
     assert "1 layer (no Engram layer)" in out.stdout and "Engram at" not in out.stdout
 
 
-def test_demo_reports_a_rank_that_raised_in_one_line(monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+def test_demo_reports_a_rank_that_raised_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     trace = "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n  ...\n"
     raised = mp.ProcessRaisedException(trace + "ValueError: boom\n", 1, 4242)
 

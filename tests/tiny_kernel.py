@@ -31,5 +31,11 @@ class AddScalar:
 def compile_tiny(n: int, *, arch: str):
     """The compiled AddScalar for width n."""
     rows = cute.sym_int()
-    return compile_kernel(AddScalar(n), fake_tensor(BFloat16, (rows, n)), fake_tensor(BFloat16, (rows, n)),
-                          Float32(0), fake_stream(), arch=arch)  # fmt: skip
+    return compile_kernel(
+        AddScalar(n),
+        fake_tensor(BFloat16, (rows, n)),
+        fake_tensor(BFloat16, (rows, n)),
+        Float32(0),
+        fake_stream(),
+        arch=arch,
+    )

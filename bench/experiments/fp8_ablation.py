@@ -78,9 +78,30 @@ def compiled(H: int, arch: str, form: str) -> object:
 
 def call(fn: object, s: dict, form: str):
     mx, fp8 = form == "mxfp8", form.startswith("fp8")
-    args = (s["residual"], s["post"], s["comb"], s["pre"], s["norm_weight"], s["x"], None, None, None, None,
-            s["new_residual"], s["out"], s["mxfp8_data"] if mx else None, s["mxfp8_scale"] if mx else None,
-            s["fp8_data"] if fp8 else None, s["fp8_scale"] if fp8 else None, None, None, None, None, None, 1e-20)  # fmt: skip
+    args = (
+        s["residual"],
+        s["post"],
+        s["comb"],
+        s["pre"],
+        s["norm_weight"],
+        s["x"],
+        None,
+        None,
+        None,
+        None,
+        s["new_residual"],
+        s["out"],
+        s["mxfp8_data"] if mx else None,
+        s["mxfp8_scale"] if mx else None,
+        s["fp8_data"] if fp8 else None,
+        s["fp8_scale"] if fp8 else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        1e-20,
+    )
     return lambda: fn(*args)
 
 
