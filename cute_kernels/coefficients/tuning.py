@@ -102,7 +102,9 @@ def default_choice(H: int, broadcast: bool, inline: bool, rows: int, *, arch: st
 
 
 @functools.cache
-def coefficients_config(H: int, broadcast: bool, rows: int = 1, inline: bool = False, *, arch: str) -> CoefficientsConfig:
+def coefficients_config(
+    H: int, broadcast: bool, rows: int = 1, inline: bool = False, *, arch: str
+) -> CoefficientsConfig:
     """The shipped config for a call of `rows` rows at hidden size H on `arch` (memoized: one lookup per call)."""
     return default_choice(H, broadcast, inline, rows, arch=arch).config(H, broadcast)
 
