@@ -354,10 +354,12 @@ class Boundaries:
                     )
                 post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend)
                 return post, comb, layer_input, pre
+            stream = None
             if self._side(step):
                 stream = self._stream(layer)
                 if not isinstance(stream, torch.cuda.Stream):
                     raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
+            if stream is not None or layer_input is not None:
                 return mhc.pre_delayed_overlap(
                     residual,
                     params,
@@ -366,18 +368,6 @@ class Boundaries:
                     norm_weight,
                     norm_eps,
                     stream=stream,
-                    layer_input=layer_input,
-                    backend=self.backend,
-                )
-            if layer_input is not None:
-                return mhc.pre_delayed_overlap(
-                    residual,
-                    params,
-                    pre_mix,
-                    x,
-                    norm_weight,
-                    norm_eps,
-                    stream=None,
                     layer_input=layer_input,
                     backend=self.backend,
                 )
