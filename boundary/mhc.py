@@ -119,29 +119,24 @@ def pre_delayed(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(post, comb, layer_input, next_pre) of CONTRACT §3: the mixes of the streams and the delayed collapse.
 
-    On the kernels, one launch computes both the mixes and (with `norm_weight`) the layer input.
+    On the kernels, one launch computes both the mixes and the layer input (without `norm_weight`, the collapse).
     """
     params, norm_eps = checks.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
     arch = kernel_arch(residual.device, backend)
-    inline = norm_weight is not None
     if arch is None:
         return reference.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
-    _check_kernel_args(residual, x, params.fn, pre_mix, norm_weight, arch, inline=inline, layer_input_kernel=inline)
-    layer_input = (
-        torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device) if inline else None
-    )
+    _check_kernel_args(residual, x, params.fn, pre_mix, norm_weight, arch, inline=True, layer_input_kernel=True)
+    layer_input = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device)
     post, comb, pre = _kernel_coefficients(
         residual,
         x,
         params,
         arch,
-        pre_mix=pre_mix if inline else None,
+        pre_mix=pre_mix,
         norm_weight=norm_weight,
         norm_eps=norm_eps,
         layer_input=layer_input,
     )
-    if not inline:  # the collapse alone, with no norm: torch ops
-        layer_input = delayed_layer_input(residual, pre_mix, None, norm_eps)
     return post, comb, layer_input, pre
 
 
@@ -154,7 +149,7 @@ def _layer_input(
     arch: str | None,
 ) -> Tensor:
     """The layer input alone, on the current stream: one kernel launch, or torch ops on the reference."""
-    if arch is None or norm_weight is None:
+    if arch is None:
         return delayed_layer_input(residual, pre_mix, norm_weight, norm_eps)
     out = torch.empty(residual.shape[0], residual.shape[2], dtype=BF16, device=residual.device)
     if x is not None:  # the first layer: the collapse is the embedding row itself
@@ -224,7 +219,7 @@ def pre_delayed_overlap(
         raise ValueError(f"stream is a CUDA stream but residual is on {residual.device}")
     arch = kernel_arch(residual.device, backend)
     if arch is not None:
-        reads = layer_input is None and norm_weight is not None  # the layer-input-only kernel runs
+        reads = layer_input is None  # the layer-input-only kernel runs
         _check_kernel_args(residual, x, params.fn, pre_mix, norm_weight, arch, inline=False, layer_input_kernel=reads)
     if layer_input is None:
         layer_input = _layer_input(residual, x, pre_mix, norm_weight, norm_eps, arch)
@@ -363,13 +358,14 @@ def _check_kernel_args(
     if rows > kernel_row_limit(hidden):
         raise ValueError(_too_many_rows(rows, hidden))
     broadcast = x is not None
-    mode = coefficients.layer_input_mode(broadcast, inline, pre_mix is not None)
+    mode = coefficients.layer_input_mode(broadcast, inline, pre_mix is not None, norm_weight is not None)
     clusters = coefficients.grid_clusters(hidden, broadcast, mode, rows, arch=arch)
     if clusters > MAX_GRID_Y:
         raise ValueError(f"{rows} rows at H={hidden} need {clusters} clusters, more than the {MAX_GRID_Y} of a launch")
     checks.tensor("x" if broadcast else "residual", x if broadcast else residual, align16=True)
     checks.tensor("fn", fn, align16=True)
     if layer_input_kernel:
-        checks.tensor("norm_weight", norm_weight, align16=True)
+        if norm_weight is not None:
+            checks.tensor("norm_weight", norm_weight, align16=True)
         if pre_mix is not None and not broadcast:  # the first layer's layer input ignores pre_mix
             checks.tensor("pre_mix", pre_mix, align16=True)

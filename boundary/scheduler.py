@@ -21,6 +21,7 @@ from boundary.types import (
     empty_fp8_group,
     empty_quantized,
 )
+from cute_kernels.boundary import api as boundary_api
 from cute_kernels.hardware import env_int
 
 # Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
@@ -32,7 +33,7 @@ _OVERLAP_ENV = env_int("MHC_OVERLAP_MAX_ROWS", 0)
 MHC_OVERLAP_MAX_ROWS: int = MEASURED_OVERLAP_MAX_ROWS if _OVERLAP_ENV is None else _OVERLAP_ENV
 """Steps of at most this many rows compute the coefficients on the layers' side streams."""
 
-QUANTIZE = ("mxfp8", "fp8_1x128", "fp8_1x128_ue8m0")
+QUANTIZE = tuple(boundary_api.QUANTIZE_FORMS)
 """The named forms `sublayer(quantize=)` writes the layer input in beside bf16 (CONTRACT §4, §4b); None: bf16 only."""
 
 

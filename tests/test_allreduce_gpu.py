@@ -690,9 +690,11 @@ def _race(role: type, protocol: str, rows: int | list[int], world: int = 2) -> t
                 None,
                 new,
                 out,
+                None,  # MXFP8 data, scale
                 None,
+                None,  # FP8 1x128 data, scale
                 None,
-                None,
+                None,  # aux
                 ws.slots,
                 ws.peers,
                 ws.state,

@@ -147,6 +147,49 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
     assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["w"], 1e-20)) <= 1
 
 
+def _kernels_launched(call) -> list[str]:
+    """The CUDA kernels `call()` launches, by name (torch's profiler)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 129, 512])
+@pytest.mark.parametrize("collapse", ["carried", "stream 0", "embedding"])
+def test_mhc_pre_delayed_without_a_norm_weight_is_one_launch_of_the_exact_collapse(rows: int, collapse: str) -> None:
+    """Without norm_weight the layer input is the collapse itself, bit for bit (CONTRACT §3), written by the
+    coefficients launch as the normalised form is: the public op launches what the normalised one does."""
+    hidden = 7168
+    inp = inputs(rows, hidden, seed=rows)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    fn = torch.randn(24, 4 * hidden, generator=g, device="cuda") * 1e-2
+    scale, base = torch.full((3,), 0.5, device="cuda"), torch.randn(24, generator=g, device="cuda") * 0.5
+    residual, kw = inp["residual"], {}
+    if collapse == "carried":
+        kw, want = dict(pre_mix=inp["pre"]), ref.collapse(residual, inp["pre"])
+    elif collapse == "stream 0":
+        want = residual[:, 0].clone()
+    else:
+        residual = residual[:, :1].expand(-1, 4, -1).contiguous()
+        kw, fn, want = dict(x=residual[:, 0].contiguous()), fn.view(24, 4, hidden).sum(1), residual[:, 0].clone()
+    args = (residual, fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
+    normed = mhc_pre_delayed(*args, **kw, norm_weight=inp["w"], norm_eps=1e-20)
+    got = mhc_pre_delayed(*args, **kw)
+    assert bitwise_equal(got[2], want)
+    for a, b in zip((got[0], got[1], got[3]), (normed[0], normed[1], normed[3])):  # the same projection code
+        assert bitwise_equal(a, b)
+    side = torch.cuda.Stream()
+    overlap = mhc_pre_delayed_overlap(*args, **kw, stream=side)
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(overlap, got):
+        assert bitwise_equal(a, b)
+    launched = _kernels_launched(lambda: mhc_pre_delayed(*args, **kw))
+    assert len(launched) == len(_kernels_launched(lambda: mhc_pre_delayed(*args, **kw, norm_weight=inp["w"]))), launched
+    assert not any("elementwise" in name or "copy" in name.lower() for name in launched), launched
+
+
 def test_boundary_call_under_cuda_graph_replay_with_inputs_changed_in_place() -> None:
     rows = 4
     ar = BoundaryAllReduce(H, max_rows=8, device="cuda")

@@ -85,6 +85,11 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert all(v.pre or not (v.mxfp8 or v.fp8) for v in api.ENGINE_VARIANTS)
     assert {v.fp8 for v in api.ENGINE_VARIANTS} == {None, *api.FP8_FORMS}
     assert not any(v.mxfp8 and v.fp8 for v in api.ENGINE_VARIANTS), "one layer-input form per sublayer call"
+    # An engine that writes one form (its warmup(quantize=...)) needs that form's variants and the bf16 ones only.
+    fp8_only = api.engine_variants(("fp8_1x128",))
+    assert len(fp8_only) == 24 and set(fp8_only) < set(api.ENGINE_VARIANTS)
+    assert {(v.mxfp8, v.fp8) for v in fp8_only} == {(False, None), (False, "fp8_1x128")}
+    assert api.engine_variants(tuple(api.QUANTIZE_FORMS)) == api.ENGINE_VARIANTS
     jobs = api.warmup_jobs(5120, arch="sm_90a")
     assert len(jobs) == 40 and len({j.name for j in jobs}) == 40
     assert jobs[0].compile_fn is api.compile_fused_boundary

@@ -172,6 +172,8 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
             res.out,
             res.data,
             res.scale,
+            None,  # FP8 1x128 data, scale
+            None,
             res.aux,
             None,
             None,

@@ -17,7 +17,7 @@ from cute_kernels.coefficients.projection import SENTINEL
 
 ARCHS = ("sm_90a", "sm_100a")
 BF16, F32 = torch.bfloat16, torch.float32
-FORMS = (("standard", api.LAYER_INPUTS), ("broadcast", ("none", "one_hot")))
+FORMS = (("standard", api.LAYER_INPUTS), ("broadcast", api.BROADCAST_LAYER_INPUTS))
 
 
 def default(H: int, variant: str, rows: int = 1, inline: bool = False, arch: str = "sm_90a") -> CoefficientsConfig:
@@ -121,10 +121,21 @@ def test_warmup_jobs_cover_every_call_path() -> None:
         ("standard", "one_hot", 32, False, 1, "partials", False),
         ("standard", "one_hot", 32, True, 1, "tile", False),
         ("standard", "one_hot", 64, False, 1, "partials", False),
+        # Without a norm weight (the collapse itself): the configs of the normalised forms.
+        ("standard", "carried_unnormed", 32, False, 1, "tile", False),
+        ("standard", "carried_unnormed", 32, False, 1, "partials", False),
+        ("standard", "carried_unnormed", 32, True, 1, "tile", False),
+        ("standard", "carried_unnormed", 64, False, 1, "partials", False),
+        ("standard", "one_hot_unnormed", 32, False, 1, "tile", False),
+        ("standard", "one_hot_unnormed", 32, False, 1, "partials", False),
+        ("standard", "one_hot_unnormed", 32, True, 1, "tile", False),
+        ("standard", "one_hot_unnormed", 64, False, 1, "partials", False),
         ("broadcast", "none", 32, False, 2, "partials", False),
         ("broadcast", "none", 32, False, 1, "partials", True),
         ("broadcast", "one_hot", 32, False, 1, "tile", False),
         ("broadcast", "one_hot", 64, True, 1, "tile", False),
+        ("broadcast", "one_hot_unnormed", 32, False, 1, "tile", False),
+        ("broadcast", "one_hot_unnormed", 64, True, 1, "tile", False),
     ]
     # Since v10 no default at H 7168 takes a launch bound (the broadcast 64-row tiles of 3 CTAs per SM lost
     # to split and staged 32-row tiles).
@@ -146,17 +157,21 @@ def test_warmup_jobs_cover_every_call_path() -> None:
     assert default(4096, "standard", 300, inline=True).schedule == "tile"
     assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
     # Up to 16 rows: the split partials tile (standard and broadcast), the plain tile and the 32-row
-    # partials tile (the inline forms, carried and one-hot; the first layer's only the plain tile).
+    # partials tile (the inline forms, carried and one-hot, normalised or not; the first layer's only the plain
+    # tile): 1 + 2 x 2 x 2 + 1 + 2.
     for H in (7168, 5120):
         few = api.warmup_jobs(H, arch="sm_90a", max_rows=16)
-        assert len([job for job in few if job.compile_fn is api.compile_coefficients]) == 7
-    # Then the layer-input-only kernels, in their three modes.
+        assert len([job for job in few if job.compile_fn is api.compile_coefficients]) == 12
+    # Then the layer-input-only kernels, in their three modes, normalised and not.
     assert [job.args for job in jobs if job.compile_fn is api.compile_layer_input] == [
         (7168, "standard", "carried"),
         (7168, "standard", "one_hot"),
+        (7168, "standard", "carried_unnormed"),
+        (7168, "standard", "one_hot_unnormed"),
         (7168, "broadcast", "one_hot"),
+        (7168, "broadcast", "one_hot_unnormed"),
     ]
-    assert len(jobs) == len(keys) + 3 and all(dict(job.kwargs) == {"arch": "sm_90a"} for job in jobs)
+    assert len(jobs) == len(keys) + 6 and all(dict(job.kwargs) == {"arch": "sm_90a"} for job in jobs)
     assert {job.compile_fn for job in jobs} == {api.compile_coefficients, api.compile_layer_input}
 
 

@@ -312,6 +312,15 @@ def test_quantize_takes_a_named_form_not_a_flag(model: ToyModel, value: Any, err
     assert state.pending is not None, "nothing was consumed"
 
 
+@pytest.mark.parametrize("quantize", ["fp8_1x128", ("fp8",), (None,), ("mxfp8", "MXFP8")])
+def test_warmup_quantize_takes_a_sequence_of_named_forms(quantize: Any) -> None:
+    ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
+    with pytest.raises(
+        ValueError, match=r"^quantize must be a sequence of \('mxfp8', 'fp8_1x128', 'fp8_1x128_ue8m0'\)"
+    ):
+        ar.warmup(quantize=quantize)
+
+
 # --- layer attributes ----------------------------------------------------------------------------
 
 H = SMALL.hidden_size

@@ -357,9 +357,11 @@ def every_rank_launch(ranks: list[BoundaryAllReduce], fn, sets: list, outs: list
                 None,
                 new,
                 out,
+                None,  # MXFP8 data, scale
                 None,
+                None,  # FP8 1x128 data, scale
                 None,
-                None,
+                None,  # aux
                 *peer,
                 1e-6,
             )

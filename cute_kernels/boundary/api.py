@@ -53,17 +53,26 @@ class BoundaryVariant(NamedTuple):
     fp8: str | None = None  # the FP8 1x128 form (FP8_FORMS), beside or instead of MXFP8
 
 
-# What a boundary may write besides bf16 (pre only): nothing, or one layer-input form (the scheduler's quantize).
-LAYER_INPUT_FORMS: tuple[tuple[bool, str | None], ...] = ((False, None), (True, None)) + tuple(
-    (False, form) for form in FP8_FORMS
-)
-ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = tuple(
-    BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8)
-    for y_source in Y_SOURCES
-    for shared in (False, True)
-    for pre, mxfp8, fp8 in ((False, False, None),) + tuple((True, mx, f) for mx, f in LAYER_INPUT_FORMS)
-    for aux in (False, True)
-)
+# The layer-input forms a boundary may write beside bf16, by the name the scheduler's `quantize=` takes: (MXFP8, FP8).
+QUANTIZE_FORMS: dict[str, tuple[bool, str | None]] = {"mxfp8": (True, None)} | {
+    form: (False, form) for form in FP8_FORMS
+}
+
+
+def engine_variants(quantize: Sequence[str] = tuple(QUANTIZE_FORMS)) -> tuple[BoundaryVariant, ...]:
+    """Every variant an engine may launch when it writes the layer input in bf16 and the forms `quantize` names:
+    each partial form, with and without an addend and aux, residual-only or with the layer input."""
+    inputs = ((False, None),) + tuple(QUANTIZE_FORMS[q] for q in quantize)
+    return tuple(
+        BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8)
+        for y_source in Y_SOURCES
+        for shared in (False, True)
+        for pre, mxfp8, fp8 in ((False, False, None),) + tuple((True, mx, f) for mx, f in inputs)
+        for aux in (False, True)
+    )
+
+
+ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = engine_variants()
 
 
 def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
@@ -358,7 +367,7 @@ def fused_boundary(
                 raise NotLoadedError(
                     f"the peer boundary kernel for H={H} {variant_name(variant)} W={peer.world_size} {protocol}{staged}"
                     " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
-                    "(with the max_rows and protocol of these calls) before the first boundary"
+                    "(with the max_rows, protocol and quantize forms of these calls) before the first boundary"
                 )
             mark_launched(fn)  # a rank of its own GPU: this first launch loads it, which only delays this rank
     fn(

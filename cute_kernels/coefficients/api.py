@@ -14,13 +14,14 @@ from cutlass import BFloat16, Float32, Int32
 
 from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, CoefficientsConfig, projection_split
 from cute_kernels.coefficients.kernel import CoefficientsKernel
-from cute_kernels.coefficients.layer_input import LayerInputKernel
+from cute_kernels.coefficients.layer_input import UNNORMED, LayerInputKernel, collapse_of, normalizes
 from cute_kernels.coefficients.projection import SENTINEL
 from cute_kernels.coefficients.tuning import coefficients_config, default_row_classes
 from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 MAX_ROWS = 16384  # rows of the largest workspace (and so of a call)
-LAYER_INPUTS = ("none", "carried", "one_hot")
+LAYER_INPUTS = ("none", "carried", "one_hot", "carried" + UNNORMED, "one_hot" + UNNORMED)
+BROADCAST_LAYER_INPUTS = ("none", "one_hot", "one_hot" + UNNORMED)  # the first layer's collapse is its embedding row
 
 
 @jit_cache
@@ -46,8 +47,8 @@ def compile_coefficients(
         fake_tensor(Float32, (T, HC), divisibility=1),
         fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), NV), divisibility=1),
         fake_tensor(Int32, (cute.sym_int(),), divisibility=1),
-        f32((T, HC)) if layer_input == "carried" else None,
-        fake_tensor(BFloat16, (H,), divisibility=8) if inline else None,
+        f32((T, HC)) if collapse_of(layer_input) == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8) if inline and normalizes(layer_input) else None,
         fake_tensor(BFloat16, (T, H), divisibility=8) if inline else None,
         Float32(0.0),
         Float32(0.0),
@@ -65,8 +66,8 @@ def compile_layer_input(H: int, variant: str, layer_input: str, *, arch: str) ->
     T = cute.sym_int()
     args = (
         fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8),
-        fake_tensor(Float32, (T, HC), divisibility=4) if layer_input == "carried" else None,
-        fake_tensor(BFloat16, (H,), divisibility=8),
+        fake_tensor(Float32, (T, HC), divisibility=4) if collapse_of(layer_input) == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8) if normalizes(layer_input) else None,
         fake_tensor(BFloat16, (T, H), divisibility=8),
         Float32(0.0),
     )
@@ -84,18 +85,19 @@ def grid_clusters(H: int, broadcast: bool, layer_input: str, rows: int, *, arch:
     return _kernel(H, "broadcast" if broadcast else "standard", layer_input, config).grid_clusters(rows)
 
 
-def layer_input_mode(broadcast: bool, inline: bool, carried: bool) -> str:
-    """The compile-time layer-input mode: none, the carried pre-mix collapse, or the one-hot stream 0."""
+def layer_input_mode(broadcast: bool, inline: bool, carried: bool, normalize: bool = True) -> str:
+    """The compile-time layer-input mode: none, the carried pre-mix collapse, or the one-hot stream 0; RMSNorm'd,
+    or (`normalize` False: no norm weight) the collapse itself."""
     if not inline:
         return "none"
-    return "carried" if carried and not broadcast else "one_hot"
+    return ("carried" if carried and not broadcast else "one_hot") + ("" if normalize else UNNORMED)
 
 
 def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
     the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch."""
     jobs = []
-    for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", ("none", "one_hot"))):
+    for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", BROADCAST_LAYER_INPUTS)):
         broadcast = variant == "broadcast"
         for mode in modes:
             inline = mode != "none"
@@ -108,7 +110,10 @@ def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) 
                     load_coefficients, H=H, broadcast=broadcast, mode=mode, rows=rows, config=config
                 )
                 jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
-    for variant, mode in (("standard", "carried"), ("standard", "one_hot"), ("broadcast", "one_hot")):
+    input_only = [("standard", mode) for mode in LAYER_INPUTS[1:]] + [
+        ("broadcast", m) for m in BROADCAST_LAYER_INPUTS[1:]
+    ]
+    for variant, mode in input_only:
         load = functools.partial(load_layer_input, H=H, broadcast=variant == "broadcast", mode=mode)
         jobs.append(
             WarmupJob(
@@ -144,8 +149,8 @@ def load_coefficients(
         f32(rows, HC),
         workspace.rank_partials if config.schedule == "partials" else workspace.partials,
         workspace.counters,
-        f32(rows, HC) if mode == "carried" else None,
-        torch.ones(H, dtype=torch.bfloat16, device=device) if inline else None,
+        f32(rows, HC) if collapse_of(mode) == "carried" else None,
+        torch.ones(H, dtype=torch.bfloat16, device=device) if inline and normalizes(mode) else None,
         torch.empty(rows, H, dtype=torch.bfloat16, device=device) if inline else None,
         1e-6,
         1e-6,
@@ -158,9 +163,9 @@ def load_coefficients(
 def load_layer_input(compiled: Callable[..., Any], device: Any, *, H: int, broadcast: bool, mode: str) -> None:
     """Launch a compiled layer-input kernel once on one row of scratch inputs, so that CUDA loads its module now."""
     x = torch.zeros((1, H) if broadcast else (1, HC, H), dtype=torch.bfloat16, device=device)
-    pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if mode == "carried" else None
-    out = torch.empty(1, H, dtype=torch.bfloat16, device=device)
-    compiled(x, pre_mix, torch.ones(H, dtype=torch.bfloat16, device=device), out, 1e-6)
+    pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if collapse_of(mode) == "carried" else None
+    weight = torch.ones(H, dtype=torch.bfloat16, device=device) if normalizes(mode) else None
+    compiled(x, pre_mix, weight, torch.empty(1, H, dtype=torch.bfloat16, device=device), 1e-6)
 
 
 class CoefficientsWorkspace:
@@ -222,8 +227,8 @@ def mhc_coefficients(
 
     `x` is the streams [T, 4, H] bf16 with `fn` [24, 4H], or with `broadcast` the first layer's embedding
     [T, H] with `fn_broadcast` [24, H]. With `layer_input_out` [T, H] bf16 (inline form) the kernel also
-    writes RMSNorm_w(c): c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0] exactly when `pre_mix` is
-    None (the embedding row itself with `broadcast`). `config` None is the shipped config for the row
+    writes RMSNorm_w(c), or c itself when `norm_weight` is None: c = bf16(sum_j pre_mix[t, j] * R[t, j]), or
+    R[t, 0] exactly when `pre_mix` is None (the embedding row itself with `broadcast`). `config` None is the shipped config for the row
     count. One launch (two with schedule "partials") on the current torch stream, or on `stream` when
     given (the caller orders `stream` after the producer of `x` and joins it before reading the
     outputs). Outputs may not alias inputs; `post_out` may also be [T, 4, 1].
@@ -234,7 +239,7 @@ def mhc_coefficients(
     H = x.shape[-1]
     if config is None:
         config = coefficients_config(H, broadcast, rows, layer_input_out is not None, arch=arch)
-    mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None)
+    mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None, norm_weight is not None)
     compiled = compile_coefficients(
         H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
     )
@@ -251,7 +256,7 @@ def mhc_coefficients(
             pre_out,
             workspace.rank_partials if config.schedule == "partials" else workspace.partials,
             workspace.counters,
-            pre_mix if mode == "carried" else None,
+            pre_mix if collapse_of(mode) == "carried" else None,
             norm_weight if mode != "none" else None,
             layer_input_out,
             float(rms_eps),
@@ -265,7 +270,7 @@ def mhc_coefficients(
 def mhc_layer_input(
     x: torch.Tensor,
     pre_mix: torch.Tensor | None,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     norm_eps: float,
     out: torch.Tensor,
     *,
@@ -273,8 +278,9 @@ def mhc_layer_input(
     broadcast: bool = False,
     stream: torch.cuda.Stream | None = None,
 ) -> None:
-    """Write the layer input alone: out = RMSNorm_w(c), c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0]
-    exactly when `pre_mix` is None (the embedding row itself with `broadcast`, x then [T, H]).
+    """Write the layer input alone: out = RMSNorm_w(c), or c itself when `norm_weight` is None;
+    c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0] exactly when `pre_mix` is None (the embedding row
+    itself with `broadcast`, x then [T, H]).
 
     The same bits as the inline form of `mhc_coefficients`, without the projection and without a
     workspace: the scheduler runs it on the main stream while the projection runs on a side stream
@@ -282,7 +288,7 @@ def mhc_layer_input(
     """
     if x.shape[0] == 0:
         return
-    mode = "carried" if pre_mix is not None else "one_hot"
+    mode = layer_input_mode(broadcast, True, pre_mix is not None, norm_weight is not None)
     compiled = compile_layer_input(x.shape[-1], "broadcast" if broadcast else "standard", mode, arch=arch)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        compiled(x, pre_mix, norm_weight, out, float(norm_eps))
+        compiled(x, pre_mix if collapse_of(mode) == "carried" else None, norm_weight, out, float(norm_eps))

@@ -27,7 +27,7 @@ class CoefficientsKernel:
 
     `variant` "standard" projects the streams [T, 4, H], "broadcast" the first layer's embedding [T, H];
     `layer_input` "none", "carried" (the carried pre-mix collapse) or "one_hot" (stream 0 / the embedding
-    row); `config` None is H's split with the default knobs (the shipped 32-row tile).
+    row), RMSNorm'd, or with the suffix "_unnormed" the collapse itself (no norm weight); `config` None is H's split with the default knobs (the shipped 32-row tile).
     """
 
     def __init__(
@@ -72,8 +72,8 @@ class CoefficientsKernel:
         mPre: cute.Tensor,  # [T, 4] fp32 (next pre)
         mPartial: cute.Tensor,  # [>= G, >= T, 25] fp32 workspace ([>= 8G, >= T, 25] for schedule "partials")
         mCounter: cute.Tensor,  # [>= ceil(T/16)*8] int32 workspace, zero between calls
-        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (layer_input == "carried")
-        mW: cute.Tensor | None,  # [H] bf16 norm weight (inline form)
+        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (the carried collapse)
+        mW: cute.Tensor | None,  # [H] bf16 norm weight (inline form, normalised)
         mOut: cute.Tensor | None,  # [T, H] bf16 layer input (inline form)
         rms_eps: Float32,
         pre_eps: Float32,

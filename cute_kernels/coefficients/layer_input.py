@@ -1,7 +1,8 @@
 """The layer input of the next sublayer, by clusters of 8 CTAs: out = RMSNorm_w(c), where
 c = bf16(sum_j pre_mix[j] * R[j]) (the carried pre-mix collapse) or stream 0 / the embedding row exactly
 (one-hot). CTA r of a cluster owns the columns [r*H/8, (r+1)*H/8) of NR rows; the sums of squares of the
-rounded c are exchanged across the cluster (DSMEM), then out = bf16(c * rsqrt(sum/H + eps) * w).
+rounded c are exchanged across the cluster (DSMEM), then out = bf16(c * rsqrt(sum/H + eps) * w). The
+"_unnormed" modes (no norm weight) write c itself.
 
 The inline form of the coefficients kernel runs these clusters after the projection clusters of the tile
 that reads the same rows (so their stream reads hit L2); LayerInputKernel runs them alone, with the same
@@ -24,12 +25,25 @@ INLINE_BUDGET = 2  # 16-byte vectors per thread of the inline form's layer-input
 INPUT_ONLY_BUDGET = 2  # the same for the layer-input-only kernel
 
 
+UNNORMED = "_unnormed"  # the suffix of a layer-input mode that writes the collapse without the RMSNorm
+
+
+def collapse_of(layer_input: str) -> str:
+    """The collapse a layer-input mode computes: "carried" (the carried pre-mix) or "one_hot" (stream 0)."""
+    return layer_input.removesuffix(UNNORMED)
+
+
+def normalizes(layer_input: str) -> bool:
+    """Whether a layer-input mode applies the RMSNorm (takes a norm weight)."""
+    return not layer_input.endswith(UNNORMED)
+
+
 def norm_rows_per_cluster(H: int, threads: int, layer_input: str, budget: int) -> int:
     """Rows per layer-input cluster: as many as `budget` (carried: 4 stream reads per vector) or 2*budget
     (one-hot) 16-byte vectors per thread cover, a power of two in 1..16. Budget 2 keeps the layer-input
     code from raising the projection's registers (inline form), and ptxas from sinking the later vectors'
     loads below the first one's math (more vectors: one round trip each)."""
-    per_thread = budget if layer_input == "carried" else 2 * budget
+    per_thread = budget if collapse_of(layer_input) == "carried" else 2 * budget
     rows = max(1, min(16, per_thread * threads // (H // (CLUSTER * 8))))
     return 1 << (rows.bit_length() - 1)
 
@@ -55,7 +69,8 @@ class LayerInputRole:
 
     def __init__(self, H: int, broadcast: bool, layer_input: str, cta_warps: int, budget: int) -> None:
         self.H = H
-        self.layer_input = layer_input  # "carried" or "one_hot"
+        self.collapse = collapse_of(layer_input)  # "carried" or "one_hot"
+        self.normalize = normalizes(layer_input)
         self.row_stride = H if broadcast else HC * H  # elements per row of the input tensor
         self.cta_warps = cta_warps
         self.threads = WARP * cta_warps
@@ -70,13 +85,14 @@ class LayerInputRole:
         mbar: cute.Pointer,
         mX: cute.Tensor,
         mPreMix: cute.Tensor | None,
-        mW: cute.Tensor,
+        mW: cute.Tensor | None,
         mOut: cute.Tensor,
         norm_eps: Float32,
         rank: Int32,
         cluster: Int32,
     ):
-        """One CTA of a layer-input cluster: collapse and RMSNorm of H/8 columns of NR rows."""
+        """One CTA of a layer-input cluster: collapse and RMSNorm (unnormed modes: the collapse) of H/8 columns of
+        NR rows."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -98,18 +114,18 @@ class LayerInputRole:
             local_row = v // vpr
             vec_row.append(local_row)
             vec_col.append(rank * (self.H // CLUSTER) + (v - local_row * vpr) * 8)
-        w_words = [prim.ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)]
+        w_words = [prim.ld_v4_i32(mW.iterator + vec_col[k]) for k in range(vpt)] if const_expr(self.normalize) else []
         cute.arch.griddepcontrol_wait()
 
         # Every read in flight before any math.
         loaded = []
         for k in cutlass.range_constexpr(vpt):
             row = cutlass.min(row0 + vec_row[k], rows - 1)
-            nstreams = HC if self.layer_input == "carried" else 1
+            nstreams = HC if self.collapse == "carried" else 1
             streams = [
                 prim.ld_v4_i32(mX.iterator + (row * self.row_stride + j * self.H + vec_col[k])) for j in range(nstreams)
             ]
-            pre = prim.ld_v4_f32(mPreMix.iterator + row * HC) if self.layer_input == "carried" else None
+            pre = prim.ld_v4_f32(mPreMix.iterator + row * HC) if self.collapse == "carried" else None
             loaded.append((streams, pre))
         # ptxas would otherwise sink the later vectors' loads below the first vector's math (one
         # memory round trip per vector); loads cannot move across a barrier.
@@ -119,7 +135,7 @@ class LayerInputRole:
         c_words = []
         for k in cutlass.range_constexpr(vpt):
             streams, pre = loaded[k]
-            if const_expr(self.layer_input == "carried"):
+            if const_expr(self.collapse == "carried"):
                 cw = []
                 for e in cutlass.range_constexpr(4):
                     vals = []
@@ -135,47 +151,54 @@ class LayerInputRole:
             else:
                 c_words.append(list(streams[0]))
         cute.arch.griddepcontrol_launch_dependents()
-
-        for k in cutlass.range_constexpr(vpt):
-            part = Float32(0.0)
-            for e in cutlass.range_constexpr(4):
-                c0 = prim.bf16_lo(c_words[k][e])
-                c1 = prim.bf16_hi(c_words[k][e])
-                part = part + c0 * c0 + c1 * c1
-            if vec_in[k]:
-                sVec[tidx + k * self.threads] = part
-        cute.arch.sync_threads()
-        cute.arch.cluster_wait()
-        if warp == 0:
-            reduce.expect_bytes(mbar, CLUSTER * nr * 4)
-        # One warp per row sums the row's vectors (fixed lane order, then a butterfly) and sends it
-        # to every CTA of the cluster.
-        for rr in cutlass.range_constexpr(0, nr, self.cta_warps):
-            r = rr + warp
-            if r < nr:
+        if const_expr(not self.normalize):
+            cute.arch.cluster_wait()  # matches the prologue's arrive; nothing is exchanged
+            for k in cutlass.range_constexpr(vpt):
+                row = row0 + vec_row[k]
+                if vec_in[k]:
+                    if row < rows:
+                        prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(c_words[k]))
+        else:
+            for k in cutlass.range_constexpr(vpt):
                 part = Float32(0.0)
-                for i in cutlass.range_constexpr(-(-vpr // 32)):
-                    if lane + i * 32 < vpr:
-                        part = part + sVec[r * vpr + lane + i * 32]
-                part = cute.arch.warp_reduction_sum(part)
-                if lane < CLUSTER:
-                    reduce.push(sRecv.iterator + (rank * nr + r), part, mbar, lane)
-        cute.arch.mbarrier_wait(mbar, 0)
+                for e in cutlass.range_constexpr(4):
+                    c0 = prim.bf16_lo(c_words[k][e])
+                    c1 = prim.bf16_hi(c_words[k][e])
+                    part = part + c0 * c0 + c1 * c1
+                if vec_in[k]:
+                    sVec[tidx + k * self.threads] = part
+            cute.arch.sync_threads()
+            cute.arch.cluster_wait()
+            if warp == 0:
+                reduce.expect_bytes(mbar, CLUSTER * nr * 4)
+            # One warp per row sums the row's vectors (fixed lane order, then a butterfly) and sends it
+            # to every CTA of the cluster.
+            for rr in cutlass.range_constexpr(0, nr, self.cta_warps):
+                r = rr + warp
+                if r < nr:
+                    part = Float32(0.0)
+                    for i in cutlass.range_constexpr(-(-vpr // 32)):
+                        if lane + i * 32 < vpr:
+                            part = part + sVec[r * vpr + lane + i * 32]
+                    part = cute.arch.warp_reduction_sum(part)
+                    if lane < CLUSTER:
+                        reduce.push(sRecv.iterator + (rank * nr + r), part, mbar, lane)
+            cute.arch.mbarrier_wait(mbar, 0)
 
-        for k in cutlass.range_constexpr(vpt):
-            total = sRecv[vec_row[k]]
-            for p in cutlass.range_constexpr(1, CLUSTER):
-                total = total + sRecv[p * nr + vec_row[k]]
-            inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
-            out = []
-            for e in cutlass.range_constexpr(4):
-                lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(c_words[k][e]), inv), prim.bf16_lo(w_words[k][e]))
-                hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(c_words[k][e]), inv), prim.bf16_hi(w_words[k][e]))
-                out.append(prim.cvt_bf16x2(lo_v, hi_v))
-            row = row0 + vec_row[k]
-            if vec_in[k]:
-                if row < rows:
-                    prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
+            for k in cutlass.range_constexpr(vpt):
+                total = sRecv[vec_row[k]]
+                for p in cutlass.range_constexpr(1, CLUSTER):
+                    total = total + sRecv[p * nr + vec_row[k]]
+                inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
+                out = []
+                for e in cutlass.range_constexpr(4):
+                    lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(c_words[k][e]), inv), prim.bf16_lo(w_words[k][e]))
+                    hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(c_words[k][e]), inv), prim.bf16_hi(w_words[k][e]))
+                    out.append(prim.cvt_bf16x2(lo_v, hi_v))
+                row = row0 + vec_row[k]
+                if vec_in[k]:
+                    if row < rows:
+                        prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
 
 
 class LayerInputKernel:
@@ -190,8 +213,8 @@ class LayerInputKernel:
     def __call__(
         self,
         mX: cute.Tensor,  # [T, 4, H] bf16 streams, or [T, H] bf16 embedding (broadcast)
-        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (layer_input == "carried")
-        mW: cute.Tensor,  # [H] bf16 norm weight
+        mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (the carried collapse)
+        mW: cute.Tensor | None,  # [H] bf16 norm weight (None: an unnormed mode)
         mOut: cute.Tensor,  # [T, H] bf16 layer input
         norm_eps: Float32,
         stream: cuda.CUstream,
@@ -209,7 +232,12 @@ class LayerInputKernel:
 
     @cute.kernel
     def kernel(
-        self, mX: cute.Tensor, mPreMix: cute.Tensor | None, mW: cute.Tensor, mOut: cute.Tensor, norm_eps: Float32
+        self,
+        mX: cute.Tensor,
+        mPreMix: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mOut: cute.Tensor,
+        norm_eps: Float32,
     ):
         rank, cluster_id, smem, mbar = cluster_prologue()
         self.role.cluster_cta(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
