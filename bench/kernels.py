@@ -38,13 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--parts",
         nargs="+",
-        default=["boundary", "allreduce", "coefficients", "step"],
-        choices=["boundary", "allreduce", "coefficients", "step"],
+        default=["boundary", "host", "allreduce", "coefficients", "step"],
+        choices=["boundary", "host", "allreduce", "coefficients", "step"],
         help="what to measure",
     )
     p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8], help="world sizes of the allreduce part")
-    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
-    p.add_argument("--step-hidden", type=int, default=5120, help="hidden size of the toy decode step")
+    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
+    p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168], help="hidden sizes of the decode step")
+    p.add_argument("--step-layers", type=int, default=4, help="layers of the toy decode step (Engram on layer 1)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -291,42 +292,6 @@ def print_coefficients(rows: list[dict]) -> None:
         )
 
 
-def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
-    """The whole toy decode step (CUDA graph, kernels path) with the coefficients on side streams and inline."""
-    from boundary import Boundaries, DecodeStep
-    from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
-
-    device = timer.device
-    config = ToyConfig(hidden_size=args.step_hidden)
-    model = ToyModel(config, device=device)
-    all_reduce = BoundaryAllReduce(config.hidden_size, max_rows=max(args.step_rows), device=device)
-    all_reduce.warmup(progress=False)
-    boundaries = Boundaries(all_reduce)
-    out = []
-    for rows in tqdm(sorted(args.step_rows), desc="decode step", unit="rows"):
-        tokens = random_tokens(model, rows, 0)
-        row: dict[str, Any] = {"H": config.hidden_size, "layers": config.num_layers, "rows": rows}
-        for side in (True, False):
-            step = DecodeStep(rows=rows, side_stream=side)
-            key = "overlap_us" if side else "inline_us"
-            row[key] = timer.per_call_us([lambda s=step, t=tokens: decode_step(model, boundaries, t, s)])
-        row["overlap_gain"] = row["inline_us"] / row["overlap_us"]
-        out.append(row)
-    return out
-
-
-def print_step(rows: list[dict]) -> None:
-    """The decode-step table and the overlap threshold it suggests."""
-    r0 = rows[0]
-    print(f"\ntoy decode step (H={r0['H']}, {r0['layers']} layers, CUDA graph), GPU us per step")
-    print(f"{'rows':>5} | {'side stream':>11} {'inline':>8} | {'inline/side':>11}")
-    for r in rows:
-        print(f"{r['rows']:>5} | {r['overlap_us']:11.1f} {r['inline_us']:8.1f} | {r['overlap_gain']:11.3f}")
-    wins = [r["rows"] for r in rows if r["overlap_gain"] > 1.0]
-    best = max((n for n in wins if all(r["overlap_gain"] > 1.0 for r in rows if r["rows"] <= n)), default=0)
-    print(f"side streams pay up to {best} rows here (MHC_OVERLAP_MAX_ROWS = {best} for this model)")
-
-
 def print_boundary(rows: list[dict], copy_bw: float) -> None:
     """The boundary table."""
     print(
@@ -413,6 +378,11 @@ def main(argv: list[str] | None, *, arch: str) -> int:
         results["boundary"] = bench_boundary(args, arch, timer, copy_bw)
         print_boundary(results["boundary"], copy_bw)
         plot(results["boundary"], args.out / f"{stem}-boundary.png")
+    if "host" in args.parts:
+        from bench import host
+
+        results["host"] = host.bench_host(args, lambda rows, hidden: boundary_inputs(rows, hidden, device, seed=0))
+        host.print_host(results["host"])
     if "allreduce" in args.parts:
         from bench import allreduce
 
@@ -424,8 +394,11 @@ def main(argv: list[str] | None, *, arch: str) -> int:
         results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
         print_coefficients(results["coefficients"])
     if "step" in args.parts:
-        results["step"] = bench_step(args, timer)
-        print_step(results["step"])
+        from bench import step
+
+        results["step"] = step.bench_step(args, timer)
+        step.plot_step(results["step"], args.out / f"{stem}-step.png")
+        step.print_step(results["step"])
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {path}")

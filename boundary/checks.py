@@ -118,7 +118,7 @@ def coefficients(
 
 def integer(name: str, value: object) -> int:
     """An integral argument (an int, a numpy int, anything with __index__; not a bool) as an int."""
-    if value.__class__ is int:
+    if type(value) is int:
         return value  # type: ignore[return-value]
     if not isinstance(value, bool):
         try:
@@ -146,7 +146,7 @@ def non_negative_int(name: str, value: object) -> int:
 
 def finite_float(name: str, value: object, *, minimum: float | None = None) -> float:
     """A real-number argument (any real but a bool: int, float, numpy scalars) as a float, optionally bounded below."""
-    if value.__class__ is not float:
+    if type(value) is not float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise _error(TypeError, name, f"must be a real number, got {type(value).__name__} {value!r}")
         value = float(value)
@@ -159,14 +159,14 @@ def finite_float(name: str, value: object, *, minimum: float | None = None) -> f
 
 def flag(name: str, value: object) -> bool:
     """A bool argument: a string or a number is refused (`"no"` is truthy)."""
-    if value.__class__ is not bool:
+    if type(value) is not bool:
         raise _error(TypeError, name, f"must be a bool (True or False), got {type(value).__name__} {value!r}")
     return value  # type: ignore[return-value]
 
 
 def choice(name: str, value: object, allowed: tuple[str, ...]) -> str | None:
     """None or one of the names `allowed` (a bool is refused: these are named values, not a flag)."""
-    if value is None or (value.__class__ is str and value in allowed):
+    if value is None or (type(value) is str and value in allowed):
         return value  # type: ignore[return-value]
     names = ", ".join(repr(a) for a in allowed)
     if not isinstance(value, str):

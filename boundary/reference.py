@@ -50,9 +50,10 @@ def moe_finalize(
         row_ids = torch.arange(1, rows + 1, dtype=torch.int32, device=idx.device)
         flagged = torch.where(bad.any(1), row_ids, 0).max()
         error[1] = torch.maximum(error[1], flagged)
-        last = (flagged - 1).clamp(min=0).long()
-        first_bad = bad[last].int().argmax()
-        error[2] = torch.where(flagged > 0, idx[last, first_bad], error[2])
+        # Gathers, not indexing by a tensor (that reads it on the host): CUDA-graph capture and torch.compile.
+        last = (flagged - 1).clamp(min=0).long().view(1)
+        first_bad = bad.index_select(0, last).int().argmax(1, keepdim=True)
+        error[2] = torch.where(flagged > 0, idx.index_select(0, last).gather(1, first_bad).view(()), error[2])
     for i in range(top_k if experts else 0):  # no rows to gather from: every index adds nothing
         col = idx[:, i].long()
         valid = ((col >= 0) & (col < experts)).unsqueeze(1)

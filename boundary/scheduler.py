@@ -222,7 +222,7 @@ class Boundaries:
         with `capture_aux`, the mean of the new streams.
         """
         self._check_step(step)
-        if not (ffn.__class__ is capture_aux.__class__ is bool):  # one test when both are bools
+        if not (type(ffn) is type(capture_aux) is bool):  # one test when both are bools
             checks.flag("ffn", ffn)
             checks.flag("capture_aux", capture_aux)
         if quantize is not None:
@@ -303,7 +303,7 @@ class Boundaries:
             _missing(layer, reads.names)
             raise
         hc = values[-1]
-        if hc.__class__ is not int or hc != self.all_reduce.hc_mult:
+        if type(hc) is not int or hc != self.all_reduce.hc_mult:
             hc = checks.integer("layer.hc_mult", hc)
             if hc != self.all_reduce.hc_mult:
                 raise ValueError(f"layer.hc_mult is {hc}, but the boundary serves hc_mult={self.all_reduce.hc_mult}")
@@ -390,7 +390,7 @@ class Boundaries:
         """The fused boundary on whatever the sublayer left pending."""
         ar, pending = self.all_reduce, state.pending
         fp8 = None
-        if quantized is not None and quantized.__class__ is Fp8GroupActivation:
+        if quantized is not None and type(quantized) is Fp8GroupActivation:
             quantized, fp8 = None, quantized
         if self.custom_ops:
             mx = (None, None) if quantized is None else (quantized.data, quantized.scale)

@@ -1,0 +1,95 @@
+"""Host cost of a boundary call (#29): median µs of host time per call, inputs already made, for the direct path
+(BoundaryAllReduce), the custom op in eager, a decode loop of custom ops under torch.compile(fullgraph=True), and
+torch's eager reference chain; then what two boundaries per layer cost a 61-layer decode step on the host."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.chains import boundary_chain
+from bench.timing import host_us_per_call
+from boundary import BoundaryAllReduce
+
+OPS = torch.ops.mhc_boundary
+LAYERS = 61  # DeepSeek V4's decoder layers: two boundaries each
+LOOP = 16  # boundary ops per compiled loop call
+
+
+def _op(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple:
+    return OPS.boundary(
+        ar.handle,
+        inp["x"],
+        None,
+        None,
+        None,
+        None,
+        residual,
+        inp["post"],
+        inp["comb"],
+        inp["pre"],
+        inp["norm_weight"],
+        1e-6,
+        None,
+        None,
+        None,
+        None,
+        False,
+        None,
+    )
+
+
+def compiled_loop(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """LOOP boundary ops chained through the residual, compiled once with fullgraph=True (no graph break)."""
+
+    def loop(residual: torch.Tensor) -> torch.Tensor:
+        for _ in range(LOOP):
+            residual, _out = _op(ar, inp, residual)
+        return residual
+
+    torch._dynamo.reset()
+    fn = torch.compile(loop, fullgraph=True, dynamic=False)
+    return lambda: fn(inp["residual"])
+
+
+def host_row(hidden: int, rows: int, inp: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Host µs per boundary call of each calling form at one hidden size, and per 61-layer step in ms."""
+    ar = BoundaryAllReduce(hidden, max_rows=rows, device=inp["x"].device)
+    ar.warmup(progress=False, quantize=())
+    epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
+    row: dict[str, Any] = {"H": hidden, "rows": rows}
+    row["direct_us"] = host_us_per_call(lambda: ar(inp["x"], *epilogue))
+    row["op_eager_us"] = host_us_per_call(lambda: _op(ar, inp, inp["residual"]))
+    row["op_compiled_loop_us"] = host_us_per_call(compiled_loop(ar, inp)) / LOOP
+    row["torch_eager_chain_us"] = host_us_per_call(lambda: boundary_chain(inp["x"], *epilogue))
+    for key in ("direct", "op_eager", "op_compiled_loop", "torch_eager_chain"):
+        row[f"{key}_step_ms"] = row[f"{key}_us"] * 2 * LAYERS / 1000
+    torch.cuda.synchronize()
+    return row
+
+
+def bench_host(args: argparse.Namespace, inputs: Callable[[int, int], dict[str, torch.Tensor]]) -> list[dict]:
+    """Host µs per boundary call at each hidden size of the boundary part, at the smallest row count (the host cost
+    does not depend on rows; the GPU work is far shorter than the host's, so the queue never fills)."""
+    rows = min(args.rows)
+    return [host_row(hidden, rows, inputs(rows, hidden)) for hidden in tqdm(args.hidden, desc="host cost", unit="H")]
+
+
+def print_host(rows: list[dict]) -> None:
+    """The host-cost table."""
+    print(f"\nhost cost of one boundary call (median us, inputs made; per step: 2 boundaries x {LAYERS} layers, ms)")
+    head = (
+        f"{'H':>5} | {'direct':>7} {'op':>7} {'compiled':>8} {'torch chain':>11} | per step ms: direct / op / compiled"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['H']:>5} | {r['direct_us']:7.1f} {r['op_eager_us']:7.1f} {r['op_compiled_loop_us']:8.1f} "
+            f"{r['torch_eager_chain_us']:11.1f} | {r['direct_step_ms']:.2f} / {r['op_eager_step_ms']:.2f} / "
+            f"{r['op_compiled_loop_step_ms']:.2f} (torch chain {r['torch_eager_chain_step_ms']:.2f})"
+        )

@@ -1,0 +1,145 @@
+"""The decode step (#30): the toy V4.1 step at real hidden sizes in one CUDA graph per row count, our boundaries
+against the reference chain in eager and under torch.compile (static shapes), at TP 1.
+
+Two models per hidden size. "boundaries only": every sublayer returns an output computed once beforehand (a copy-free
+stand-in of zero cost), so the step is the boundaries alone: 2 per layer plus the Engram seam and the final one, each
+with its coefficients, collapse and norm. "toy sublayers": the toy's own attention and MoE stand-ins (small GEMMs,
+far cheaper than a real V4 layer's), which gives an upper bound on the boundaries' share of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.timing import GraphTimer
+from boundary import Boundaries, BoundaryAllReduce, DecodeStep
+from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
+
+
+def boundaries_only(model: ToyModel, rows: int) -> ToyModel:
+    """A copy of `model` whose attention and MoE return their outputs on fixed inputs, computed once: a step of it
+    launches the boundaries and the model's Engram code only."""
+    gen = torch.Generator(device=model.device).manual_seed(rows)
+    fixed: dict[tuple[str, int], Any] = {}
+    for layer in model.layers:
+        x = torch.randn(rows, model.config.hidden_size, generator=gen, device=model.device).to(torch.bfloat16)
+        fixed["attention", layer.index] = model.attention(layer, x)
+        fixed["moe", layer.index] = model.moe(layer, x)
+    free = copy.copy(model)
+    free.attention = lambda layer, x: fixed["attention", layer.index]  # type: ignore[method-assign]
+    free.moe = lambda layer, x: fixed["moe", layer.index]  # type: ignore[method-assign]
+    return free
+
+
+def boundaries_per_step(config: ToyConfig) -> int:
+    """Boundaries (post + coefficients + collapse + norm) in a step: two per layer, the Engram seams, the final one."""
+    return 2 * config.num_layers + len([i for i in config.engram_layers if 0 < i < config.num_layers]) + 1
+
+
+def _step_call(model: ToyModel, b: Boundaries, rows: int, side: bool) -> Callable[[], object]:
+    tokens = random_tokens(model, rows, 0)
+    step = DecodeStep(rows=rows, side_stream=side)
+    return lambda: decode_step(model, b, tokens, step)
+
+
+def _compiled_call(model: ToyModel, b: Boundaries, rows: int) -> Callable[[], object]:
+    """The reference chain's step under torch.compile with this row count's shapes fixed (dynamic=False)."""
+    torch._dynamo.reset()
+    tokens = random_tokens(model, rows, 0)
+    step = DecodeStep(rows=rows, side_stream=False)
+    fn = torch.compile(lambda t: decode_step(model, b, t, step), dynamic=False)
+    return lambda: fn(tokens)
+
+
+def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
+    """µs per step, TP 1, for every hidden size and row count of the step part."""
+    device = timer.device
+    out = []
+    plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows)]
+    models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
+    for hidden, rows in tqdm(plan, desc="decode step (TP 1)", unit="shape"):
+        if hidden not in models:
+            config = ToyConfig(hidden_size=hidden, num_layers=args.step_layers)
+            model = ToyModel(config, device=device)
+            ours = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device)
+            ours.warmup(progress=False, quantize=("mxfp8",))  # the toy step writes MXFP8 only
+            ref = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device, backend="reference")
+            models[hidden] = (model, Boundaries(ours), Boundaries(ref))
+        model, ours_b, ref_b = models[hidden]
+        free = boundaries_only(model, rows)
+        n = boundaries_per_step(model.config)
+        row: dict[str, Any] = {"H": hidden, "layers": model.config.num_layers, "boundaries": n, "rows": rows}
+        row["overlap_us"] = timer.per_call_us([_step_call(free, ours_b, rows, True)])
+        row["inline_us"] = timer.per_call_us([_step_call(free, ours_b, rows, False)])
+        row["ours_us"] = min(row["overlap_us"], row["inline_us"])
+        row["eager_us"] = timer.per_call_us([_step_call(free, ref_b, rows, False)])
+        if not args.no_compile:
+            row["compile_us"] = timer.per_call_us([_compiled_call(free, ref_b, rows)])
+        row["toy_step_us"] = timer.per_call_us([_step_call(model, ours_b, rows, rows <= 16)])
+        row["boundary_share"] = row["ours_us"] / row["toy_step_us"]
+        for key in ("eager", "compile"):
+            if f"{key}_us" in row:
+                row[f"x_{key}"] = row[f"{key}_us"] / row["ours_us"]
+        row["per_boundary_us"] = row["ours_us"] / n
+        out.append(row)
+    return out
+
+
+def print_step(rows: list[dict]) -> None:
+    """The step table: ours (side streams on / off), the baselines, speedups and the boundaries' share."""
+    print("\ndecode step, TP 1 (one CUDA graph per step, L2 flushed), GPU us per step; boundaries-only model")
+    head = (
+        f"{'H':>5} {'L':>2} {'rows':>4} | {'side':>7} {'inline':>7} {'/bnd':>5} | {'eager':>8} {'compile':>8} | "
+        f"{'x eager':>7} {'x comp':>6} | {'toy step':>8} {'share':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['H']:>5} {r['layers']:>2} {r['rows']:>4} | {r['overlap_us']:7.1f} {r['inline_us']:7.1f} "
+            f"{r['per_boundary_us']:5.2f} | {r['eager_us']:8.1f} {r.get('compile_us', float('nan')):8.1f} | "
+            f"{r['x_eager']:7.1f} {r.get('x_compile', float('nan')):6.1f} | {r['toy_step_us']:8.1f} "
+            f"{100 * r['boundary_share']:4.0f}%"
+        )
+    print(
+        "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (post, coefficients, "
+        "collapse, norm); share: the boundaries-only step over the step with the toy's sublayers (cheap stand-ins, so "
+        "an upper bound)"
+    )
+
+
+def plot_step(rows: list[dict], path: Any) -> None:
+    """µs per step against rows, one panel per H: ours and the baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hiddens = sorted({r["H"] for r in rows})
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(5 * len(hiddens), 4), squeeze=False)
+    for ax, hidden in zip(axes[0], hiddens):
+        sel = [r for r in rows if r["H"] == hidden]
+        xs = [r["rows"] for r in sel]
+        for key, label in (
+            ("ours_us", "fused boundaries"),
+            ("eager_us", "reference chain, eager"),
+            ("compile_us", "reference chain, torch.compile"),
+            ("toy_step_us", "fused, with the toy sublayers"),
+        ):
+            if key in sel[0]:
+                ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("us per decode step (GPU time)")
+        ax.set_title(f"H = {hidden}, {sel[0]['layers']} layers, TP 1")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
