@@ -56,19 +56,21 @@ def compiled_loop(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> Callab
     return lambda: fn(inp["residual"])
 
 
-def host_row(hidden: int, rows: int, inp: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Host µs per boundary call of each calling form at one hidden size, and per 61-layer step in ms."""
+def host_row(
+    hidden: int, rows: int, inp: dict[str, torch.Tensor], timer: Callable[[Callable[[], object]], float]
+) -> dict[str, Any]:
+    """Host µs per boundary call of each calling form at one hidden size (`timer`: µs per call of a closure), and
+    per 61-layer step in ms."""
     ar = BoundaryAllReduce(hidden, max_rows=rows, device=inp["x"].device)
     ar.warmup(progress=False, quantize=())
     epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
     row: dict[str, Any] = {"H": hidden, "rows": rows}
-    row["direct_us"] = host_us_per_call(lambda: ar(inp["x"], *epilogue))
-    row["op_eager_us"] = host_us_per_call(lambda: _op(ar, inp, inp["residual"]))
-    row["op_compiled_loop_us"] = host_us_per_call(compiled_loop(ar, inp)) / LOOP
-    row["torch_eager_chain_us"] = host_us_per_call(lambda: boundary_chain(inp["x"], *epilogue))
+    row["direct_us"] = timer(lambda: ar(inp["x"], *epilogue, None))
+    row["op_eager_us"] = timer(lambda: _op(ar, inp, inp["residual"]))
+    row["op_compiled_loop_us"] = timer(compiled_loop(ar, inp)) / LOOP
+    row["torch_eager_chain_us"] = timer(lambda: boundary_chain(inp["x"], *epilogue))
     for key in ("direct", "op_eager", "op_compiled_loop", "torch_eager_chain"):
         row[f"{key}_step_ms"] = row[f"{key}_us"] * 2 * LAYERS / 1000
-    torch.cuda.synchronize()
     return row
 
 
@@ -76,7 +78,8 @@ def bench_host(args: argparse.Namespace, inputs: Callable[[int, int], dict[str, 
     """Host µs per boundary call at each hidden size of the boundary part, at the smallest row count (the host cost
     does not depend on rows; the GPU work is far shorter than the host's, so the queue never fills)."""
     rows = min(args.rows)
-    return [host_row(hidden, rows, inputs(rows, hidden)) for hidden in tqdm(args.hidden, desc="host cost", unit="H")]
+    hiddens = tqdm(args.hidden, desc="host cost", unit="H")
+    return [host_row(hidden, rows, inputs(rows, hidden), host_us_per_call) for hidden in hiddens]
 
 
 def print_host(rows: list[dict]) -> None:
