@@ -139,7 +139,9 @@ def _boundary_fake(
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
 
 
-@torch.library.custom_op("mhc_boundary::post_only", mutates_args=("aux_out",))
+# No aux_out here: Inductor cannot compile an op that returns one Tensor and declares a mutated argument the call
+# passes as None ("getitem is not an OpOverload"); aux on the residual-only boundary is BoundaryAllReduce's.
+@torch.library.custom_op("mhc_boundary::post_only", mutates_args=())
 def post_only(
     handle: int,
     x: Tensor | None,
@@ -150,7 +152,6 @@ def post_only(
     residual: Tensor,
     post: Tensor,
     comb: Tensor,
-    aux_out: Tensor | None,
 ) -> Tensor:
     """The residual-only boundary (CONTRACT §2) of rank `handle`: the new streams R' alone."""
     new, _ = _run_boundary(
@@ -166,7 +167,6 @@ def post_only(
         None,
         None,
         0.0,
-        aux_out=aux_out,
     )
     return new
 
@@ -182,7 +182,6 @@ def _post_only_fake(
     residual: Tensor,
     post: Tensor,
     comb: Tensor,
-    aux_out: Tensor | None,
 ) -> Tensor:
     return torch.empty_like(residual)
 

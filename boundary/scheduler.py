@@ -398,7 +398,7 @@ class Boundaries:
             source = ops.partial_args(pending)
             if pre is None:
                 return torch.ops.mhc_boundary.post_only(
-                    ar.handle, *source, state.residual, state.post, state.comb, aux
+                    ar.handle, *source, state.residual, state.post, state.comb
                 ), None
             return torch.ops.mhc_boundary.boundary(
                 ar.handle,
