@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
     p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168], help="hidden sizes of the decode step")
     p.add_argument("--step-layers", type=int, default=4, help="layers of the toy decode step (Engram on layer 1)")
+    p.add_argument(
+        "--step-tp", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8], help="TP sizes of the step"
+    )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS)

@@ -1,5 +1,6 @@
 """The decode step (#30): the toy V4.1 step at real hidden sizes in one CUDA graph per row count, our boundaries
-against the reference chain in eager and under torch.compile (static shapes), at TP 1.
+against the reference chain in eager and under torch.compile (static shapes), at TP 1 and on simulated TP 2 / 4 / 8
+ranks (W ranks' steps on one GPU, each on its own stream: SIMULATED, never NVLink numbers).
 
 Two models per hidden size. "boundaries only": every sublayer returns an output computed once beforehand (a copy-free
 stand-in of zero cost), so the step is the boundaries alone: 2 per layer plus the Engram seam and the final one, each
@@ -15,10 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from bench.timing import GraphTimer
-from boundary import Boundaries, BoundaryAllReduce, DecodeStep
+from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
 
 
@@ -35,6 +37,51 @@ def boundaries_only(model: ToyModel, rows: int) -> ToyModel:
     free.attention = lambda layer, x: fixed["attention", layer.index]  # type: ignore[method-assign]
     free.moe = lambda layer, x: fixed["moe", layer.index]  # type: ignore[method-assign]
     return free
+
+
+def rank_order_sum(parts: list[Tensor]) -> Tensor:
+    """y = bf16(sum of the ranks' partials in fp32, in rank order): the exchange's arithmetic (CONTRACT §2)."""
+    acc = parts[0].to(torch.float32)
+    for part in parts[1:]:
+        acc = acc + part.to(torch.float32)
+    return acc.to(torch.bfloat16)
+
+
+def summed_sublayers(models: list[ToyModel]) -> ToyModel:
+    """A copy of rank 0's boundaries-only model whose sublayers return every rank's fixed partial summed in rank
+    order, per call (the MoE partials finalized first): the baseline's exchange, then its chain runs at W = 1."""
+
+    def attention(layer: Any, x: Tensor) -> Tensor:
+        return rank_order_sum([m.attention(m.layers[layer.index], x) for m in models])
+
+    def moe(layer: Any, x: Tensor) -> Tensor:
+        parts = []
+        for m in models:
+            out = m.moe(m.layers[layer.index], x)
+            routed = out.routed
+            parts.append(
+                reference.moe_finalize(
+                    routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx, out.shared_output
+                )
+            )
+        return rank_order_sum(parts)
+
+    summed = copy.copy(models[0])
+    summed.attention = attention  # type: ignore[method-assign]
+    summed.moe = moe  # type: ignore[method-assign]
+    return summed
+
+
+def on_streams(streams: list[torch.cuda.Stream], calls: list[Callable[[], object]]) -> None:
+    """Each call on its own stream, forked from the current stream and joined back into it (capturable)."""
+    main = torch.cuda.current_stream()
+    for stream in streams:
+        stream.wait_stream(main)
+    for stream, call in zip(streams, calls):
+        with torch.cuda.stream(stream):
+            call()
+    for stream in streams:
+        main.wait_stream(stream)
 
 
 def boundaries_per_step(config: ToyConfig) -> int:
@@ -61,7 +108,7 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
     """µs per step, TP 1, for every hidden size and row count of the step part."""
     device = timer.device
     out = []
-    plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows)]
+    plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
     models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
     for hidden, rows in tqdm(plan, desc="decode step (TP 1)", unit="shape"):
         if hidden not in models:
@@ -74,7 +121,7 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
         model, ours_b, ref_b = models[hidden]
         free = boundaries_only(model, rows)
         n = boundaries_per_step(model.config)
-        row: dict[str, Any] = {"H": hidden, "layers": model.config.num_layers, "boundaries": n, "rows": rows}
+        row: dict[str, Any] = {"H": hidden, "tp": 1, "layers": model.config.num_layers, "boundaries": n, "rows": rows}
         row["overlap_us"] = timer.per_call_us([_step_call(free, ours_b, rows, True)])
         row["inline_us"] = timer.per_call_us([_step_call(free, ours_b, rows, False)])
         row["ours_us"] = min(row["overlap_us"], row["inline_us"])
@@ -88,21 +135,78 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
                 row[f"x_{key}"] = row[f"{key}_us"] / row["ours_us"]
         row["per_boundary_us"] = row["ours_us"] / n
         out.append(row)
+    simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
+    for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
+        out += bench_step_simulated(args, timer, hidden, world)
     return out
+
+
+class SimulatedStep:
+    """W simulated ranks of the toy step at one hidden size: ours on the peer path, and the baseline's W reference
+    chains, each after the rank-order sum of every rank's partials (on W streams, one GPU)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, hidden: int, world: int) -> None:
+        self.config = ToyConfig(hidden_size=hidden, num_layers=args.step_layers)
+        max_rows = max(args.step_rows)
+        self.ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max_rows, device=device)
+        self.ranks[0].warmup(progress=False, quantize=("mxfp8",))  # one context: what rank 0 loads, every rank has
+        self.ours = [Boundaries(ar) for ar in self.ranks]
+        self.ref = Boundaries(BoundaryAllReduce(hidden, max_rows=max_rows, device=device, backend="reference"))
+        self.full = [ToyModel(self.config, rank=r, world_size=world, device=device) for r in range(world)]
+        self.streams = [torch.cuda.Stream(device) for _ in range(world)]
+
+    def ours_step(self, models: list[ToyModel], rows: int, side: bool) -> Callable[[], object]:
+        """Every rank's step on its own stream (run_simulated), all issued before any is waited for."""
+        tokens = random_tokens(self.full[0], rows, 0)
+        step = DecodeStep(rows=rows, side_stream=side)
+        calls = [lambda ar: decode_step(models[ar.rank], self.ours[ar.rank], tokens, step)] * len(self.ranks)
+        return lambda: BoundaryAllReduce.run_simulated(self.ranks, calls)
+
+    def baseline_step(self, summed: ToyModel, rows: int) -> Callable[[], object]:
+        """Every rank's reference chain on its own stream, each after the rank-order sum of the partials."""
+        tokens = random_tokens(self.full[0], rows, 0)
+        step = DecodeStep(rows=rows, side_stream=False)
+        chains = [lambda: decode_step(summed, self.ref, tokens, step)] * len(self.ranks)
+        return lambda: on_streams(self.streams, chains)
+
+    def row(self, timer: GraphTimer, rows: int) -> dict[str, Any]:
+        """The step table's row at `rows` rows."""
+        free = [boundaries_only(m, rows) for m in self.full]
+        n = boundaries_per_step(self.config)
+        row: dict[str, Any] = {"H": self.config.hidden_size, "tp": len(self.ranks), "layers": self.config.num_layers}
+        row |= {"boundaries": n, "rows": rows}
+        row["overlap_us"] = timer.per_call_us([self.ours_step(free, rows, True)])
+        row["inline_us"] = timer.per_call_us([self.ours_step(free, rows, False)])
+        row["ours_us"] = min(row["overlap_us"], row["inline_us"])
+        row["eager_us"] = timer.per_call_us([self.baseline_step(summed_sublayers(free), rows)])
+        row["toy_step_us"] = timer.per_call_us([self.ours_step(self.full, rows, rows <= 16)])
+        row["boundary_share"] = row["ours_us"] / row["toy_step_us"]
+        row["x_eager"] = row["eager_us"] / row["ours_us"]
+        row["per_boundary_us"] = row["ours_us"] / n
+        return row
+
+
+def bench_step_simulated(args: argparse.Namespace, timer: GraphTimer, hidden: int, world: int) -> list[dict]:
+    """µs per step of W simulated ranks at every row count of the step part."""
+    sim = SimulatedStep(args, timer.device, hidden, world)
+    return [sim.row(timer, rows) for rows in sorted(args.step_rows)]
 
 
 def print_step(rows: list[dict]) -> None:
     """The step table: ours (side streams on / off), the baselines, speedups and the boundaries' share."""
-    print("\ndecode step, TP 1 (one CUDA graph per step, L2 flushed), GPU us per step; boundaries-only model")
+    print(
+        "\ndecode step (one CUDA graph per step, L2 flushed), GPU us per step; boundaries-only model; TP > 1: "
+        "SIMULATED ranks on one GPU"
+    )
     head = (
-        f"{'H':>5} {'L':>2} {'rows':>4} | {'side':>7} {'inline':>7} {'/bnd':>5} | {'eager':>8} {'compile':>8} | "
-        f"{'x eager':>7} {'x comp':>6} | {'toy step':>8} {'share':>5}"
+        f"{'H':>5} {'TP':>2} {'L':>2} {'rows':>4} | {'side':>7} {'inline':>7} {'/bnd':>5} | {'eager':>8} "
+        f"{'compile':>8} | {'x eager':>7} {'x comp':>6} | {'toy step':>8} {'share':>5}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['H']:>5} {r['layers']:>2} {r['rows']:>4} | {r['overlap_us']:7.1f} {r['inline_us']:7.1f} "
+            f"{r['H']:>5} {r['tp']:>2} {r['layers']:>2} {r['rows']:>4} | {r['overlap_us']:7.1f} {r['inline_us']:7.1f} "
             f"{r['per_boundary_us']:5.2f} | {r['eager_us']:8.1f} {r.get('compile_us', float('nan')):8.1f} | "
             f"{r['x_eager']:7.1f} {r.get('x_compile', float('nan')):6.1f} | {r['toy_step_us']:8.1f} "
             f"{100 * r['boundary_share']:4.0f}%"
@@ -110,7 +214,7 @@ def print_step(rows: list[dict]) -> None:
     print(
         "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (post, coefficients, "
         "collapse, norm); share: the boundaries-only step over the step with the toy's sublayers (cheap stand-ins, so "
-        "an upper bound)"
+        "an upper bound); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams"
     )
 
 

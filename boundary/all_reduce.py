@@ -410,7 +410,7 @@ class BoundaryAllReduce:
             variants=boundary_api.engine_variants(tuple(quantize)),
             protocols=protocols,
         ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)
-        mhc.prepare_workspace(self.hidden_size, rows, self.device)
+        mhc.prepare_workspace(self.hidden_size, rows, self.device, self.rank if self.simulated_ranks else None)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
 
     def check(self) -> None:

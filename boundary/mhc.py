@@ -24,7 +24,7 @@ from cute_kernels.hardware import MAX_GRID_Y
 BF16 = torch.bfloat16
 F32 = torch.float32
 BACKENDS = ("auto", "kernel", "reference")
-_WORKSPACES: dict[tuple[torch.device, int], Any] = {}
+_WORKSPACES: dict[tuple[torch.device, int, int | None], Any] = {}
 
 
 @functools.cache
@@ -44,14 +44,15 @@ def kernel_arch(device: torch.device, backend: str) -> str | None:
     return _device_arch(device)  # raises, naming the GPU, where the kernels do not run
 
 
-def prepare_workspace(hidden: int, rows: int, device: torch.device) -> Any:
-    """The coefficients kernel's workspace for (device, H), grown to hold `rows` rows.
+def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int | None = None) -> Any:
+    """The coefficients kernel's workspace for (device, H, owner), grown to hold `rows` rows.
 
-    One workspace per device and H serves every call: the scheduler orders coefficient launches
-    (each side-stream launch is joined before the next boundary), so two never overlap. Growing
-    is not allowed during CUDA-graph capture: call BoundaryAllReduce.warmup(max_rows) first.
+    One workspace per device and H serves every call of one owner: the scheduler orders its coefficient
+    launches (each side-stream launch is joined before the next boundary), so two never overlap. Simulated
+    ranks run their steps at once on one GPU: each is an owner of its own (its rank). Growing is not
+    allowed during CUDA-graph capture: call BoundaryAllReduce.warmup(max_rows) first.
     """
-    key = (device, hidden)
+    key = (device, hidden, owner)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.max_rows < rows:
         limit = kernel_row_limit(hidden)
@@ -116,10 +117,12 @@ def pre_delayed(
     norm_eps: float = 1e-6,
     *,
     backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(post, comb, layer_input, next_pre) of CONTRACT §3: the mixes of the streams and the delayed collapse.
 
     On the kernels, one launch computes both the mixes and the layer input (without `norm_weight`, the collapse).
+    `workspace_owner`: see prepare_workspace.
     """
     params, norm_eps = checks.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
     arch = kernel_arch(residual.device, backend)
@@ -136,6 +139,7 @@ def pre_delayed(
         norm_weight=norm_weight,
         norm_eps=norm_eps,
         layer_input=layer_input,
+        owner=workspace_owner,
     )
     return post, comb, layer_input, pre
 
@@ -204,13 +208,14 @@ def pre_delayed_overlap(
     stream: Any,
     layer_input: Tensor | None = None,
     backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """pre_delayed split in two: the layer input on the current stream, the mixes on `stream`.
 
     `stream` waits for the current stream first; the streams (and `x`) are recorded on it. The
     caller keeps the weights alive and makes the current stream wait for `stream` before it
     reads post, comb or next_pre. With `layer_input` given, only the mixes run. `stream` None
-    (the CPU) runs everything on the current stream.
+    (the CPU) runs everything on the current stream. `workspace_owner`: see prepare_workspace.
     """
     params, norm_eps = checks.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps)
     if stream is not None and not isinstance(stream, torch.cuda.Stream):
@@ -228,11 +233,11 @@ def pre_delayed_overlap(
             "layer_input", layer_input, dtype=BF16, shape=(residual.shape[0], residual.shape[2]), device=residual.device
         )
     if stream is None:
-        post, comb, pre = _coefficients(residual, x, params, arch)
+        post, comb, pre = _coefficients(residual, x, params, arch, workspace_owner)
         return post, comb, layer_input, pre
     stream.wait_stream(torch.cuda.current_stream(residual.device))
     with torch.cuda.stream(stream):
-        post, comb, pre = _coefficients(residual, x, params, arch)
+        post, comb, pre = _coefficients(residual, x, params, arch, workspace_owner)
     (x if x is not None else residual).record_stream(stream)
     return post, comb, layer_input, pre
 
@@ -249,12 +254,12 @@ def mixes(
 
 
 def _coefficients(
-    residual: Tensor, x: Tensor | None, params: MHCParams, arch: str | None
+    residual: Tensor, x: Tensor | None, params: MHCParams, arch: str | None, owner: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """post, comb and next pre of one projection input, on the current stream."""
     if arch is None:
         return tuple(reference.coefficients(x if x is not None else residual.reshape(residual.shape[0], -1), params))
-    return _kernel_coefficients(residual, x, params, arch)
+    return _kernel_coefficients(residual, x, params, arch, owner=owner)
 
 
 def _kernel_coefficients(
@@ -267,6 +272,7 @@ def _kernel_coefficients(
     norm_weight: Tensor | None = None,
     norm_eps: float | None = None,
     layer_input: Tensor | None = None,
+    owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One launch of the coefficients kernel (inline when `layer_input` is given); the args are checked."""
     rows, hc, hidden = residual.shape
@@ -286,7 +292,7 @@ def _kernel_coefficients(
         post_mult=params.post_mult,
         sinkhorn_repeat=params.sinkhorn_repeat,
         broadcast=x is not None,
-        workspace=prepare_workspace(hidden, rows, dev),
+        workspace=prepare_workspace(hidden, rows, dev, owner),
         post_out=post,
         comb_out=comb,
         pre_out=pre,

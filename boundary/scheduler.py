@@ -180,6 +180,14 @@ class Boundaries:
         self.custom_ops = checks.flag("custom_ops", custom_ops)
         # The mHC ops follow the boundary's path: torch ops beside the reference, kernels otherwise.
         self.backend = "reference" if all_reduce.path == "reference" else "kernel"
+        # Simulated ranks run their steps at once on one GPU: each rank's coefficients need a workspace of its own,
+        # which the custom ops (no rank in their schema) cannot name.
+        self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
+        if self.custom_ops and all_reduce.simulated_ranks:
+            raise ValueError(
+                "custom_ops=True cannot drive simulated ranks: their coefficients would share one workspace on the "
+                "GPU while the ranks run at once; use custom_ops=False"
+            )
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; input = RMSNorm(stream 0)."""
@@ -371,8 +379,11 @@ class Boundaries:
                     stream=stream,
                     layer_input=layer_input,
                     backend=self.backend,
+                    workspace_owner=self._owner,
                 )
-            return mhc.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=self.backend)
+            return mhc.pre_delayed(
+                residual, params, pre_mix, x, norm_weight, norm_eps, backend=self.backend, workspace_owner=self._owner
+            )
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, {"pre_mix": "state.pre"})

@@ -43,7 +43,8 @@ def test_the_host_part_times_every_calling_form() -> None:
 
 
 def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
-    args: argparse.Namespace = parse_args(["--step-hidden", "512", "--step-rows", "1", "3", "--step-layers", "2"])
+    argv = ["--step-hidden", "512", "--step-rows", "1", "3", "--step-layers", "2", "--step-tp", "1"]
+    args: argparse.Namespace = parse_args(argv)
     args.no_compile = True
     timer = OnceTimer()
     rows = step.bench_step(args, timer)  # type: ignore[arg-type]
@@ -51,7 +52,12 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     assert timer.calls == 2 * 4  # side streams, inline, eager chain, the toy sublayers
     assert all(r["boundaries"] == 2 * 2 + 1 + 1 for r in rows)  # 2 layers, the Engram seam on layer 1, the final
     step.print_step(rows)
-    assert "decode step, TP 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "TP > 1: SIMULATED ranks on one GPU" in printed
+    assert [line.split()[:4] for line in printed.splitlines() if line.startswith("  512")] == [
+        ["512", "1", "2", "1"],
+        ["512", "1", "2", "3"],
+    ]
 
 
 def test_the_compiled_step_baseline_traces_the_reference_chain() -> None:
@@ -66,3 +72,28 @@ def test_the_compiled_step_baseline_traces_the_reference_chain() -> None:
     # Inductor fuses the chain's fp32 math and rounds its own way: a baseline, held to the eager chain's result
     # within a few bf16 ulps of the largest output (measured 0.5 %), not bit for bit.
     assert compare(compiled(), eager())["max_rel"] < 0.02
+
+
+def test_the_simulated_baseline_sums_every_ranks_partial_in_rank_order() -> None:
+    """The multi-rank baseline's sublayers: every rank's fixed partial summed in fp32 in rank order, one bf16 rounding
+    (the MoE partials finalized first), the exchange of CONTRACT §2 step 1."""
+    from boundary import reference
+    from boundary.toy import ToyConfig, ToyModel
+
+    config = ToyConfig(hidden_size=512, num_layers=2, vocab=64)
+    free = [step.boundaries_only(ToyModel(config, rank=r, world_size=4), 3) for r in range(4)]
+    summed = step.summed_sublayers(free)
+    layer, x = free[0].layers[1], torch.zeros(3, 512, dtype=torch.bfloat16)
+    parts = [m.attention(m.layers[1], x) for m in free]
+    want = ((parts[0].float() + parts[1].float()) + parts[2].float()) + parts[3].float()
+    assert torch.equal(summed.attention(layer, x).view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    moe = [m.moe(m.layers[1], x) for m in free]
+    finalized = [
+        reference.moe_finalize(
+            o.routed.gemm2_permuted, o.routed.expert_weights, o.routed.expanded_idx_to_permuted_idx, o.shared_output
+        ).float()
+        for o in moe
+    ]
+    want = ((finalized[0] + finalized[1]) + finalized[2]) + finalized[3]
+    assert torch.equal(summed.moe(layer, x).view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    assert not torch.equal(parts[0], parts[1]), "the ranks' partials differ (each rank holds its own shard)"

@@ -249,3 +249,47 @@ def test_toy_decode_step_captures_in_a_cuda_graph_with_side_streams() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert compare(captured, decode_step(model, boundaries, tokens, step))["bitwise"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_ranks_run_whole_decode_steps_at_once_in_a_cuda_graph(world: int) -> None:
+    """W simulated ranks each run the toy step (coefficients on side streams) at once on one GPU, captured in one
+    graph and replayed: every rank gets the same bits (each has a coefficients workspace of its own; a shared one
+    raced), and they track the plain chain after the rank-order sum of every rank's partials."""
+    from bench.step import summed_sublayers
+
+    rows = 4
+    config = ToyConfig(hidden_size=H, num_layers=3)
+    ranks = BoundaryAllReduce.simulated(H, world, max_rows=8, device="cuda")
+    ranks[0].warmup(progress=False, quantize=("mxfp8",))
+    models = [ToyModel(config, rank=r, world_size=world, device="cuda") for r in range(world)]
+    boundaries = [Boundaries(ar) for ar in ranks]
+    step = DecodeStep(rows=rows, side_stream=True)
+    static = random_tokens(models[0], rows, 0).clone()
+
+    def every_rank() -> list:
+        calls = [lambda ar: decode_step(models[ar.rank], boundaries[ar.rank], static, step)] * world
+        return BoundaryAllReduce.run_simulated(ranks, calls)
+
+    every_rank()  # the first call sizes each rank's coefficients workspace, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = every_rank()
+    reference_b = Boundaries(BoundaryAllReduce(H, max_rows=8, device="cuda", backend="reference"))
+    for index in range(1, 4):
+        static.copy_(random_tokens(models[0], rows, index))
+        graph.replay()
+        torch.cuda.synchronize()
+        for r in range(1, world):
+            assert compare(outs[r], outs[0])["bitwise"], (index, r)
+        plain = decode_step(summed_sublayers(models), reference_b, static, DecodeStep(rows=rows, side_stream=False))
+        assert compare(outs[0], plain)["max_rel"] < 5e-2, index
+    for ar in ranks:
+        ar.check()
+
+
+def test_custom_ops_refuse_simulated_ranks() -> None:
+    ranks = BoundaryAllReduce.simulated(H, 2, max_rows=8, device="cuda")
+    with pytest.raises(ValueError, match="^custom_ops=True cannot drive simulated ranks"):
+        Boundaries(ranks[0], custom_ops=True)
