@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from bench import chains
 from bench.timing import GraphTimer, host_us_per_call
-from boundary import BoundaryAllReduce, Fp8GroupActivation, QuantizedActivation
+from boundary import BoundaryAllReduce, Fp8GroupActivation, QuantizedActivation, reference
 from boundary.reference import FP8_GROUP, fp8_group_scale_rows, mxfp8_scale_bytes
 from boundary.types import FP8_GROUP_QUANT_KEY, MXFP8_QUANT_KEY
 from cute_kernels import coefficients as ck
@@ -133,6 +133,17 @@ def public_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], quant: str 
     return lambda: ar(*args, mx if quant == "mxfp8" else None, fp8_out=fp8 if quant == "fp8_1x128" else None)
 
 
+def post_only_then_norm_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]):
+    """A closure running what `Boundaries.final` replaces (CONTRACT §4c): the residual-only boundary (public call),
+    then the collapse and the final RMSNorm as torch ops."""
+
+    def call() -> torch.Tensor:
+        new, _ = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], None, None, 0.0, None)
+        return reference.rms_norm(reference.collapse(new, inp["pre"]), inp["norm_weight"], 1e-20)
+
+    return call
+
+
 def chain_call(fn: Any, inp: dict[str, torch.Tensor]):
     """A closure running an unfused chain on one input set."""
     return lambda: fn(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20)
@@ -155,6 +166,9 @@ def bench_boundary(args: argparse.Namespace, arch: str, timer: GraphTimer, copy_
             row[f"api{suffix}_us"] = timer.per_call_us([public_call(ar, s, quant) for s in sets])
             row[f"adds{suffix}_us_at_copy"] = quantized_bytes(rows, hidden, quant) / copy_bw * 1e6
         row["fused_latency_us"] = timer.per_call_us([fused_call(sets[0], arch, None)])
+        # Boundaries.final is the public call with the final norm's weight (api_us); what it replaces:
+        row["post_only_collapse_norm_us"] = timer.per_call_us([post_only_then_norm_call(ar, s) for s in sets])
+        row["final_gain"] = row["post_only_collapse_norm_us"] / row["api_us"]
         row["eager_chain_us"] = timer.per_call_us([chain_call(chains.boundary_chain, s) for s in sets])
         if compiled_chain is not None:
             row["compile_chain_us"] = timer.per_call_us([chain_call(compiled_chain, s) for s in sets])
@@ -315,6 +329,12 @@ def print_boundary(rows: list[dict], copy_bw: float) -> None:
             f"{r['fused_fp8_1x128_us']:7.2f} {r['fused_latency_us']:7.2f} | {r['api_us']:7.2f} {r['api_mxfp8_us']:7.2f} "
             f"{r['api_fp8_1x128_us']:7.2f} | {r['eager_chain_us']:7.2f} {comp:8.2f} | {r['eager_ratio']:7.1f} "
             f"{ratio:7.1f} | {r['fused_GBps']:6.0f} {r['fused_pct_copy']:6.1f} | {r['host_fused_us']:7.1f}"
+        )
+    print("final boundary (one launch: the public call with the final norm) against post_only + collapse + norm")
+    for r in rows:
+        print(
+            f"  H {r['H']:>5} rows {r['rows']:>4}: {r['api_us']:6.2f} us against {r['post_only_collapse_norm_us']:6.2f} us"
+            f" ({r['final_gain']:.2f}x)"
         )
     print("FP8 1x128 against bf16 only (fused): us added, and the bytes it adds at copy bandwidth")
     for r in rows:

@@ -97,3 +97,14 @@ def test_the_simulated_baseline_sums_every_ranks_partial_in_rank_order() -> None
     want = ((finalized[0] + finalized[1]) + finalized[2]) + finalized[3]
     assert torch.equal(summed.moe(layer, x).view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
     assert not torch.equal(parts[0], parts[1]), "the ranks' partials differ (each rank holds its own shard)"
+
+
+def test_the_final_boundarys_baseline_computes_what_final_computes() -> None:
+    """bench's post_only + collapse + norm (what Boundaries.final replaces) gives final's h: the same work."""
+    from bench.kernels import post_only_then_norm_call
+    from boundary import BoundaryAllReduce
+
+    inp = boundary_inputs(3, 512, CPU, seed=1)
+    ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
+    _, h = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20, None)
+    assert torch.equal(post_only_then_norm_call(ar, inp)().view(torch.int16), h.view(torch.int16))
