@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168], help="hidden sizes of the decode step")
     p.add_argument("--step-layers", type=int, default=4, help="layers of the toy decode step (Engram on layer 1)")
     p.add_argument(
+        "--tilelang-json",
+        type=Path,
+        help="the TileLang step baseline's rows (python -m bench.tilelang_step, run in its own process): a step column",
+    )
+    p.add_argument(
         "--step-tp", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8], help="TP sizes of the step"
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,16 @@ def on_streams(streams: list[torch.cuda.Stream], calls: list[Callable[[], object
         main.wait_stream(stream)
 
 
+def add_tilelang(rows: list[dict], tilelang: list[dict]) -> None:
+    """The TileLang step's µs (bench.tilelang_step, same GPU, its own process) beside the TP 1 rows it matches."""
+    by_shape = {(t["H"], t["rows"]): t for t in tilelang}
+    for row in rows:
+        match = by_shape.get((row["H"], row["rows"]))
+        if match is not None and row["tp"] == 1:
+            row["tilelang_us"] = match["tilelang_step_us"]
+            row["x_tilelang"] = match["tilelang_step_us"] / row["ours_us"]
+
+
 def boundaries_per_step(config: ToyConfig) -> int:
     """Boundaries (post + coefficients + collapse + norm) in a step: two per layer, the Engram seams, the final one."""
     return 2 * config.num_layers + len([i for i in config.engram_layers if 0 < i < config.num_layers]) + 1
@@ -135,6 +146,8 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
                 row[f"x_{key}"] = row[f"{key}_us"] / row["ours_us"]
         row["per_boundary_us"] = row["ours_us"] / n
         out.append(row)
+    if args.tilelang_json is not None:
+        add_tilelang(out, json.loads(args.tilelang_json.read_text())["rows"])
     simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
     for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
         out += bench_step_simulated(args, timer, hidden, world)
@@ -200,21 +213,23 @@ def print_step(rows: list[dict]) -> None:
     )
     head = (
         f"{'H':>5} {'TP':>2} {'L':>2} {'rows':>4} | {'side':>7} {'inline':>7} {'/bnd':>5} | {'eager':>8} "
-        f"{'compile':>8} | {'x eager':>7} {'x comp':>6} | {'toy step':>8} {'share':>5}"
+        f"{'compile':>8} {'TileLang':>8} | {'x eager':>7} {'x comp':>6} {'x TL':>5} | {'toy step':>8} {'share':>5}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['H']:>5} {r['tp']:>2} {r['layers']:>2} {r['rows']:>4} | {r['overlap_us']:7.1f} {r['inline_us']:7.1f} "
-            f"{r['per_boundary_us']:5.2f} | {r['eager_us']:8.1f} {r.get('compile_us', float('nan')):8.1f} | "
-            f"{r['x_eager']:7.1f} {r.get('x_compile', float('nan')):6.1f} | {r['toy_step_us']:8.1f} "
+            f"{r['per_boundary_us']:5.2f} | {r['eager_us']:8.1f} {r.get('compile_us', float('nan')):8.1f} "
+            f"{r.get('tilelang_us', float('nan')):8.1f} | {r['x_eager']:7.1f} {r.get('x_compile', float('nan')):6.1f} "
+            f"{r.get('x_tilelang', float('nan')):5.1f} | {r['toy_step_us']:8.1f} "
             f"{100 * r['boundary_share']:4.0f}%"
         )
     print(
         "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (post, coefficients, "
         "collapse, norm); share: the boundaries-only step over the step with the toy's sublayers (cheap stand-ins, so "
-        "an upper bound); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams"
+        "an upper bound); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams; "
+        "TileLang (bench.tilelang_step, TP 1, its own process): post + TF32 projection + pre + RMSNorm per boundary"
     )
 
 

@@ -108,3 +108,17 @@ def test_the_final_boundarys_baseline_computes_what_final_computes() -> None:
     ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
     _, h = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20, None)
     assert torch.equal(post_only_then_norm_call(ar, inp)().view(torch.int16), h.view(torch.int16))
+
+
+def test_the_tilelang_step_rows_join_the_tp1_rows_by_shape() -> None:
+    rows = [{"H": 5120, "rows": 1, "tp": 1, "ours_us": 10.0}, {"H": 5120, "rows": 1, "tp": 2, "ours_us": 20.0}]
+    step.add_tilelang(rows, [{"H": 5120, "rows": 1, "tilelang_step_us": 35.0}, {"H": 7168, "rows": 1}])
+    assert rows[0]["x_tilelang"] == 3.5 and "tilelang_us" not in rows[1]
+
+
+def test_the_tilelang_step_says_when_tile_kernels_is_missing(tmp_path, capsys) -> None:
+    from bench import tilelang_step
+
+    assert tilelang_step.main(["--out", str(tmp_path / "t.json")]) == 1
+    assert "nothing was measured" in capsys.readouterr().out
+    assert not (tmp_path / "t.json").exists()

@@ -1,0 +1,111 @@
+"""DeepSeek's TileLang mHC kernels (tile-kernels: the path vLLM runs on SM90) as the decode-step baseline (#30), in a
+process of their own (their tvm-ffi differs from CuTe DSL's): per boundary `mhc_post_fwd`, the projection as a torch
+TF32 matmul with the rows' sums of squares (vLLM runs DeepGEMM there), `mhc_pre_big_fuse_fwd` (post, comb and the
+collapse with the row's own pre), and torch's RMSNorm of the layer input (the model's attention / FFN norm, which the
+fused boundary includes). A step is as many boundaries as the toy step's boundaries-only model has (bench.step), on
+fixed inputs, in one CUDA graph per row count, timed as bench's GraphTimer times ours. TP 1 only.
+
+    PYTHONPATH=/tmp/tl:. python3 -m bench.tilelang_step --out tilelang.json
+    python -m bench --parts step --tilelang-json tilelang.json      (in the CuTe DSL process: the step table's column)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.timing import GraphTimer
+
+HC = 4
+EPS = dict(rms_eps=1e-20, mhc_pre_eps=1e-6, mhc_sinkhorn_eps=1e-6, mhc_post_mult_value=2.0, sinkhorn_repeat=20)
+
+
+def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """One boundary's inputs (the partial, the streams, the carried mixes, the projection's weights) and outputs."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return dict(
+        x=torch.randn(1, rows, hidden, generator=g, device=device).to(torch.bfloat16),
+        residual=torch.randn(1, rows, HC, hidden, generator=g, device=device).to(torch.bfloat16),
+        post=torch.rand(1, rows, HC, 1, generator=g, device=device) * 2,
+        comb=torch.softmax(torch.randn(1, rows, HC, HC, generator=g, device=device), -1),
+        fn=torch.randn(HC * (2 + HC), HC * hidden, generator=g, device=device) * 1e-2,
+        scale=torch.full((3,), 0.5, device=device),
+        base=torch.randn(HC * (2 + HC), generator=g, device=device) * 0.5,
+        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16),
+        new_residual=torch.empty(1, rows, HC, hidden, dtype=torch.bfloat16, device=device),
+        post_out=torch.empty(rows, HC, device=device),
+        comb_out=torch.empty(rows, HC * HC, device=device),
+        layer_input=torch.empty(rows, hidden, dtype=torch.bfloat16, device=device),
+    )
+
+
+def tilelang_boundary(inp: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One boundary on TileLang's kernels: post, projection, pre (mixes and collapse), then the RMSNorm."""
+    from tile_kernels.mhc import mhc_post_fwd, mhc_pre_big_fuse_fwd
+
+    new = mhc_post_fwd(inp["x"], inp["residual"], inp["post"], inp["comb"], out=inp["new_residual"])
+    flat = new.view(-1, HC * new.shape[-1])
+    mul = (flat.float() @ inp["fn"].t()).unsqueeze(0)  # TF32 when allowed (main sets it)
+    sqrsum = flat.float().square().sum(-1).unsqueeze(0)
+    mhc_pre_big_fuse_fwd(
+        mul,
+        sqrsum,
+        inp["scale"],
+        inp["base"],
+        new.view(-1, HC, new.shape[-1]),
+        inp["post_out"],
+        inp["comb_out"],
+        inp["layer_input"],
+        n_splits=1,
+        **EPS,
+    )
+    return torch.nn.functional.rms_norm(inp["layer_input"], (new.shape[-1],), inp["norm_weight"], 1e-20)
+
+
+def step_call(hidden: int, rows: int, boundaries: int, device: torch.device) -> Any:
+    """A step of `boundaries` TileLang boundaries, each on its own fixed inputs."""
+    sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(boundaries)]
+    return lambda: [tilelang_boundary(inp) for inp in sets]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time the TileLang step at each hidden size and row count; write the rows as JSON."""
+    p = argparse.ArgumentParser(prog="python -m bench.tilelang_step", description=__doc__.splitlines()[0])
+    p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168])
+    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
+    p.add_argument("--step-layers", type=int, default=4, help="the toy step's layers (Engram on layer 1)")
+    p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        import tile_kernels.mhc  # noqa: F401
+    except ImportError as exc:
+        print(f"bench.tilelang_step: tile-kernels is not importable here ({exc}); nothing was measured")
+        return 1
+    if not torch.cuda.is_available():
+        print("bench.tilelang_step: no CUDA GPU; nothing was measured")
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = GraphTimer(device, replays=args.replays)
+    boundaries = 2 * args.step_layers + 2  # as bench.step.boundaries_per_step: 2 per layer, the Engram seam, final
+    rows_out = []
+    plan = [(h, r) for h in args.step_hidden for r in sorted(args.step_rows)]
+    for hidden, rows in tqdm(plan, desc="TileLang step", unit="shape"):
+        us = timer.per_call_us([step_call(hidden, rows, boundaries, device)])
+        rows_out.append({"H": hidden, "rows": rows, "boundaries": boundaries, "tilelang_step_us": us})
+    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows_out}, indent=1))
+    for r in rows_out:
+        print(f"H {r['H']:>5} rows {r['rows']:>4}: {r['tilelang_step_us']:8.1f} us per step ({boundaries} boundaries)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
