@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from bench.timing import GraphTimer
 
@@ -97,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     boundaries = 2 * args.step_layers + 2  # as bench.step.boundaries_per_step: 2 per layer, the Engram seam, final
     rows_out = []
     plan = [(h, r) for h in args.step_hidden for r in sorted(args.step_rows)]
-    for hidden, rows in tqdm(plan, desc="TileLang step", unit="shape"):
+    for k, (hidden, rows) in enumerate(plan):  # plain progress lines: the TileLang bundle may lack tqdm
+        print(f"TileLang step {k + 1}/{len(plan)}: H {hidden}, {rows} rows", file=sys.stderr, flush=True)
         us = timer.per_call_us([step_call(hidden, rows, boundaries, device)])
         rows_out.append({"H": hidden, "rows": rows, "boundaries": boundaries, "tilelang_step_us": us})
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows_out}, indent=1))
