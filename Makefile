@@ -39,9 +39,10 @@ gpu-test: $(DEPS)
 bench: $(DEPS)
 	$(PYTHON) -m bench
 
+# Nsight Compute on every shipped kernel (profiles/profile_all.py; needs ncu and a CUDA GPU), at H=7168 and rows
+# 16 and 512 unless given, e.g. make profile H=5120 ROWS="1 64"; `$(PYTHON) profiles/profile_all.py --list` shows the plan.
 profile: $(DEPS)
-	PYTHON=$(PYTHON) bash profiles/ncu_boundary.sh
-	PYTHON=$(PYTHON) bash profiles/ncu_coefficients.sh
+	$(PYTHON) profiles/profile_all.py $(if $(H),--hidden $(H)) $(if $(ROWS),--rows $(ROWS))
 
 lint: $(DEPS)
 	$(PYTHON) -m ruff check boundary cute_kernels tests bench

@@ -1,72 +1,256 @@
-"""Launches one kernel a few times for a profiler: warm-up calls, then one call between profiler start and stop.
+"""Launches one shipped kernel for a profiler: warm-up calls, then one call between profiler start and stop.
 
-python profiles/run_kernel.py --kernel boundary --hidden 7168 --rows 16 [--mxfp8]
-python profiles/run_kernel.py --kernel coefficients --hidden 7168 --rows 512 [--variant broadcast|inline]
+The kernel is compiled, loaded and warmed up before cudaProfilerStart, and only the profiled call lies between
+cudaProfilerStart and cudaProfilerStop (`profiles/profile_all.py` runs this under Nsight Compute for `make profile`).
+
+python profiles/run_kernel.py --kernel boundary --variant bf16|mxfp8|fp8|aux|moe|residual --hidden 7168 --rows 16
+python profiles/run_kernel.py --kernel final --rows 16          (Boundaries.final on the kernel path)
+python profiles/run_kernel.py --kernel coefficients --variant standard|inline|broadcast --rows 512
     [--knobs rows_per_tile=64 push_vec=True]   (CoefficientsConfig fields over the default config)
+python profiles/run_kernel.py --kernel layer_input --rows 16    (the layer-input-only kernel)
+python profiles/run_kernel.py --kernel peer --world 4 --protocol oneshot|twoshot --rows 16
+    (SIMULATED ranks: W BoundaryAllReduce ranks on one GPU, every rank's call in the profiled region; profile it
+    with ncu --replay-mode app-range, since kernel replay would run each rank alone and its exchange would wait)
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import boundary_inputs, coefficient_inputs, coefficients_call, fused_call  # noqa: E402
-from cute_kernels.coefficients import CoefficientsConfig, coefficients_config  # noqa: E402
-from cute_kernels.compile import arch_for_device  # noqa: E402
+from cute_kernels.allreduce.protocol import PEER_WORLD_SIZES, PROTOCOLS  # noqa: E402  (constants: no torch)
+
+BOUNDARY_VARIANTS = ("bf16", "mxfp8", "fp8", "aux", "moe", "residual")
+COEFFICIENT_VARIANTS = ("standard", "inline", "broadcast")
+VARIANTS = {"boundary": BOUNDARY_VARIANTS, "coefficients": COEFFICIENT_VARIANTS}
+KERNELS = ("boundary", "final", "coefficients", "layer_input", "peer")
+QUANT = {"bf16": None, "mxfp8": "mxfp8", "fp8": "fp8_1x128"}  # bench.kernels.fused_call's layer-input forms
+EPS = 1e-6
+MOE_TOP_K = 8  # experts per token of the MoE variant (DeepSeek-V3's)
+PEER_TIMEOUT_US = 2_000_000  # a simulated rank that waits this long reports its peers missing (then this fails)
+
+Call = Callable[[], object]
 
 
 def knob(text: str) -> tuple[str, object]:
-    """One `field=value` of --knobs: the value as a Python literal, else as a string."""
+    """One `field=value` of --knobs: the value as a Python literal, else as a string (the field is checked later)."""
     field, sep, value = text.partition("=")
-    if not sep or field not in CoefficientsConfig.__dataclass_fields__:
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with a CoefficientsConfig field, got {text!r}")
+    if not sep or not field:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
     try:
         return field, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return field, value
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the options that apply to one kernel only checked against --kernel."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", choices=("boundary", "coefficients"), required=True)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--mxfp8", action="store_true", help="boundary: also write the MXFP8 layer input")
-    p.add_argument("--variant", choices=("standard", "broadcast", "inline"), default="standard")
+    p.add_argument("--kernel", choices=KERNELS, required=True)
+    p.add_argument(
+        "--variant", help=f"boundary: one of {BOUNDARY_VARIANTS}; coefficients: one of {COEFFICIENT_VARIANTS}"
+    )
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size H (default 7168)")
+    p.add_argument("--rows", type=int, default=16, help="rows of the call (default 16)")
     p.add_argument("--calls", type=int, default=3, help="warm-up calls before the profiled one")
     p.add_argument("--knobs", type=knob, nargs="*", default=[], help="coefficients: config fields, e.g. push_vec=True")
-    args = p.parse_args()
+    p.add_argument("--world", type=int, choices=PEER_WORLD_SIZES, help="peer: simulated ranks (W), 4 unless given")
+    p.add_argument("--protocol", choices=PROTOCOLS, help="peer: the exchange every call is forced to take")
+    args = p.parse_args(argv)
+    if args.kernel in VARIANTS:
+        args.variant = args.variant or VARIANTS[args.kernel][0]
+        if args.variant not in VARIANTS[args.kernel]:
+            p.error(f"--variant of --kernel {args.kernel} must be one of {VARIANTS[args.kernel]}, got {args.variant!r}")
+    elif args.variant is not None:
+        p.error(f"--variant applies to --kernel {' or '.join(VARIANTS)} only")
     if args.knobs and args.kernel != "coefficients":
         p.error("--knobs applies to --kernel coefficients only")
-    device = torch.device("cuda", torch.cuda.current_device())
-    arch = arch_for_device(device)
-    if args.kernel == "boundary":
-        call = fused_call(boundary_inputs(args.rows, args.hidden, device, 0), arch, "mxfp8" if args.mxfp8 else None)
+    if args.kernel != "peer":
+        if args.protocol is not None or args.world is not None:
+            p.error("--world and --protocol apply to --kernel peer only")
+    elif args.protocol is None:
+        p.error(f"--kernel peer needs --protocol ({' or '.join(PROTOCOLS)})")
     else:
-        config = None
-        if args.knobs:
-            broadcast = args.variant == "broadcast"
-            inline = args.variant == "inline"
-            config = replace(
-                coefficients_config(args.hidden, broadcast, args.rows, inline, arch=arch), **dict(args.knobs)
-            )
-        inp = coefficient_inputs(args.rows, args.hidden, device, 0)
-        call = coefficients_call(inp, arch, args.variant, config)
-    for _ in range(args.calls):
+        args.world = 4 if args.world is None else args.world
+    return args
+
+
+def boundary_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -> Call:
+    """The one-rank fused boundary's entry (no host checks) in one variant: bf16 only, +MXFP8, +FP8 1x128 (fp32
+    scales), +aux, the MoE finalize (top-8 combine of gemm2_permuted plus the shared expert), or residual-only."""
+    import torch
+
+    from bench.kernels import boundary_inputs, fused_call
+    from cute_kernels.allreduce.protocol import ERROR_WORDS
+    from cute_kernels.boundary import api
+
+    inp = boundary_inputs(rows, hidden, device, 0)
+    if variant in QUANT:
+        return fused_call(inp, arch, QUANT[variant])
+    kwargs: dict[str, Any] = dict(
+        residual=inp["residual"],
+        post=inp["post"],
+        comb=inp["comb"],
+        pre=inp["pre"],
+        norm_weight=inp["norm_weight"],
+        norm_eps=EPS,
+        x=inp["x"],
+        new_residual=inp["new_residual"],
+        out=inp["out"],
+        arch=arch,
+    )
+    if variant == "aux":
+        kwargs["aux"] = torch.empty_like(inp["x"])
+    elif variant == "residual":
+        kwargs.update(pre=None, norm_weight=None, out=None)
+    else:  # moe
+        g = torch.Generator(device=device).manual_seed(1)
+        permuted = rows * MOE_TOP_K
+        gemm2 = torch.randn(permuted, hidden, generator=g, device=device).to(torch.bfloat16)
+        weights = torch.rand(rows, MOE_TOP_K, generator=g, device=device) / MOE_TOP_K
+        idx = torch.randperm(permuted, generator=g, device=device).view(rows, MOE_TOP_K).to(torch.int32)
+        kwargs.update(
+            x=None,
+            moe=(gemm2, weights, idx),
+            shared=torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16),
+            error=torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device),
+        )
+    return lambda: api.fused_boundary(**kwargs)
+
+
+def final_call(rows: int, hidden: int, device: Any) -> Call:
+    """Boundaries.final on a W = 1 BoundaryAllReduce (the kernel path): the fused boundary with the final norm."""
+    from bench.kernels import boundary_inputs
+    from boundary import Boundaries, BoundaryAllReduce, BoundaryState
+
+    inp = boundary_inputs(rows, hidden, device, 0)
+    ar = BoundaryAllReduce(hidden, max_rows=rows, device=device)
+    if ar.path != "kernel":
+        raise SystemExit(f"run_kernel: the W = 1 BoundaryAllReduce took the {ar.path!r} path, not 'kernel'")
+    boundaries = Boundaries(ar)
+    state = BoundaryState(inp["residual"], inp["post"], inp["comb"], inp["pre"])
+
+    def call() -> None:
+        state.pending = inp["x"]  # final consumes it
+        boundaries.final(state, inp["norm_weight"], EPS)
+
+    return call
+
+
+def coefficients_call(
+    variant: str, knobs: list[tuple[str, object]], rows: int, hidden: int, device: Any, arch: str
+) -> Call:
+    """The coefficients kernel (one launch, or two with schedule "partials"): the standard projection, the inline
+    form (with the layer input) or the broadcast form (first layer), on the shipped config unless `knobs`."""
+    from dataclasses import replace
+
+    from bench.kernels import coefficient_inputs
+    from bench.kernels import coefficients_call as bench_call
+    from cute_kernels.coefficients import CoefficientsConfig, coefficients_config
+
+    config = None
+    if knobs:
+        unknown = [field for field, _ in knobs if field not in CoefficientsConfig.__dataclass_fields__]
+        if unknown:
+            raise SystemExit(f"run_kernel: --knobs {unknown} are not CoefficientsConfig fields")
+        default = coefficients_config(hidden, variant == "broadcast", rows, variant == "inline", arch=arch)
+        config = replace(default, **dict(knobs))
+    return bench_call(coefficient_inputs(rows, hidden, device, 0), arch, variant, config)
+
+
+def layer_input_call(rows: int, hidden: int, device: Any, arch: str) -> Call:
+    """The layer-input-only kernel (first layer, Engram seams): RMSNorm of the carried pre-mix collapse."""
+    from bench.kernels import coefficient_inputs
+    from cute_kernels.coefficients import mhc_layer_input
+
+    inp = coefficient_inputs(rows, hidden, device, 0)
+    return lambda: mhc_layer_input(
+        inp["streams"], inp["pre_mix"], inp["norm_weight"], EPS, inp["layer_input"], arch=arch
+    )
+
+
+def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, arch: str) -> tuple[Call, list]:
+    """SIMULATED: W ranks of BoundaryAllReduce.simulated on this GPU, every call forced to `protocol`, each rank's
+    kernel compiled and loaded first; the call issues every rank's boundary (run_simulated). Also the ranks."""
+    from bench.kernels import boundary_inputs
+    from boundary import BoundaryAllReduce
+    from cute_kernels.boundary import api
+    from cute_kernels.compile import warmup
+
+    ranks = BoundaryAllReduce.simulated(
+        hidden, world, max_rows=rows, device=device, timeout_us=PEER_TIMEOUT_US, protocol=protocol
+    )
+    jobs = api.warmup_jobs(
+        hidden,
+        arch=arch,
+        world_size=world,
+        ranks_per_device=ranks[0].workspace.ranks_per_device,
+        variants=[api.BoundaryVariant()],
+        protocols=(protocol,),
+    )
+    warmup(jobs, progress=False, desc="peer boundary kernels", device=device)
+    sets = [boundary_inputs(rows, hidden, device, rank) for rank in range(world)]
+    calls = [
+        lambda ar, s=s: ar(s["x"], s["residual"], s["post"], s["comb"], s["pre"], s["norm_weight"], EPS, None)
+        for s in sets
+    ]
+    return lambda: BoundaryAllReduce.run_simulated(ranks, calls), ranks
+
+
+def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]:
+    """The closure of the profiled call, and the simulated ranks (none unless --kernel peer)."""
+    if args.kernel == "boundary":
+        return boundary_call(args.variant, args.rows, args.hidden, device, arch), []
+    if args.kernel == "final":
+        return final_call(args.rows, args.hidden, device), []
+    if args.kernel == "coefficients":
+        return coefficients_call(args.variant, args.knobs, args.rows, args.hidden, device, arch), []
+    if args.kernel == "layer_input":
+        return layer_input_call(args.rows, args.hidden, device, arch), []
+    return peer_call(args.world, args.protocol, args.rows, args.hidden, device, arch)
+
+
+def label(args: argparse.Namespace) -> str:
+    """What was profiled, in words."""
+    what = args.kernel + (f" {args.variant}" if args.variant else "")
+    if args.kernel == "peer":
+        what += f" SIMULATED W={args.world} {args.protocol}"
+    return f"{what} H={args.hidden} rows={args.rows}" + (f" knobs={dict(args.knobs)}" if args.knobs else "")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.kernel == "peer":
+        # Simulated ranks share one CUDA context: every kernel must be loaded before a boundary spins, so CUDA loads
+        # modules eagerly (CONTRACT §7). Set before torch initialises CUDA; $CUDA_MODULE_LOADING wins.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    import torch
+
+    from cute_kernels.compile import arch_for_device
+
+    if not torch.cuda.is_available():
+        raise SystemExit("run_kernel: no CUDA GPU here")
+    device = torch.device("cuda", torch.cuda.current_device())
+    call, ranks = build(args, device, arch_for_device(device))
+    for _ in range(args.calls):  # compile, load, allocate
         call()
     torch.cuda.synchronize()
+    for ar in ranks:
+        ar.check()  # raises if a warm-up exchange timed out
     torch.cuda.profiler.start()
     call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"profiled one {args.kernel} call: H={args.hidden} rows={args.rows} knobs={dict(args.knobs)}")
+    for ar in ranks:
+        ar.check()  # a timed-out exchange would have profiled a spin, not the boundary
+    print(f"profiled one call: {label(args)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Warp-stall samples and executed instructions by stall reason and by opcode, from the per-SASS table
-that `profiles/ncu_*.sh` writes (`ncu --page source --csv --print-source sass`):
-`python profiles/sass_stalls.py profiles/reports/<gpu>-coefficients-standard-H7168-rows512-sass.csv`."""
+"""Warp-stall samples and executed instructions by stall reason and by opcode, from the per-SASS table of an
+Nsight Compute report (`make profile` keeps one per run under profiles/reports/):
+`ncu --import profiles/reports/<gpu>-coefficients-standard-H7168-rows512.ncu-rep --page source --csv
+--print-source sass > sass.csv`, then `python profiles/sass_stalls.py sass.csv`."""
 
 from __future__ import annotations
 

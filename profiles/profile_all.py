@@ -1,0 +1,602 @@
+"""`make profile`: Nsight Compute on every shipped kernel at a small and a large row count, with a short summary each.
+
+For each kernel of the plan (`--list` prints it) and each row count this runs `ncu --clock-control none
+--profile-from-start off --set full` on profiles/run_kernel.py (which compiles and warms the kernel up, then makes
+one call between cudaProfilerStart and Stop), keeps the report as profiles/reports/<gpu>-<kernel>-H<h>-rows<r>.ncu-rep
+(git-ignored), reads it back (`ncu --import ... --csv --page raw --print-units base`) and writes
+profiles/<gpu>-<kernel>-H<h>-rows<r>.txt: per launch the time, the achieved DRAM bandwidth, its share of the
+device-to-device copy bandwidth measured at the start of the same run, the achieved occupancy and the top three
+warp-stall reasons; then one table of every run, profiles/<gpu>-summary.md. Clocks are left alone, as in the benchmark.
+
+The multi-rank boundary is SIMULATED: W ranks of BoundaryAllReduce.simulated on one GPU, sharing its SMs and HBM
+(never NVLink). Kernel replay serialises launches, so a rank profiled alone would wait for peers that never run: these
+runs take application range replay, and their numbers are those of the whole range, every rank's launch together.
+
+  python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
+  python profiles/profile_all.py --list        the plan (no GPU needed)
+  python profiles/profile_all.py --self-test   the report parsing on an embedded sample (no GPU needed)
+
+A report's warp stalls per SASS line and opcode: `ncu --import REPORT --page source --csv --print-source sass > x.csv`,
+then `python profiles/sass_stalls.py x.csv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# profiles/ (this script's folder) is on sys.path; run_kernel puts the repository root there too (bench, cute_kernels)
+from run_kernel import BOUNDARY_VARIANTS, COEFFICIENT_VARIANTS, PEER_WORLD_SIZES, PROTOCOLS
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ROOT / "profiles"
+REPORTS = PROFILES / "reports"
+RUN_TIMEOUT_S = 1800  # one ncu run; the simulated ranks' range replay reruns the program once per pass
+
+NCU_COMMON = ("--clock-control", "none", "--profile-from-start", "off")
+KERNEL_REPLAY = ("--set", "full")
+# Range replay measures the range as a whole: the sections that hold the summary's metrics (launch statistics and
+# source-level sampling belong to single kernels).
+RANGE_REPLAY = (
+    "--replay-mode",
+    "app-range",
+    *("--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis"),
+    *("--section", "Occupancy", "--section", "WarpStateStats"),
+)
+
+TIME = "gpu__time_duration.sum"
+DRAM = "dram__bytes.sum.per_second"
+DRAM_PARTS = ("dram__bytes_read.sum.per_second", "dram__bytes_write.sum.per_second")
+OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
+THEORETICAL = "sm__maximum_warps_per_active_cycle_pct"
+# Warp-state metrics, per stall reason, in order of preference: the Warp State Statistics section's cycles per issued
+# instruction (all cycles), the PC sampler's samples, the older latency form. Shares are of the family's sum over
+# every state ("selected", the issuing warp, included), which is what ncu's rules quote.
+STALL_FAMILIES = (
+    (
+        re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio"),
+        "warp cycles per issued instruction",
+    ),
+    (re.compile(r"smsp__pcsamp_warps_issue_stalled_(\w+)"), "warp-state samples"),
+    (re.compile(r"smsp__average_warp_latency_issue_stalled_(\w+)(?:\.\w+)?"), "warp latency"),
+)
+NOT_STALLS = ("selected",)
+TIME_SCALE = {
+    "nsecond": 1e-9,
+    "ns": 1e-9,
+    "usecond": 1e-6,
+    "us": 1e-6,
+    "msecond": 1e-3,
+    "ms": 1e-3,
+    "second": 1.0,
+    "s": 1.0,
+}
+BYTE_PREFIX = {
+    "": 1.0,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+}
+BYTE_UNIT = re.compile(r"(Ki|Mi|Gi|Ti|K|M|G|T)?byte(?:/s|/second)?")
+
+ABOUT = {
+    "bf16": "the one-rank fused boundary, bf16 layer input",
+    "mxfp8": "the one-rank fused boundary + the MXFP8 layer input",
+    "fp8": "the one-rank fused boundary + the FP8 1x128 layer input (fp32 scales)",
+    "aux": "the one-rank fused boundary + aux (the mean of the new streams)",
+    "moe": "the one-rank fused boundary on a MoE output: top-8 finalize + shared expert",
+    "residual": "the one-rank residual-only boundary (pre=None)",
+    "standard": "coefficients, standard projection (no layer input)",
+    "inline": "coefficients, inline form (+ the layer input)",
+    "broadcast": "coefficients, broadcast form (the first layer's embedding)",
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of the plan: its name in file names, its run_kernel.py arguments (beside --hidden and --rows)."""
+
+    name: str
+    args: tuple[str, ...]
+    about: str
+    simulated: bool = False
+
+
+@dataclass(frozen=True)
+class Item:
+    """One ncu run: a kernel at one hidden size and row count."""
+
+    kernel: Kernel
+    hidden: int
+    rows: int
+
+    def stem(self, gpu: str) -> str:
+        """The file name of its report and summary, without the extension."""
+        return f"{gpu}-{self.kernel.name}-H{self.hidden}-rows{self.rows}"
+
+    def command(self) -> list[str]:
+        """The run_kernel.py arguments, from the repository root."""
+        return ["profiles/run_kernel.py", *self.kernel.args, "--hidden", str(self.hidden), "--rows", str(self.rows)]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The summary metrics of one profiled launch (or range); None where the report lacks one."""
+
+    name: str
+    time_s: float | None
+    dram_bps: float | None
+    occupancy_pct: float | None
+    theoretical_pct: float | None
+    stalls: tuple[tuple[str, float], ...]  # (reason, share of every warp state), largest first
+    stall_basis: str  # what the shares are of
+
+
+class ProfileError(RuntimeError):
+    """One run failed; the message says why and where its output went."""
+
+
+def kernels(world: int) -> list[Kernel]:
+    """Every shipped kernel, in the plan's order."""
+    plan = [Kernel(f"boundary-{v}", ("--kernel", "boundary", "--variant", v), ABOUT[v]) for v in BOUNDARY_VARIANTS]
+    plan.append(Kernel("final", ("--kernel", "final"), "Boundaries.final: the fused boundary with the final norm"))
+    plan += [
+        Kernel(f"coefficients-{v}", ("--kernel", "coefficients", "--variant", v), ABOUT[v])
+        for v in COEFFICIENT_VARIANTS
+    ]
+    plan.append(Kernel("layer-input", ("--kernel", "layer_input"), "the layer-input-only kernel (carried collapse)"))
+    plan += [
+        Kernel(
+            f"peer-w{world}-{p}-SIMULATED",
+            ("--kernel", "peer", "--world", str(world), "--protocol", p),
+            f"SIMULATED: {world} ranks on one GPU, the peer boundary forced {p}, every rank's launch in one range",
+            simulated=True,
+        )
+        for p in PROTOCOLS
+    ]
+    return plan
+
+
+def plan(hidden: int, rows: Sequence[int], world: int) -> list[Item]:
+    """Every (kernel, row count) run at hidden size `hidden`."""
+    return [Item(k, hidden, r) for k in kernels(world) for r in rows]
+
+
+def print_plan(hidden: int, rows: Sequence[int], world: int) -> None:
+    """The plan, one kernel a line, and how many ncu runs it makes."""
+    plan_kernels = kernels(world)
+    row_text = ", ".join(map(str, rows))
+    print(
+        f"profile plan at H={hidden}, rows {row_text}: {len(plan_kernels)} kernels, {len(plan(hidden, rows, world))} ncu runs"
+    )
+    for i, k in enumerate(plan_kernels, 1):
+        print(f"  {i:2d}. {k.name:28s} {k.about}")
+
+
+def unit_scale(unit: str) -> float:
+    """The factor that takes a value in `unit` to base units (seconds, bytes, bytes/s); 1 for any other unit."""
+    unit = unit.strip()
+    if unit in TIME_SCALE:
+        return TIME_SCALE[unit]
+    match = BYTE_UNIT.fullmatch(unit)
+    return BYTE_PREFIX[match.group(1) or ""] if match else 1.0
+
+
+def parse_raw_csv(text: str) -> list[dict[str, tuple[str, str]]]:
+    """The rows of `ncu --import R --csv --page raw`: a header of metric names, a units row, then one row per launch
+    (or range); each row as metric -> (value, unit). Lines ncu adds around the table (==PROF==, ==WARNING==) are
+    skipped."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("==")]
+    table = list(csv.reader(lines))
+    if not table:
+        return []
+    header, body = table[0], table[1:]
+    if "ID" in header:  # a launch's row has its ID; the units row has none
+        i = header.index("ID")
+        is_data = [len(row) > i and row[i].strip().isdigit() for row in body]
+        data = [row for row, d in zip(body, is_data) if d]
+        units = next((row for row, d in zip(body, is_data) if not d), [])
+    else:
+        units, data = (body[0], body[1:]) if body else ([], [])
+    return [
+        {name: (row[k] if k < len(row) else "", units[k] if k < len(units) else "") for k, name in enumerate(header)}
+        for row in data
+    ]
+
+
+def number(row: dict[str, tuple[str, str]], name: str) -> float | None:
+    """A metric's value in base units, or None where the row lacks it or it is no number (ncu writes "n/a")."""
+    if name not in row:
+        return None
+    value, unit = row[name]
+    try:
+        return float(value.replace(",", "")) * unit_scale(unit)
+    except ValueError:
+        return None
+
+
+def dram_bps(row: dict[str, tuple[str, str]]) -> float | None:
+    """Achieved DRAM bandwidth (bytes read + written per second)."""
+    total = number(row, DRAM)
+    if total is not None:
+        return total
+    parts = [number(row, name) for name in DRAM_PARTS]
+    return None if None in parts else sum(parts)  # type: ignore[arg-type]
+
+
+def stalls(row: dict[str, tuple[str, str]]) -> tuple[tuple[tuple[str, float], ...], str]:
+    """The stall reasons by share, largest first, from the first metric family the row has, and that family's basis."""
+    for pattern, basis in STALL_FAMILIES:
+        values: dict[str, float] = {}
+        for name in row:
+            match = pattern.fullmatch(name)
+            value = number(row, name) if match else None
+            if match and value is not None and not match.group(1).endswith("_not_issued"):
+                values.setdefault(match.group(1), value)
+        total = sum(values.values())
+        if total > 0:
+            shares = [(reason, v / total) for reason, v in values.items() if reason not in NOT_STALLS]
+            return tuple(sorted(shares, key=lambda rs: -rs[1])), basis
+    return (), ""
+
+
+def launch_of(row: dict[str, tuple[str, str]]) -> Launch:
+    """The summary metrics of one row of the raw page."""
+    name = next((row[k][0] for k in ("Kernel Name", "Range Name", "Name") if row.get(k, ("", ""))[0]), "?")
+    reasons, basis = stalls(row)
+    return Launch(
+        name, number(row, TIME), dram_bps(row), number(row, OCCUPANCY), number(row, THEORETICAL), reasons, basis
+    )
+
+
+def combined(launches: Sequence[Launch]) -> tuple[float | None, float | None]:
+    """(time, DRAM bandwidth) of every launch together; None where a launch lacks the metric."""
+    times = [launch.time_s for launch in launches]
+    if not launches or None in times:
+        return None, None
+    total = sum(times)  # type: ignore[arg-type]
+    rates = [launch.dram_bps for launch in launches]
+    if None in rates or total <= 0:
+        return total, None
+    return total, sum(r * t for r, t in zip(rates, times)) / total  # type: ignore[operator]
+
+
+def short_name(name: str) -> str:
+    """A CuTe DSL kernel's class and method ("kernel_cutlass_partials_kernel_cute_kernels..CoefficientsKernel_object_at
+    ..." -> "CoefficientsKernel.partials_kernel"); other names cut to 48 characters."""
+    match = re.match(r"kernel_cutlass_(\w+?)_cute_kernels.*?([A-Z]\w*?)_object_at", name)
+    if match:
+        return f"{match.group(2)}.{match.group(1)}"
+    return name if len(name) <= 48 else name[:47] + "…"
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    """`value * scale` formatted, or "n/a"."""
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+def pct_of_copy(bps: float | None, copy_bps: float) -> float | None:
+    """A bandwidth as a percentage of the copy bandwidth."""
+    return None if bps is None else 100 * bps / copy_bps
+
+
+def stall_text(launch: Launch, top: int = 3) -> str:
+    """The top stall reasons with their shares, e.g. "long_scoreboard 38 %, wait 12 %, barrier 9 %"."""
+    return ", ".join(f"{reason} {100 * share:.0f} %" for reason, share in launch.stalls[:top]) or "n/a"
+
+
+def launch_lines(launch: Launch, copy_bps: float) -> list[str]:
+    """The summary of one launch, a metric a line."""
+    occupancy = f"{fmt(launch.occupancy_pct, '.1f')} %"
+    if launch.theoretical_pct is not None:
+        occupancy += f" (theoretical {launch.theoretical_pct:.1f} %)"
+    basis = f" (shares of {launch.stall_basis})" if launch.stalls else ""
+    return [
+        f"  time                {fmt(launch.time_s, '.2f', 1e6)} us",
+        f"  DRAM                {fmt(launch.dram_bps, '.0f', 1e-9)} GB/s = "
+        f"{fmt(pct_of_copy(launch.dram_bps, copy_bps), '.1f')} % of the copy bandwidth",
+        f"  achieved occupancy  {occupancy}",
+        f"  top warp stalls     {stall_text(launch)}{basis}",
+    ]
+
+
+def summary(item: Item, launches: Sequence[Launch], gpu: str, context: str, copy_bps: float) -> str:
+    """The text of one run's summary file."""
+    lines = [
+        f"{item.kernel.name}  H={item.hidden} rows={item.rows}: {item.kernel.about}",
+        context,
+        f"report   {shown(REPORTS / item.stem(gpu))}.ncu-rep",
+        f"command  python {' '.join(item.command())}",
+    ]
+    if item.kernel.simulated:
+        lines.append("SIMULATED: the ranks share one GPU's SMs and HBM, never NVLink; one range, every rank's launch")
+    for i, launch in enumerate(launches, 1):
+        lines += ["", f"launch {i} of {len(launches)}: {launch.name}", *launch_lines(launch, copy_bps)]
+    if len(launches) > 1:
+        time_s, bps = combined(launches)
+        lines += [
+            "",
+            f"all {len(launches)} launches: {fmt(time_s, '.2f', 1e6)} us, {fmt(bps, '.0f', 1e-9)} GB/s = "
+            f"{fmt(pct_of_copy(bps, copy_bps), '.1f')} % of the copy bandwidth",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def one_line(item: Item, launches: Sequence[Launch], copy_bps: float) -> str:
+    """One run's result in a line (the progress output)."""
+    time_s, bps = combined(launches)
+    busiest = max(launches, key=lambda launch: launch.time_s or 0.0)
+    return (
+        f"{item.kernel.name} rows {item.rows}: {len(launches)} launch(es) {fmt(time_s, '.2f', 1e6)} us, "
+        f"{fmt(bps, '.0f', 1e-9)} GB/s ({fmt(pct_of_copy(bps, copy_bps), '.1f')} % of copy), "
+        f"occupancy {fmt(busiest.occupancy_pct, '.1f')} %, stalls {stall_text(busiest)}"
+    )
+
+
+def table(
+    results: Sequence[tuple[Item, Sequence[Launch]]],
+    failures: Sequence[tuple[Item, str]],
+    gpu_name: str,
+    context: str,
+    copy_bps: float,
+) -> str:
+    """profiles/<gpu>-summary.md: every run, a launch a row (and a row for every launch together where there are several)."""
+    lines = [
+        f"# Nsight Compute: every shipped kernel on the {gpu_name}",
+        "",
+        f"`make profile` (profiles/profile_all.py). {context}. Warp stalls: each reason's share of the warp states "
+        "(its cycles per issued instruction over their sum, or its PC samples). SIMULATED: W ranks on one GPU in one "
+        "range (every rank's launch together), never NVLink.",
+        "",
+        "| kernel | H | rows | launch | time us | DRAM GB/s | % of copy | achieved occupancy % | top warp stalls |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for item, launches in results:
+        head = f"| {item.kernel.name} | {item.hidden} | {item.rows} |"
+        for i, launch in enumerate(launches, 1):
+            which = short_name(launch.name) if len(launches) == 1 else f"{i}/{len(launches)} {short_name(launch.name)}"
+            lines.append(
+                f"{head} {which} | {fmt(launch.time_s, '.2f', 1e6)} | {fmt(launch.dram_bps, '.0f', 1e-9)} | "
+                f"{fmt(pct_of_copy(launch.dram_bps, copy_bps), '.1f')} | {fmt(launch.occupancy_pct, '.1f')} | "
+                f"{stall_text(launch)} |"
+            )
+        if len(launches) > 1:
+            time_s, bps = combined(launches)
+            lines.append(
+                f"{head} all | {fmt(time_s, '.2f', 1e6)} | {fmt(bps, '.0f', 1e-9)} | "
+                f"{fmt(pct_of_copy(bps, copy_bps), '.1f')} | | |"
+            )
+    for item, why in failures:
+        lines.append(f"| {item.kernel.name} | {item.hidden} | {item.rows} | failed: {why} | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def run(command: Sequence[str], timeout_s: float) -> tuple[int, str]:
+    """(exit status, stdout and stderr) of `command` from the repository root; on timeout its whole process group
+    (ncu and the program it profiles) is killed and ProfileError raised."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise ProfileError(f"no result within {timeout_s:.0f} s: {' '.join(command[:8])} ...") from None
+    return proc.returncode, out
+
+
+def shown(path: Path) -> str:
+    """A path as printed: from the repository root where it lies inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def profile_one(ncu: str, item: Item, gpu: str) -> list[Launch]:
+    """Profile one run into its report and read the report back."""
+    stem = item.stem(gpu)
+    report, log = REPORTS / f"{stem}.ncu-rep", REPORTS / f"{stem}.log"
+    replay = RANGE_REPLAY if item.kernel.simulated else KERNEL_REPLAY
+    command = [ncu, *NCU_COMMON, *replay, "-f", "-o", str(REPORTS / stem), sys.executable, *item.command()]
+    report.unlink(missing_ok=True)  # an earlier run's report must not pass for this one's
+    status, out = run(command, RUN_TIMEOUT_S)
+    if status or not report.exists():
+        log.write_text(f"$ {' '.join(command)}\n{out}")
+        raise ProfileError(f"ncu exited with status {status}; its output is in {shown(log)}")
+    status, out = run([ncu, "--import", str(report), "--csv", "--page", "raw", "--print-units", "base"], 600)
+    if status:
+        log.write_text(out)
+        raise ProfileError(f"ncu --import {shown(report)} exited with status {status}; see {shown(log)}")
+    launches = [launch_of(row) for row in parse_raw_csv(out)]
+    if not launches:
+        raise ProfileError(f"{shown(report)} holds no launch: nothing ran between cudaProfilerStart and Stop")
+    log.unlink(missing_ok=True)
+    return launches
+
+
+def check_machine() -> str:
+    """The path of ncu; exits with status 1 and one line where ncu or a CUDA GPU is missing."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        sys.exit("profile_all: ncu (Nsight Compute) is not on PATH, so nothing can be profiled here")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("profile_all: no CUDA GPU here (torch.cuda.is_available() is False), so nothing can be profiled")
+    return ncu
+
+
+def copy_bandwidth() -> float:
+    """The device-to-device copy bandwidth in bytes/s (bench.timing's, read + written), its buffers freed after."""
+    import torch
+
+    from bench.timing import GraphTimer
+
+    bps = GraphTimer(torch.device("cuda", torch.cuda.current_device())).copy_bandwidth()
+    torch.cuda.empty_cache()
+    return bps
+
+
+def gpu_names() -> tuple[str, str]:
+    """(the GPU's name, its file-name form, e.g. "nvidia-h200")."""
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return name, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def ncu_version(ncu: str) -> str:
+    """ncu's version line, e.g. "Version 2025.3.1.0 (build ...)"."""
+    status, out = run([ncu, "--version"], 60)
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return lines[-1] if status == 0 and lines else "version unknown"
+
+
+def profile_all(hidden: int, rows: Sequence[int], world: int) -> int:
+    """Profile the whole plan, write the summaries and the table; 1 where any run failed."""
+    ncu = check_machine()
+    gpu_name, gpu = gpu_names()
+    items = plan(hidden, rows, world)
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    copy_bps = copy_bandwidth()
+    date = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    context = (
+        f"{date}, Nsight Compute {ncu_version(ncu)}, clocks not locked (--clock-control none); "
+        f"copy bandwidth measured in this run {copy_bps / 1e12:.2f} TB/s"
+    )
+    print(f"{gpu_name}: {len(items)} ncu runs; {context}")
+    results: list[tuple[Item, list[Launch]]] = []
+    failures: list[tuple[Item, str]] = []
+    bar = tqdm(items, unit="run", dynamic_ncols=True)
+    for item in bar:
+        bar.set_description(f"ncu {item.kernel.name} rows {item.rows}")
+        try:
+            launches = profile_one(ncu, item, gpu)
+        except ProfileError as exc:
+            failures.append((item, str(exc)))
+            tqdm.write(f"FAILED {item.kernel.name} rows {item.rows}: {exc}")
+            continue
+        (PROFILES / f"{item.stem(gpu)}.txt").write_text(summary(item, launches, gpu, context, copy_bps))
+        results.append((item, launches))
+        tqdm.write(one_line(item, launches, copy_bps))
+    bar.close()
+    summary_md = PROFILES / f"{gpu}-summary.md"
+    summary_md.write_text(table(results, failures, gpu_name, context, copy_bps))
+    print(f"\n{len(results)} of {len(items)} runs profiled. Results:")
+    print(f"  summaries  {shown(PROFILES / gpu)}-<kernel>-H{hidden}-rows<rows>.txt ({len(results)} files)")
+    print(f"  table      {shown(summary_md)}")
+    print(f"  reports    {shown(REPORTS / gpu)}-*.ncu-rep (open with ncu-ui, or ncu --import REPORT --page details)")
+    for item, why in failures:
+        print(f"  FAILED     {item.kernel.name} rows {item.rows}: {why}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+SAMPLE_CSV = """==PROF== Disconnected from process 1719
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",\
+"dram__bytes.sum.per_second","gpu__time_duration.sum","sm__maximum_warps_per_active_cycle_pct",\
+"sm__warps_active.avg.pct_of_peak_sustained_active",\
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",\
+"smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued"
+"","","","","","","","","","","","Gbyte/second","usecond","%","%","","","","","","",""
+"0","1719","python3.12","127.0.0.1",\
+"kernel_cutlass_partials_kernel_cute_kernelscoefficients_kernelCoefficientsKernel_object_at__tensorptrbf16",\
+"1","7","(256, 1, 1)","(8, 32, 1)","0","9.0","2,400","10","37.5","30.25","1","3","1","2","1","5","9"
+"1","1719","python3.12","127.0.0.1",\
+"kernel_cutlass_finish_kernel_cute_kernelscoefficients_epilogueEpilogueRole_object_at__tensorptrf32",\
+"1","7","(128, 1, 1)","(16, 1, 1)","0","9.0","n/a","2.5","","12.5","0","0","0","0","0","4","9"
+"""
+
+SAMPLE_BASE_UNITS = """"Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum.per_second","dram__bytes_write.sum.per_second"
+"","nsecond","byte/second","Kbyte/second"
+"kernel_a","4,352","100000000000","50000000"
+"""
+
+
+def self_test() -> None:
+    """Assert the parsing and the summary on the embedded samples of `ncu --csv --page raw` output."""
+    launches = [launch_of(row) for row in parse_raw_csv(SAMPLE_CSV)]
+    assert len(launches) == 2, launches
+    first, second = launches
+    assert short_name(first.name) == "CoefficientsKernel.partials_kernel", first.name
+    assert short_name(second.name) == "EpilogueRole.finish_kernel", second.name
+    assert abs(first.time_s - 10e-6) < 1e-15 and abs(first.dram_bps - 2.4e12) < 1, first
+    assert first.occupancy_pct == 30.25 and first.theoretical_pct == 37.5, first
+    assert first.stall_basis == "warp cycles per issued instruction", first.stall_basis
+    top = [(reason, round(share, 4)) for reason, share in first.stalls[:3]]
+    assert top == [("long_scoreboard", 0.375), ("short_scoreboard", 0.25), ("barrier", 0.125)], top
+    assert all(reason != "selected" for reason, _ in first.stalls), first.stalls
+    # The second launch: no DRAM figure ("n/a"), no theoretical occupancy, every warp-state ratio 0: the PC samples.
+    assert second.dram_bps is None and second.theoretical_pct is None and second.occupancy_pct == 12.5, second
+    assert second.stalls == (("long_scoreboard", 1.0),) and second.stall_basis == "warp-state samples", second
+    time_s, bps = combined(launches)
+    assert abs(time_s - 12.5e-6) < 1e-15 and bps is None, (time_s, bps)
+    assert combined([first]) == (first.time_s, first.dram_bps)
+    text = "\n".join(launch_lines(first, 4.8e12) + launch_lines(second, 4.8e12))
+    for want in ("10.00 us", "2400 GB/s = 50.0 % of the copy bandwidth", "30.2 % (theoretical 37.5 %)", "n/a GB/s"):
+        assert want in text, (want, text)
+    assert "long_scoreboard 38 %, short_scoreboard 25 %, barrier 12 %" in text, text
+    (base,) = [launch_of(row) for row in parse_raw_csv(SAMPLE_BASE_UNITS)]
+    assert abs(base.time_s - 4.352e-6) < 1e-15 and abs(base.dram_bps - 1.5e11) < 1, base
+    assert base.occupancy_pct is None and base.stalls == () and stall_text(base) == "n/a", base
+    item = Item(kernels(4)[-1], 7168, 16)
+    assert item.kernel.name == "peer-w4-twoshot-SIMULATED" and item.kernel.simulated
+    assert "SIMULATED" in summary(item, [first], "gpu", "context", 4.8e12)
+    md = table([(plan(7168, [512], 4)[0], launches)], [(item, "ncu exited")], "GPU", "context", 4.8e12)
+    assert (
+        md.count("\n| boundary-bf16 | 7168 | 512 |") == 3 and "| all | 12.50 |" in md and "failed: ncu exited" in md
+    ), md
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size H, a multiple of 256 (default 7168)")
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 512], help="row counts (default 16 512)")
+    p.add_argument(
+        "--world", type=int, default=4, choices=PEER_WORLD_SIZES, help="simulated ranks of the multi-rank boundary"
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--list", action="store_true", help="print the plan and exit (no GPU needed)")
+    mode.add_argument("--self-test", action="store_true", help="check the report parsing on a sample and exit")
+    args = p.parse_args(argv)
+    if args.hidden <= 0 or args.hidden % 256:
+        p.error(f"--hidden must be a positive multiple of 256 (the boundary's), got {args.hidden}")
+    if min(args.rows) < 1:
+        p.error(f"--rows must be positive, got {args.rows}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.self_test:
+        self_test()
+        print("profile_all self-test passed")
+        return 0
+    if args.list:
+        print_plan(args.hidden, args.rows, args.world)
+        return 0
+    return profile_all(args.hidden, args.rows, args.world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
