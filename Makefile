@@ -45,8 +45,8 @@ profile: $(DEPS)
 	$(PYTHON) profiles/profile_all.py $(if $(H),--hidden $(H)) $(if $(ROWS),--rows $(ROWS))
 
 lint: $(DEPS)
-	$(PYTHON) -m ruff check boundary cute_kernels tests bench
-	$(PYTHON) -m ruff format --check boundary cute_kernels tests bench
+	$(PYTHON) -m ruff check boundary cute_kernels tests bench profiles
+	$(PYTHON) -m ruff format --check boundary cute_kernels tests bench profiles
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
