@@ -425,9 +425,10 @@ def main(argv: list[str] | None, *, arch: str) -> int:
         from bench import step
 
         results["step"] = step.bench_step(args, timer)
-        step.plot_step(results["step"], args.out / f"{stem}-step.png")
         step.print_step(results["step"])
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
+    if "step" in results:  # after the JSON: a plot cannot lose the run
+        step.plot_step(results["step"], args.out / f"{stem}-step.png")
     print(f"\nwrote {path}")
     return 0

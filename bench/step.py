@@ -48,24 +48,34 @@ def rank_order_sum(parts: list[Tensor]) -> Tensor:
     return acc.to(torch.bfloat16)
 
 
-def summed_sublayers(models: list[ToyModel]) -> ToyModel:
-    """A copy of rank 0's boundaries-only model whose sublayers return every rank's fixed partial summed in rank
-    order, per call (the MoE partials finalized first): the baseline's exchange, then its chain runs at W = 1."""
+def _finalized(model: ToyModel, layer: Any, x: Tensor) -> Tensor:
+    """A rank's MoE partial (its sublayer's output, finalized)."""
+    out = model.moe(model.layers[layer.index], x)
+    routed = out.routed
+    return reference.moe_finalize(
+        routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx, out.shared_output
+    )
+
+
+def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyModel:
+    """A copy of rank 0's model whose sublayers return every rank's partial summed in rank order (the MoE partials
+    finalized first): the exchange, after which the reference chain runs at W = 1. With `rank` (boundaries-only
+    models, whose partials do not depend on x) only that rank's MoE partial is finalized per call, as a real rank
+    does; the others' stand for what it receives, finalized once here."""
+    received: dict[tuple[int, int], Tensor] = {}
+    if rank is not None:
+        x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
+        for layer in models[0].layers:
+            for r, m in enumerate(models):
+                if r != rank:
+                    received[r, layer.index] = _finalized(m, layer, x)
 
     def attention(layer: Any, x: Tensor) -> Tensor:
         return rank_order_sum([m.attention(m.layers[layer.index], x) for m in models])
 
     def moe(layer: Any, x: Tensor) -> Tensor:
-        parts = []
-        for m in models:
-            out = m.moe(m.layers[layer.index], x)
-            routed = out.routed
-            parts.append(
-                reference.moe_finalize(
-                    routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx, out.shared_output
-                )
-            )
-        return rank_order_sum(parts)
+        parts = [received.get((r, layer.index)) for r in range(len(models))]
+        return rank_order_sum([p if p is not None else _finalized(models[r], layer, x) for r, p in enumerate(parts)])
 
     summed = copy.copy(models[0])
     summed.attention = attention  # type: ignore[method-assign]
@@ -96,8 +106,9 @@ def add_tilelang(rows: list[dict], tilelang: list[dict]) -> None:
 
 
 def boundaries_per_step(config: ToyConfig) -> int:
-    """Boundaries (post + coefficients + collapse + norm) in a step: two per layer, the Engram seams, the final one."""
-    return 2 * config.num_layers + len([i for i in config.engram_layers if 0 < i < config.num_layers]) + 1
+    """Boundaries (the reduction and post of a sublayer's output, the next coefficients, collapse and norm) in a step:
+    two per layer (an Engram seam splits one into post_only + pre; the last is the final boundary)."""
+    return 2 * config.num_layers
 
 
 def _step_call(model: ToyModel, b: Boundaries, rows: int, side: bool) -> Callable[[], object]:
@@ -175,12 +186,19 @@ class SimulatedStep:
         calls = [lambda ar: decode_step(models[ar.rank], self.ours[ar.rank], tokens, step)] * len(self.ranks)
         return lambda: BoundaryAllReduce.run_simulated(self.ranks, calls)
 
-    def baseline_step(self, summed: ToyModel, rows: int) -> Callable[[], object]:
-        """Every rank's reference chain on its own stream, each after the rank-order sum of the partials."""
+    def baseline_step(self, free: list[ToyModel], rows: int) -> Callable[[], object]:
+        """Every rank's reference chain on its own stream, each after the rank-order sum of the partials (finalizing
+        its own MoE partial only)."""
         tokens = random_tokens(self.full[0], rows, 0)
         step = DecodeStep(rows=rows, side_stream=False)
-        chains = [lambda: decode_step(summed, self.ref, tokens, step)] * len(self.ranks)
+        summed = [summed_sublayers(free, r) for r in range(len(self.ranks))]
+        chains = [lambda m=m: decode_step(m, self.ref, tokens, step) for m in summed]
         return lambda: on_streams(self.streams, chains)
+
+    def check(self) -> None:
+        """Raise if a simulated rank's boundary gave up waiting (its timings would be meaningless)."""
+        for ar in self.ranks:
+            ar.check()
 
     def row(self, timer: GraphTimer, rows: int) -> dict[str, Any]:
         """The step table's row at `rows` rows."""
@@ -189,10 +207,13 @@ class SimulatedStep:
         row: dict[str, Any] = {"H": self.config.hidden_size, "tp": len(self.ranks), "layers": self.config.num_layers}
         row |= {"boundaries": n, "rows": rows}
         row["overlap_us"] = timer.per_call_us([self.ours_step(free, rows, True)])
+        self.check()
         row["inline_us"] = timer.per_call_us([self.ours_step(free, rows, False)])
+        self.check()
         row["ours_us"] = min(row["overlap_us"], row["inline_us"])
-        row["eager_us"] = timer.per_call_us([self.baseline_step(summed_sublayers(free), rows)])
+        row["eager_us"] = timer.per_call_us([self.baseline_step(free, rows)])
         row["toy_step_us"] = timer.per_call_us([self.ours_step(self.full, rows, rows <= 16)])
+        self.check()
         row["boundary_share"] = row["ours_us"] / row["toy_step_us"]
         row["x_eager"] = row["eager_us"] / row["ours_us"]
         row["per_boundary_us"] = row["ours_us"] / n
@@ -226,8 +247,8 @@ def print_step(rows: list[dict]) -> None:
             f"{100 * r['boundary_share']:4.0f}%"
         )
     print(
-        "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (post, coefficients, "
-        "collapse, norm); share: the boundaries-only step over the step with the toy's sublayers (cheap stand-ins, so "
+        "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (a sublayer output's "
+        "reduction and post, the next coefficients, collapse, norm: 2 per layer); share: the boundaries-only step over the step with the toy's sublayers (cheap stand-ins, so "
         "an upper bound); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams; "
         "TileLang (bench.tilelang_step, TP 1, its own process): post + TF32 projection + pre + RMSNorm per boundary"
     )
@@ -240,10 +261,12 @@ def plot_step(rows: list[dict], path: Any) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hiddens = sorted({r["H"] for r in rows})
+    hiddens = sorted({r["H"] for r in rows if r["tp"] == 1})
+    if not hiddens:
+        return
     fig, axes = plt.subplots(1, len(hiddens), figsize=(5 * len(hiddens), 4), squeeze=False)
     for ax, hidden in zip(axes[0], hiddens):
-        sel = [r for r in rows if r["H"] == hidden]
+        sel = [r for r in rows if r["H"] == hidden and r["tp"] == 1]
         xs = [r["rows"] for r in sel]
         for key, label in (
             ("ours_us", "fused boundaries"),
@@ -251,8 +274,8 @@ def plot_step(rows: list[dict], path: Any) -> None:
             ("compile_us", "reference chain, torch.compile"),
             ("toy_step_us", "fused, with the toy sublayers"),
         ):
-            if key in sel[0]:
-                ax.plot(xs, [r[key] for r in sel], marker="o", label=label)
+            if any(key in r for r in sel):
+                ax.plot(xs, [r.get(key, float("nan")) for r in sel], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("rows")

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda", torch.cuda.current_device())
     timer = GraphTimer(device, replays=args.replays)
-    boundaries = 2 * args.step_layers + 2  # as bench.step.boundaries_per_step: 2 per layer, the Engram seam, final
+    boundaries = 2 * args.step_layers  # as bench.step.boundaries_per_step: two per layer
     rows_out = []
     plan = [(h, r) for h in args.step_hidden for r in sorted(args.step_rows)]
     for k, (hidden, rows) in enumerate(plan):  # plain progress lines: the TileLang bundle may lack tqdm

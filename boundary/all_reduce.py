@@ -380,19 +380,23 @@ class BoundaryAllReduce:
         self,
         max_rows: int | None = None,
         *,
-        quantize: Sequence[str] = tuple(boundary_api.QUANTIZE_FORMS),
+        quantize: Sequence[str] | None = tuple(boundary_api.QUANTIZE_FORMS),
+        unnormed_layer_input: bool = False,
         progress: bool = True,
     ) -> None:
         """Compile every kernel variant this boundary (and the scheduler's mHC ops) will launch, and load it.
 
         `quantize` names the layer-input forms the engine asks for beside bf16 (the scheduler's `quantize=`
-        values; every form by default): an engine that writes one form warms up that one only, in about
-        two thirds of the time. Call it before CUDA-graph capture: nothing can compile or allocate a
+        values; every form by default; None or () for bf16 only): an engine that writes one form warms up
+        that one only, in about two thirds of the time. `unnormed_layer_input`: the coefficients' layer input
+        without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it). Call it before CUDA-graph capture: nothing can compile or allocate a
         workspace inside a capture. Compiled kernels are cached on disk, so later processes only load them.
         """
         rows = self.max_rows if max_rows is None else max_rows
         self._check_rows(rows)
-        if isinstance(quantize, str) or not all(q in boundary_api.QUANTIZE_FORMS for q in quantize):
+        quantize = () if quantize is None else quantize
+        checks.flag("unnormed_layer_input", unnormed_layer_input)
+        if not isinstance(quantize, (tuple, list)) or not all(q in boundary_api.QUANTIZE_FORMS for q in quantize):
             raise ValueError(
                 f"quantize must be a sequence of {tuple(boundary_api.QUANTIZE_FORMS)} (the forms written beside bf16), "
                 f"got {quantize!r}"
@@ -409,7 +413,7 @@ class BoundaryAllReduce:
             ranks_per_device=self.workspace.ranks_per_device,
             variants=boundary_api.engine_variants(tuple(quantize)),
             protocols=protocols,
-        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows)
+        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows, unnormed=unnormed_layer_input)
         mhc.prepare_workspace(self.hidden_size, rows, self.device, self.rank if self.simulated_ranks else None)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
 

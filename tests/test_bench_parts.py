@@ -50,7 +50,7 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     rows = step.bench_step(args, timer)  # type: ignore[arg-type]
     assert [(r["H"], r["rows"]) for r in rows] == [(512, 1), (512, 3)]
     assert timer.calls == 2 * 4  # side streams, inline, eager chain, the toy sublayers
-    assert all(r["boundaries"] == 2 * 2 + 1 + 1 for r in rows)  # 2 layers, the Engram seam on layer 1, the final
+    assert all(r["boundaries"] == 2 * 2 for r in rows)  # two per layer
     step.print_step(rows)
     printed = capsys.readouterr().out
     assert "TP > 1: SIMULATED ranks on one GPU" in printed
@@ -122,3 +122,33 @@ def test_the_tilelang_step_says_when_tile_kernels_is_missing(tmp_path, capsys) -
     assert tilelang_step.main(["--out", str(tmp_path / "t.json")]) == 1
     assert "nothing was measured" in capsys.readouterr().out
     assert not (tmp_path / "t.json").exists()
+
+
+def test_the_step_plot_draws_the_tp1_rows_only(tmp_path) -> None:
+    """Simulated rows (no compile or TileLang column) beside TP 1 rows must not break the plot."""
+    tp1 = {"H": 512, "tp": 1, "layers": 2, "rows": 1, "ours_us": 1.0, "eager_us": 2.0, "compile_us": 3.0}
+    tp4 = {"H": 512, "tp": 4, "layers": 2, "rows": 1, "ours_us": 1.5, "eager_us": 2.5, "toy_step_us": 3.5}
+    step.plot_step([tp1, {**tp1, "rows": 4}, tp4], tmp_path / "step.png")
+    assert (tmp_path / "step.png").stat().st_size > 0
+    step.plot_step([tp4], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_a_simulated_ranks_baseline_finalizes_only_its_own_moe_partial() -> None:
+    """With a rank, the others' MoE partials are finalized once (what the rank receives), its own per call; the sum
+    is the same as with every partial finalized per call."""
+    from boundary.toy import ToyConfig, ToyModel
+
+    config = ToyConfig(hidden_size=512, num_layers=2, vocab=64)
+    free = [step.boundaries_only(ToyModel(config, rank=r, world_size=2), 3) for r in range(2)]
+    calls = []
+    counted = [step.boundaries_only(ToyModel(config, rank=r, world_size=2), 3) for r in range(2)]
+    for r, m in enumerate(counted):
+        inner = m.moe
+        m.moe = lambda layer, x, r=r, inner=inner: calls.append(r) or inner(layer, x)  # type: ignore[method-assign]
+    per_rank = step.summed_sublayers(counted, rank=1)
+    calls.clear()
+    layer, x = free[0].layers[0], torch.zeros(3, 512, dtype=torch.bfloat16)
+    got = per_rank.moe(layer, x)
+    assert calls == [1], calls
+    assert torch.equal(got.view(torch.int16), step.summed_sublayers(free).moe(layer, x).view(torch.int16))

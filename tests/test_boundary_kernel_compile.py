@@ -90,6 +90,8 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert len(fp8_only) == 24 and set(fp8_only) < set(api.ENGINE_VARIANTS)
     assert {(v.mxfp8, v.fp8) for v in fp8_only} == {(False, None), (False, "fp8_1x128")}
     assert api.engine_variants(tuple(api.QUANTIZE_FORMS)) == api.ENGINE_VARIANTS
+    bf16_only = api.engine_variants(())  # warmup(quantize=None) or ()
+    assert len(bf16_only) == 16 and not any(v.mxfp8 or v.fp8 for v in bf16_only)
     jobs = api.warmup_jobs(5120, arch="sm_90a")
     assert len(jobs) == 40 and len({j.name for j in jobs}) == 40
     assert jobs[0].compile_fn is api.compile_fused_boundary

@@ -312,7 +312,12 @@ def test_quantize_takes_a_named_form_not_a_flag(model: ToyModel, value: Any, err
     assert state.pending is not None, "nothing was consumed"
 
 
-@pytest.mark.parametrize("quantize", ["fp8_1x128", ("fp8",), (None,), ("mxfp8", "MXFP8")])
+def test_warmup_unnormed_layer_input_is_a_bool() -> None:
+    with pytest.raises(TypeError, match="^unnormed_layer_input must be a bool"):
+        BoundaryAllReduce(512, max_rows=4, device="cpu").warmup(unnormed_layer_input=1)
+
+
+@pytest.mark.parametrize("quantize", ["fp8_1x128", ("fp8",), (None,), ("mxfp8", "MXFP8"), 5, {"mxfp8"}])
 def test_warmup_quantize_takes_a_sequence_of_named_forms(quantize: Any) -> None:
     ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
     with pytest.raises(

@@ -93,13 +93,18 @@ def layer_input_mode(broadcast: bool, inline: bool, carried: bool, normalize: bo
     return ("carried" if carried and not broadcast else "one_hot") + ("" if normalize else UNNORMED)
 
 
-def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) -> list[WarmupJob]:
+def warmup_jobs(
+    H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20, unnormed: bool = False
+) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
-    the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch."""
+    the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch.
+    `unnormed`: the layer input without a norm weight too (the scheduler always passes one)."""
     jobs = []
     for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", BROADCAST_LAYER_INPUTS)):
         broadcast = variant == "broadcast"
         for mode in modes:
+            if not unnormed and mode != "none" and not normalizes(mode):
+                continue
             inline = mode != "none"
             for rows in default_row_classes(H, broadcast, inline, max_rows, arch=arch):
                 config = coefficients_config(H, broadcast, rows, inline, arch=arch)
@@ -114,6 +119,8 @@ def warmup_jobs(H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20) 
         ("broadcast", m) for m in BROADCAST_LAYER_INPUTS[1:]
     ]
     for variant, mode in input_only:
+        if not unnormed and not normalizes(mode):
+            continue
         load = functools.partial(load_layer_input, H=H, broadcast=variant == "broadcast", mode=mode)
         jobs.append(
             WarmupJob(
