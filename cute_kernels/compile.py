@@ -285,7 +285,9 @@ def warmup(
 
 def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, desc: str) -> None:
     """Compile `jobs` into the disk cache in `workers` fresh interpreters (not multiprocessing: that would re-run a
-    caller's unguarded main script in every worker), each taking every workers-th job; a progress bar counts them."""
+    caller's unguarded main script in every worker). Each gets the job list once, then the index of its next job
+    whenever it finishes one (a shared queue: the jobs' costs differ by up to 10x); a progress bar counts them."""
+    import struct
     import subprocess
     import threading
 
@@ -315,22 +317,38 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
             file=sys.stderr,
         )
     lock = threading.Lock()
+    pending = iter(range(len(jobs)))
+    payload = pickle.dumps(jobs)
 
-    def follow(proc: subprocess.Popen) -> None:
-        for _ in proc.stdout:  # one line per compiled job
-            if bar is not None:
-                with lock:
-                    bar.update(1)
+    def send_next(proc: subprocess.Popen) -> None:
+        with lock:
+            index = next(pending, -1)
+        proc.stdin.write(struct.pack("<i", index))
+        proc.stdin.flush()
 
-    readers = []
-    for k, proc in enumerate(procs):
-        proc.stdin.write(pickle.dumps(jobs[k::workers]))
-        proc.stdin.close()
-        readers.append(threading.Thread(target=follow, args=(proc,), daemon=True))
-        readers[-1].start()
+    def serve(proc: subprocess.Popen) -> None:
+        try:
+            proc.stdin.write(struct.pack("<q", len(payload)) + payload)
+            send_next(proc)
+            for _ in proc.stdout:  # one line per compiled job: hand it the next
+                if bar is not None:
+                    with lock:
+                        bar.update(1)
+                send_next(proc)
+        except (BrokenPipeError, OSError):  # the worker died: its log says why
+            pass
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    servers = [threading.Thread(target=serve, args=(proc,), daemon=True) for proc in procs]
+    for server in servers:
+        server.start()
     failed = []
-    for proc, reader, log in zip(procs, readers, logs):
-        reader.join()
+    for proc, server, log in zip(procs, servers, logs):
+        server.join()
         if proc.wait() != 0:
             log.seek(0)
             failed.append(log.read().decode(errors="replace")[-4000:])
@@ -344,10 +362,19 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
 
 
 def _worker_main() -> None:
-    """A compile process of `_compile_in_processes`: compiles the pickled jobs on stdin, a line on stdout for each."""
-    for job in pickle.loads(sys.stdin.buffer.read()):
-        job.run()
-        sys.stdout.write(job.name + "\n")
+    """A compile process of `_compile_in_processes`: reads the pickled job list, then compiles the job of each index
+    it is sent (-1 ends), writing a line to stdout after each."""
+    import struct
+
+    stdin = sys.stdin.buffer
+    (size,) = struct.unpack("<q", stdin.read(8))
+    jobs = pickle.loads(stdin.read(size))
+    while True:
+        (index,) = struct.unpack("<i", stdin.read(4))
+        if index < 0:
+            return
+        jobs[index].run()
+        sys.stdout.write(jobs[index].name + "\n")
         sys.stdout.flush()
 
 

@@ -77,7 +77,8 @@ def test_a_parallel_warmup_compiles_in_other_processes_and_runs_an_unguarded_scr
         "import cute_kernels.compile as cc\n"
         "from tests.tiny_kernel import compile_tiny\n"
         "print('script body ran', flush=True)\n"
-        "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in (384, 640)]\n"
+        "widths = (384, 640, 896, 1152, 1408)\n"
+        "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in widths]\n"
         "cc.warmup(jobs, workers=2, progress=False)\n"
         "print('compiled here:', cc.STATS.compiles, 'from disk:', cc.STATS.disk_hits, flush=True)\n"
     )
@@ -85,5 +86,32 @@ def test_a_parallel_warmup_compiles_in_other_processes_and_runs_an_unguarded_scr
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("script body ran") == 1, out.stdout
-    assert "compiled here: 0 from disk: 2" in out.stdout, out.stdout
-    assert len(list((tmp_path / "cache").rglob("*.o"))) == 2
+    # Five jobs on two workers, each handed its next job when it finishes one: every job compiled once, elsewhere.
+    assert "compiled here: 0 from disk: 5" in out.stdout, out.stdout
+    assert len(list((tmp_path / "cache").rglob("*.o"))) == 5
+
+
+def test_a_compile_that_fails_in_a_worker_is_reported_with_its_log(tmp_path) -> None:
+    """A job that raises in its compile process fails the warmup with that process's last lines; the other jobs are
+    still compiled by the other worker."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "failing.py"
+    script.write_text(
+        "import cute_kernels.compile as cc\n"
+        "from tests.tiny_kernel import compile_tiny\n"
+        "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in (384, 640, 896)]\n"
+        "jobs.insert(1, cc.WarmupJob('bad arch', compile_tiny, (512,), (('arch', 'sm_80'),)))\n"
+        "try:\n"
+        "    cc.warmup(jobs, workers=2, progress=False)\n"
+        "except RuntimeError as exc:\n"
+        "    print('raised:', str(exc).splitlines()[0], flush=True)\n"
+        "    print('log names the arch:', 'sm_80' in str(exc), flush=True)\n"
+    )
+    env = dict(os.environ, MHC_BOUNDARY_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "raised: 1 of 2 compile processes failed" in out.stdout, out.stdout
+    assert "log names the arch: True" in out.stdout, out.stdout
+    assert len(list((tmp_path / "cache").rglob("*.o"))) == 3
