@@ -678,28 +678,21 @@ def _race(role: type, protocol: str, rows: int | list[int], world: int = 2) -> t
             new = torch.empty_like(inp.residual)
             out = torch.empty(inp.residual.shape[0], hidden, dtype=BF16, device="cuda")
             fn(
-                inp.residual,
-                inp.post,
-                inp.comb,
-                inp.pre,
-                inp.w,
-                inp.x,
-                None,
-                None,
-                None,
-                None,
-                new,
-                out,
-                None,  # MXFP8 data, scale
-                None,
-                None,  # FP8 1x128 data, scale
-                None,
-                None,  # aux
-                ws.slots,
-                ws.peers,
-                ws.state,
-                ws.error,
-                EPS,
+                *api.launch_args(
+                    residual=inp.residual,
+                    post=inp.post,
+                    comb=inp.comb,
+                    pre=inp.pre,
+                    norm_weight=inp.w,
+                    x=inp.x,
+                    new_residual=new,
+                    out=out,
+                    slots=ws.slots,
+                    peers=ws.peers,
+                    state=ws.state,
+                    error=ws.error,
+                    eps=EPS,
+                )
             )
             outs.append(new)
         return outs

@@ -203,30 +203,27 @@ def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: 
     if variant.y_source == "moe":
         moe = (_fake_cuda((P, H), bf16), _fake_cuda((T, top_k), f32), _fake_cuda((T, top_k), torch.int32))
     g, ew, idx = moe if moe is not None else (None, None, None)
-    # The positional order of compile_fused_boundary's signature (the order fused_boundary passes).
-    return (
-        _fake_cuda((T, 4, H), bf16),  # residual
-        _fake_cuda((T, 4), f32),  # post
-        _fake_cuda((T, 4, 4), f32),  # comb
-        _fake_cuda((T, 4), f32) if variant.pre else None,  # pre
-        _fake_cuda((H,), bf16) if variant.pre else None,  # norm weight
-        _fake_cuda((T, H), bf16) if moe is None else None,  # x
-        _fake_cuda((T, H), bf16) if variant.shared else None,  # shared
-        g,
-        ew,
-        idx,
-        _fake_cuda((T, 4, H), bf16),  # new residual
-        _fake_cuda((T, H), bf16) if variant.pre else None,  # out
-        _fake_cuda((T, H), torch.float8_e4m3fn) if variant.mxfp8 else None,
-        _fake_cuda((mxfp8_scale_bytes(T, H),), torch.uint8) if variant.mxfp8 else None,
-        _fake_cuda((T, H), torch.float8_e4m3fn) if variant.fp8 else None,
-        _fake_cuda((H // 128, -(-T // 4) * 4), f32) if variant.fp8 else None,  # FP8 1x128 scales [H/128, T_pad]
-        _fake_cuda((T, H), bf16) if variant.aux else None,
-        None,
-        None,
-        None,  # the peer slots, addresses and state (W = 1: none)
-        _fake_cuda((4,), torch.int32) if moe is not None else None,  # the error word
-        1e-6,
+    # The kernel's positional order, by name (launch_args; fused_boundary passes the same tuple).
+    return api.launch_args(
+        residual=_fake_cuda((T, 4, H), bf16),
+        post=_fake_cuda((T, 4), f32),
+        comb=_fake_cuda((T, 4, 4), f32),
+        pre=_fake_cuda((T, 4), f32) if variant.pre else None,
+        norm_weight=_fake_cuda((H,), bf16) if variant.pre else None,
+        x=_fake_cuda((T, H), bf16) if moe is None else None,
+        shared=_fake_cuda((T, H), bf16) if variant.shared else None,
+        gemm2_permuted=g,
+        expert_weights=ew,
+        idx=idx,
+        new_residual=_fake_cuda((T, 4, H), bf16),
+        out=_fake_cuda((T, H), bf16) if variant.pre else None,
+        mxfp8_data=_fake_cuda((T, H), torch.float8_e4m3fn) if variant.mxfp8 else None,
+        mxfp8_scale=_fake_cuda((mxfp8_scale_bytes(T, H),), torch.uint8) if variant.mxfp8 else None,
+        fp8_data=_fake_cuda((T, H), torch.float8_e4m3fn) if variant.fp8 else None,
+        fp8_scale=_fake_cuda((H // 128, -(-T // 4) * 4), f32) if variant.fp8 else None,  # [H/128, T_pad]
+        aux=_fake_cuda((T, H), bf16) if variant.aux else None,
+        error=_fake_cuda((4,), torch.int32) if moe is not None else None,  # the error word (no peers at W = 1)
+        eps=1e-6,
     )
 
 
@@ -273,3 +270,29 @@ def test_the_public_edge_checks_the_16_byte_alignment_the_kernel_relies_on() -> 
     with pytest.raises(ValueError, match="x must start on a 16-byte boundary"):
         checks.tensor("x", x, dtype=torch.bfloat16, shape=(3, 256), align16=True)
     assert checks.tensor("x", x, dtype=torch.bfloat16, shape=(3, 256)) is x  # the torch path takes any address
+
+
+def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused_boundary spells the kernel's positional tuple out (its hot path); launch_args names it for every other
+    caller of a compiled kernel: both give the same tuple, so a new kernel argument cannot leave one of them stale."""
+    got = []
+    monkeypatch.setattr(api, "compiled_boundary", lambda *a, **k: lambda *args: got.append(args))
+    residual, post = torch.zeros(2, 4, 256, dtype=torch.bfloat16), torch.zeros(2, 4)
+    named = {name: object() for name in ("comb", "pre", "norm_weight", "shared", "new_residual", "out", "aux")}
+    named |= {name: object() for name in ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "error")}
+    moe = (object(), object(), object())
+    api.fused_boundary(
+        residual=residual, post=post, norm_eps=1e-6, moe=moe, fp8_form="fp8_1x128", arch="sm_90a", **named
+    )
+    want = api.launch_args(
+        residual=residual,
+        post=post,
+        eps=1e-6,
+        gemm2_permuted=moe[0],
+        expert_weights=moe[1],
+        idx=moe[2],
+        **named,
+    )
+    ((args,),) = [got]
+    assert len(args) == len(want) and all(a is b or (a == b and type(a) is float) for a, b in zip(args[2:], want[2:]))
+    assert torch.equal(args[0], residual) and torch.equal(args[1], post.view(2, 4))

@@ -158,28 +158,25 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
         g, ew, idx = moe if moe is not None else (None, None, None)
         fn = api.compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
         fn(
-            inp.residual,
-            inp.post.view(-1, 4),
-            inp.comb,
-            pre,
-            w,
-            x,
-            shared,
-            g,
-            ew,
-            idx,
-            res.new_residual,
-            res.out,
-            res.data,
-            res.scale,
-            None,  # FP8 1x128 data, scale
-            None,
-            res.aux,
-            None,
-            None,
-            None,
-            error,
-            EPS,
+            *api.launch_args(
+                residual=inp.residual,
+                post=inp.post.view(-1, 4),
+                comb=inp.comb,
+                pre=pre,
+                norm_weight=w,
+                x=x,
+                shared=shared,
+                gemm2_permuted=g,
+                expert_weights=ew,
+                idx=idx,
+                new_residual=res.new_residual,
+                out=res.out,
+                mxfp8_data=res.data,
+                mxfp8_scale=res.scale,
+                aux=res.aux,
+                error=error,
+                eps=EPS,
+            )
         )
     if error is not None:
         torch.cuda.synchronize()

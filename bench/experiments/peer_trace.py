@@ -341,29 +341,22 @@ def every_rank_launch(ranks: list[BoundaryAllReduce], fn, sets: list, outs: list
     world = max(1, len(ranks))
 
     def one_rank(rank: int, ws) -> None:
-        peer = (None, None, None, None) if ws is None else (ws.slots, ws.peers, ws.state, ws.error)
+        peer = {} if ws is None else dict(slots=ws.slots, peers=ws.peers, state=ws.state, error=ws.error)
         for s, (new, out) in zip(sets, outs[rank]):
             x = s[rank]
             fn(
-                x["residual"],
-                x["post"],
-                x["comb"],
-                x["pre"],
-                x["w"],
-                x["x"],
-                None,
-                None,
-                None,
-                None,
-                new,
-                out,
-                None,  # MXFP8 data, scale
-                None,
-                None,  # FP8 1x128 data, scale
-                None,
-                None,  # aux
-                *peer,
-                1e-6,
+                *api.launch_args(
+                    residual=x["residual"],
+                    post=x["post"],
+                    comb=x["comb"],
+                    pre=x["pre"],
+                    norm_weight=x["w"],
+                    x=x["x"],
+                    new_residual=new,
+                    out=out,
+                    **peer,
+                    eps=1e-6,
+                )
             )
 
     def every_rank() -> None:

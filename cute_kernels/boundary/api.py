@@ -282,6 +282,59 @@ def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: Bound
     )
 
 
+def launch_args(
+    *,
+    residual: Any,
+    post: Any,
+    comb: Any,
+    new_residual: Any,
+    eps: float,
+    pre: Any = None,
+    norm_weight: Any = None,
+    x: Any = None,
+    shared: Any = None,
+    gemm2_permuted: Any = None,
+    expert_weights: Any = None,
+    idx: Any = None,
+    out: Any = None,
+    mxfp8_data: Any = None,
+    mxfp8_scale: Any = None,
+    fp8_data: Any = None,
+    fp8_scale: Any = None,
+    aux: Any = None,
+    slots: Any = None,
+    peers: Any = None,
+    state: Any = None,
+    error: Any = None,
+) -> tuple:
+    """A compiled boundary's positional arguments, by name (FusedBoundaryKernel.__call__'s order, the stream left to
+    TVM-FFI): for callers of a compiled kernel other than fused_boundary, which spells the same tuple out."""
+    return (
+        residual,
+        post,
+        comb,
+        pre,
+        norm_weight,
+        x,
+        shared,
+        gemm2_permuted,
+        expert_weights,
+        idx,
+        new_residual,
+        out,
+        mxfp8_data,
+        mxfp8_scale,
+        fp8_data,
+        fp8_scale,
+        aux,
+        slots,
+        peers,
+        state,
+        error,
+        float(eps),
+    )
+
+
 class NotLoadedError(RuntimeError):
     """A peer kernel's first launch on a GPU whose other ranks may be spinning: BoundaryAllReduce.warmup() loads it."""
 
