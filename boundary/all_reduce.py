@@ -389,8 +389,9 @@ class BoundaryAllReduce:
         `quantize` names the layer-input forms the engine asks for beside bf16 (the scheduler's `quantize=`
         values; every form by default; None or () for bf16 only): an engine that writes one form warms up
         that one only, in about two thirds of the time. `unnormed_layer_input`: the coefficients' layer input
-        without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it). Call it before CUDA-graph capture: nothing can compile or allocate a
-        workspace inside a capture. Compiled kernels are cached on disk, so later processes only load them.
+        without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it).
+        Call it before CUDA-graph capture: nothing can compile or allocate a workspace inside a capture.
+        Compiled kernels are cached on disk, so later processes only load them.
         """
         rows = self.max_rows if max_rows is None else max_rows
         self._check_rows(rows)
