@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import pickle
 import sys
@@ -19,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 import tvm_ffi
 
+log = logging.getLogger("boundary")
 SUPPORTED_ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 EXPORT_NAME = "func"
 _KERNEL_DIR = Path(__file__).resolve().parent
@@ -270,16 +272,32 @@ def warmup(
     workers = default_workers() if workers is None else workers
     # Only a jit_cache compile leaves its object where this process finds it.
     missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
-    if workers > 1 and len(missing) > 1 and disk_cache_enabled():
+    start = time.perf_counter()
+    parallel = workers > 1 and len(missing) > 1 and disk_cache_enabled()
+    if parallel:
         _compile_in_processes(missing, min(workers, len(missing)), progress, desc)
+    compiled = time.perf_counter()
     if device is None:
         _progress(jobs, progress, desc, lambda job: job.run())
-        return len(jobs)
-    import torch
+    else:
+        import torch
 
-    with torch.cuda.device(device):
-        _progress(jobs, progress, desc + " (loading onto the GPU)", lambda job: _load_onto(job, device))
-        torch.cuda.synchronize(device)
+        with torch.cuda.device(device):
+            _progress(jobs, progress, desc + " (loading onto the GPU)", lambda job: _load_onto(job, device))
+            torch.cuda.synchronize(device)
+    where = (
+        f"in {min(workers, len(missing))} processes: {compiled - start:.1f} s" if parallel else "here, while loading"
+    )
+    loaded = "loaded and launched once on the GPU" if device is not None else "loaded"
+    log.info(
+        "%s: %d jobs, %d compiled %s; %s: %.1f s",
+        desc,
+        len(jobs),
+        len(missing),
+        where,
+        loaded,
+        time.perf_counter() - compiled,
+    )
     return len(jobs)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -55,14 +57,17 @@ def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
     assert cc.STATS.compiles == before + 1 and obj.stat().st_size > 100
 
 
-def test_warmup_runs_every_job(capsys) -> None:
+def test_warmup_runs_every_job_and_logs_its_phases(capsys, caplog) -> None:
     seen = []
     jobs = [
         cc.WarmupJob(f"job{i}", lambda i, arch: seen.append((i, arch)), (i,), (("arch", "sm_90a"),)) for i in range(3)
     ]
-    assert cc.warmup(jobs, progress=True, desc="test") == 3
+    with caplog.at_level(logging.INFO, logger="boundary"):
+        assert cc.warmup(jobs, progress=True, desc="test") == 3
     assert seen == [(0, "sm_90a"), (1, "sm_90a"), (2, "sm_90a")]
     assert "test" in capsys.readouterr().err
+    # Where the time went: the compiles (here none is a jit_cache one) and the loads, for a slow start-up's reader.
+    assert re.fullmatch(r"test: 3 jobs, 0 compiled here, while loading; loaded: \d+\.\d s", caplog.messages[-1])
 
 
 def test_a_parallel_warmup_compiles_in_other_processes_and_runs_an_unguarded_script_once(tmp_path) -> None:
