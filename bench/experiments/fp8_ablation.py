@@ -78,29 +78,20 @@ def compiled(H: int, arch: str, form: str) -> object:
 
 def call(fn: object, s: dict, form: str):
     mx, fp8 = form == "mxfp8", form.startswith("fp8")
-    args = (
-        s["residual"],
-        s["post"],
-        s["comb"],
-        s["pre"],
-        s["norm_weight"],
-        s["x"],
-        None,
-        None,
-        None,
-        None,
-        s["new_residual"],
-        s["out"],
-        s["mxfp8_data"] if mx else None,
-        s["mxfp8_scale"] if mx else None,
-        s["fp8_data"] if fp8 else None,
-        s["fp8_scale"] if fp8 else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        1e-20,
+    args = api.launch_args(
+        residual=s["residual"],
+        post=s["post"],
+        comb=s["comb"],
+        pre=s["pre"],
+        norm_weight=s["norm_weight"],
+        x=s["x"],
+        new_residual=s["new_residual"],
+        out=s["out"],
+        mxfp8_data=s["mxfp8_data"] if mx else None,
+        mxfp8_scale=s["mxfp8_scale"] if mx else None,
+        fp8_data=s["fp8_data"] if fp8 else None,
+        fp8_scale=s["fp8_scale"] if fp8 else None,
+        eps=1e-20,
     )
     return lambda: fn(*args)
 
