@@ -5,7 +5,12 @@ target 0.15): `python -m bench.experiments.fp8_candidates` (about 2 min on the H
   lanes giving 0) where the shipped writer runs 4 dependent butterfly shuffles (the ablation put 0.04-0.09 us on them);
 - "pad v4": the last row's scale and its column's padding zeros in one 16-byte store where that row starts a
   4-row chunk (rows 1, 5, 9, ...: the 1-row call writes 1 store per group where it wrote 4);
-- both.
+- "rcp newton": 1/sf by rcp.approx and one Newton FMA step where the shipped writer runs rcp.rn (the ablation put
+  0.02-0.06 us on it). rcp.approx is within 1 ulp (the PTX ISA), so the refined value is within 1.5 * 2^-46 of
+  1/sf before its rounding: it rounds as rcp.rn does for every sf whose 1/sf lies farther than that from a rounding
+  midpoint. `--prove-rcp` checks every sf the kernel can make (a bf16 amax >= 1e-4 or the floor, over 448), with
+  exact rational arithmetic, on the CPU;
+- the candidates together.
 
 Each candidate's bytes (data, scales, padding) must equal the shipped writer's on the same inputs (checked first, at
 every hidden size and row count); then each is timed beside bf16 only and the shipped FP8 form as bench/timing.py
@@ -19,7 +24,7 @@ import argparse
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from bench.kernels import boundary_inputs
 from bench.timing import GraphTimer
@@ -31,7 +36,7 @@ from cute_kernels.compile import arch_for_device
 from cute_kernels.quant import FP8_GROUP_LANES, Fp8GroupWriter
 
 SETS = 20
-CANDIDATES = ("redux", "pad v4", "redux + pad v4")
+CANDIDATES = ("redux", "pad v4", "rcp newton", "redux + pad v4 + rcp newton")
 
 
 class CandidateWriter(Fp8GroupWriter):
@@ -41,6 +46,7 @@ class CandidateWriter(Fp8GroupWriter):
         super().__init__(H, ue8m0=False)
         self.redux = "redux" in candidate
         self.pad_v4 = "pad v4" in candidate
+        self.newton = "rcp newton" in candidate
 
     @cute.jit
     def group_amax(self, words: list) -> Uint32:
@@ -55,6 +61,16 @@ class CandidateWriter(Fp8GroupWriter):
         m_lo = cute.arch.warp_redux_sync(Uint32(cutlass.select_(low, amax, Uint32(0))), "umax")
         m_hi = cute.arch.warp_redux_sync(Uint32(cutlass.select_(low, Uint32(0), amax)), "umax")
         return Uint32(cutlass.select_(low, m_lo, m_hi))
+
+    @cute.jit
+    def scale(self, amax: Uint32) -> tuple:
+        sf, inverse = super().scale(amax)
+        if const_expr(self.newton):
+            y0 = ptx.rcp_approx(sf)
+            e = ptx.fma_rn(-sf, y0, Float32(1.0))
+            # Inf: rcp.approx gives rcp.rn's 0, the step would give NaN; NaN stays NaN either way.
+            inverse = Float32(cutlass.select_(amax >= Uint32(0x7F80), y0, ptx.fma_rn(y0, e, y0)))
+        return sf, inverse
 
     @cute.jit
     def store_scale(self, scale_addr: Int64, sf_bits: Uint32, lane: Int32, row: Int32, rows: Int32, padded: Int32):
@@ -119,12 +135,38 @@ def same_bytes(fns: dict, H: int, rows: int, device: torch.device) -> list[str]:
     return [f for f in CANDIDATES if not all(torch.equal(a, b) for a, b in zip(outputs[f], want))]
 
 
+def prove_rcp() -> int:
+    """Every sf the kernel makes whose 1/sf lies within 2^-44 (relative) of an fp32 rounding midpoint: there
+    rcp.approx + one Newton step could round otherwise than rcp.rn. Prints the count; 0 means the candidate is exact."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    magnitudes = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(np.float32)
+    amaxes = np.concatenate([magnitudes[magnitudes >= np.float32(1e-4)], [np.float32(1e-4)]])
+    close = []
+    for a in amaxes:
+        sf = np.divide(a, np.float32(448.0), dtype=np.float32)  # the kernel's sf (proven equal: test_fp8_group.py)
+        exact = 1 / Fraction(float(sf))
+        below = np.float32(float(exact))
+        if Fraction(float(below)) > exact:
+            below = np.nextafter(below, np.float32(0))
+        midpoint = (Fraction(float(below)) + Fraction(float(np.nextafter(below, np.float32(np.inf))))) / 2
+        if abs(exact - midpoint) <= exact / 2**44:
+            close.append(float(sf))
+    print(f"{len(amaxes)} scales; within 2^-44 of a rounding midpoint: {len(close)} {close[:5]}")
+    return len(close)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prove-rcp", action="store_true", help="the CPU proof of the rcp newton candidate, then exit")
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 16, 128, 512])
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
+    if args.prove_rcp:
+        raise SystemExit(1 if prove_rcp() else 0)
     device = torch.device("cuda")
     arch = arch_for_device(device)
     timer = GraphTimer(device)
