@@ -26,6 +26,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
+from bench.experiments.fp8_ablation import SETS
+from bench.experiments.fp8_ablation import call as ablation_call
 from bench.kernels import boundary_inputs
 from bench.timing import GraphTimer
 from cute_kernels import ptx
@@ -35,7 +37,6 @@ from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import arch_for_device
 from cute_kernels.quant import FP8_GROUP_LANES, Fp8GroupWriter
 
-SETS = 20
 CANDIDATES = ("redux", "pad v4", "rcp newton", "redux + pad v4 + rcp newton")
 
 
@@ -101,22 +102,8 @@ def compiled(H: int, arch: str, form: str) -> object:
 
 
 def call(fn: object, s: dict, form: str):
-    """One call of a compiled kernel on the input set `s` (bf16 only, or with the FP8 1x128 form)."""
-    fp8 = form != "bf16"
-    args = api.launch_args(
-        residual=s["residual"],
-        post=s["post"],
-        comb=s["comb"],
-        pre=s["pre"],
-        norm_weight=s["norm_weight"],
-        x=s["x"],
-        new_residual=s["new_residual"],
-        out=s["out"],
-        fp8_data=s["fp8_data"] if fp8 else None,
-        fp8_scale=s["fp8_scale"] if fp8 else None,
-        eps=1e-20,
-    )
-    return lambda: fn(*args)
+    """One call of a compiled kernel on the input set `s`: bf16 only, or (shipped or candidate) with FP8 1x128."""
+    return ablation_call(fn, s, "bf16" if form == "bf16" else "fp8")
 
 
 def same_bytes(fns: dict, H: int, rows: int, device: torch.device) -> list[str]:
