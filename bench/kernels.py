@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import re
 from pathlib import Path
@@ -52,12 +53,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the TileLang step baseline's rows (python -m bench.tilelang_step, run in its own process): a step column",
     )
     p.add_argument(
+        "--tilelang-path",
+        type=Path,
+        default=os.environ.get("MHC_TILELANG_PATH") or None,
+        help="a folder holding tile_kernels and tilelang (e.g. the unpacked pack-tilelang bundle): the step part runs "
+        "bench.tilelang_step there in its own process first and adds its column (default: $MHC_TILELANG_PATH)",
+    )
+    p.add_argument(
         "--step-tp", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8], help="TP sizes of the step"
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tilelang_path is not None and args.tilelang_json is not None:
+        p.error("give --tilelang-path (measure TileLang now) or --tilelang-json (rows measured before), not both")
+    if args.tilelang_path is not None and not (args.tilelang_path / "tile_kernels").is_dir():
+        p.error(f"--tilelang-path {args.tilelang_path} holds no tile_kernels package")
+    return args
 
 
 def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +28,8 @@ from tqdm import tqdm
 from bench.timing import GraphTimer
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def boundaries_only(model: ToyModel, rows: int) -> ToyModel:
@@ -126,10 +133,38 @@ def _compiled_call(model: ToyModel, b: Boundaries, rows: int) -> Callable[[], ob
     return lambda: fn(tokens)
 
 
+def tilelang_command(args: argparse.Namespace, out: Path) -> list[str]:
+    """bench.tilelang_step's command line for the step part's shapes."""
+    return [
+        sys.executable,
+        "-m",
+        "bench.tilelang_step",
+        *("--step-hidden", *map(str, args.step_hidden)),
+        *("--step-rows", *map(str, args.step_rows)),
+        *("--step-layers", str(args.step_layers), "--replays", str(args.replays), "--out", str(out)),
+    ]
+
+
+def run_tilelang(args: argparse.Namespace) -> list[dict]:
+    """The TileLang step's rows, measured now by bench.tilelang_step in a process of its own (its tvm-ffi differs from
+    CuTe DSL's) with `args.tilelang_path` first on its path; raises with its output if it fails."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(args.tilelang_path), str(ROOT)]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tilelang.json"
+        print(f"TileLang step baseline: its own process, tile_kernels from {args.tilelang_path}", flush=True)
+        done = subprocess.run(tilelang_command(args, out), env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"bench.tilelang_step failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+        print(done.stdout, end="", flush=True)
+        return json.loads(out.read_text())["rows"]
+
+
 def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
     """µs per step, TP 1, for every hidden size and row count of the step part."""
     device = timer.device
     out = []
+    # First, alone on the GPU: its process must be gone before ours allocate their graphs.
+    tilelang = run_tilelang(args) if getattr(args, "tilelang_path", None) is not None else None
     plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
     models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
     for hidden, rows in tqdm(plan, desc="decode step (TP 1)", unit="shape"):
@@ -158,7 +193,9 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
         row["per_boundary_us"] = row["ours_us"] / n
         out.append(row)
     if args.tilelang_json is not None:
-        add_tilelang(out, json.loads(args.tilelang_json.read_text())["rows"])
+        tilelang = json.loads(args.tilelang_json.read_text())["rows"]
+    if tilelang is not None:
+        add_tilelang(out, tilelang)
     simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
     for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
         out += bench_step_simulated(args, timer, hidden, world)
@@ -272,6 +309,7 @@ def plot_step(rows: list[dict], path: Any) -> None:
             ("ours_us", "fused boundaries"),
             ("eager_us", "reference chain, eager"),
             ("compile_us", "reference chain, torch.compile"),
+            ("tilelang_us", "TileLang mHC kernels"),
             ("toy_step_us", "fused, with the toy sublayers"),
         ):
             if any(key in r for r in sel):

@@ -124,6 +124,51 @@ def test_the_tilelang_step_says_when_tile_kernels_is_missing(tmp_path, capsys) -
     assert not (tmp_path / "t.json").exists()
 
 
+def fake_tile_kernels(root) -> None:
+    """An importable tile_kernels package with an (empty) mhc module: what --tilelang-path looks for."""
+    (root / "tile_kernels").mkdir()
+    (root / "tile_kernels" / "__init__.py").write_text("")
+    (root / "tile_kernels" / "mhc.py").write_text("")
+
+
+def test_the_tilelang_path_is_checked_before_anything_runs(tmp_path, capsys) -> None:
+    for argv, says in (
+        (["--tilelang-path", str(tmp_path)], "holds no tile_kernels package"),
+        (["--tilelang-path", str(tmp_path), "--tilelang-json", "t.json"], "not both"),
+    ):
+        if "not both" in says:
+            fake_tile_kernels(tmp_path)
+        try:
+            parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert says in capsys.readouterr().err
+
+
+def test_the_tilelang_process_gets_the_step_parts_shapes(tmp_path) -> None:
+    fake_tile_kernels(tmp_path)
+    args = parse_args(["--tilelang-path", str(tmp_path), "--step-hidden", "512", "--step-rows", "1", "4"])
+    cmd = step.tilelang_command(args, tmp_path / "t.json")
+    assert cmd[1:3] == ["-m", "bench.tilelang_step"]
+    text = " ".join(cmd)
+    assert "--step-hidden 512 --step-rows 1 4 --step-layers 4" in text and f"--out {tmp_path / 't.json'}" in text
+
+
+def test_a_tilelang_run_that_measures_nothing_fails_the_step_part_loudly(tmp_path) -> None:
+    """Here (no GPU) the TileLang process finds tile_kernels on --tilelang-path but no GPU: bench must raise with its
+    output, not print a step table without the column."""
+    fake_tile_kernels(tmp_path)
+    args = parse_args(["--tilelang-path", str(tmp_path), "--step-hidden", "512", "--step-rows", "1"])
+    try:
+        step.run_tilelang(args)
+    except RuntimeError as exc:
+        assert "bench.tilelang_step failed (exit 1)" in str(exc) and "no CUDA GPU" in str(exc), exc
+    else:
+        raise AssertionError("a TileLang run with no GPU passed")
+
+
 def test_the_step_plot_draws_the_tp1_rows_only(tmp_path) -> None:
     """Simulated rows (no compile or TileLang column) beside TP 1 rows must not break the plot."""
     tp1 = {"H": 512, "tp": 1, "layers": 2, "rows": 1, "ours_us": 1.0, "eager_us": 2.0, "compile_us": 3.0}
