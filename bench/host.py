@@ -65,6 +65,9 @@ def host_row(
     ar.warmup(progress=False, quantize=())
     epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
     row: dict[str, Any] = {"H": hidden, "rows": rows}
+    # The machine's own host speed, as a yardstick: one torch op on the same tensors (about 2-5 µs on a fast host).
+    scratch = torch.empty_like(inp["x"])
+    row["torch_add_us"] = timer(lambda: torch.add(inp["x"], inp["x"], out=scratch))
     row["direct_us"] = timer(lambda: ar(inp["x"], *epilogue, None))
     row["op_eager_us"] = timer(lambda: _op(ar, inp, inp["residual"]))
     row["op_compiled_loop_us"] = timer(compiled_loop(ar, inp)) / LOOP
@@ -84,15 +87,19 @@ def bench_host(args: argparse.Namespace, inputs: Callable[[int, int], dict[str, 
 
 def print_host(rows: list[dict]) -> None:
     """The host-cost table."""
-    print(f"\nhost cost of one boundary call (median us, inputs made; per step: 2 boundaries x {LAYERS} layers, ms)")
+    print(
+        f"\nhost cost of one boundary call (median us, inputs made; per step: 2 boundaries x {LAYERS} layers, ms); "
+        "torch.add: one torch op's host cost on this machine, the yardstick"
+    )
     head = (
-        f"{'H':>5} | {'direct':>7} {'op':>7} {'compiled':>8} {'torch chain':>11} | per step ms: direct / op / compiled"
+        f"{'H':>5} | {'direct':>7} {'op':>7} {'compiled':>8} {'torch chain':>11} {'torch.add':>9} "
+        "| per step ms: direct / op / compiled"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['H']:>5} | {r['direct_us']:7.1f} {r['op_eager_us']:7.1f} {r['op_compiled_loop_us']:8.1f} "
-            f"{r['torch_eager_chain_us']:11.1f} | {r['direct_step_ms']:.2f} / {r['op_eager_step_ms']:.2f} / "
+            f"{r['torch_eager_chain_us']:11.1f} {r['torch_add_us']:9.1f} | {r['direct_step_ms']:.2f} / {r['op_eager_step_ms']:.2f} / "
             f"{r['op_compiled_loop_step_ms']:.2f} (torch chain {r['torch_eager_chain_step_ms']:.2f})"
         )

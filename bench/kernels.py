@@ -395,26 +395,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None, *, arch: str) -> int:
-    """Run the selected parts and write the results."""
-    args = parse_args(argv)
-    device = torch.device("cuda", torch.cuda.current_device())
-    name = torch.cuda.get_device_name(device)
-    timer = GraphTimer(device, replays=args.replays)
-    copy_bw = timer.copy_bandwidth()
-    print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    results: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": name,
-        "arch": arch,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "copy_bandwidth_Bps": copy_bw,
-        "calls_per_graph": CALLS_PER_GRAPH,
-        "replays": args.replays,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
+def run_parts(
+    args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float, results: dict[str, Any], stem: str
+) -> None:
+    """Measure the selected parts into `results`, printing each part's table when it is done (the step's: by main)."""
+    device = timer.device
     if "boundary" in args.parts:
         results["boundary"] = bench_boundary(args, arch, timer, copy_bw)
         print_boundary(results["boundary"], copy_bw)
@@ -437,11 +422,41 @@ def main(argv: list[str] | None, *, arch: str) -> int:
     if "step" in args.parts:
         from bench import step
 
-        results["step"] = step.bench_step(args, timer)
-        step.print_step(results["step"])
-    path = args.out / f"{stem}.json"
-    path.write_text(json.dumps(results, indent=1))
-    if "step" in results:  # after the JSON: a plot cannot lose the run
-        step.plot_step(results["step"], args.out / f"{stem}-step.png")
-    print(f"\nwrote {path}")
+        step.bench_step(args, timer, results.setdefault("step", []))
+
+
+def main(argv: list[str] | None, *, arch: str) -> int:
+    """Run the selected parts and write the results."""
+    args = parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    timer = GraphTimer(device, replays=args.replays)
+    copy_bw = timer.copy_bandwidth()
+    print(f"{name} ({arch}), torch {torch.__version__}, copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    results: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": name,
+        "arch": arch,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "copy_bandwidth_Bps": copy_bw,
+        "calls_per_graph": CALLS_PER_GRAPH,
+        "replays": args.replays,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}-{dt.date.today().isoformat()}"
+    try:
+        run_parts(args, arch, timer, copy_bw, results, stem)
+    except BaseException as exc:
+        results["incomplete"] = f"stopped by {type(exc).__name__}: {exc}"
+        raise
+    finally:  # an interrupted run (Ctrl-C, a time limit's SIGINT) still writes and prints what it measured
+        path = args.out / f"{stem}.json"
+        path.write_text(json.dumps(results, indent=1))
+        if results.get("step"):
+            from bench import step
+
+            step.print_step(results["step"])
+            step.plot_step(results["step"], args.out / f"{stem}-step.png")  # after the JSON: a plot cannot lose it
+        print(f"\nwrote {path}" + (" (incomplete: the run was stopped)" if "incomplete" in results else ""))
     return 0

@@ -159,10 +159,11 @@ def run_tilelang(args: argparse.Namespace) -> list[dict]:
         return json.loads(out.read_text())["rows"]
 
 
-def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
-    """µs per step, TP 1, for every hidden size and row count of the step part."""
+def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | None = None) -> list[dict]:
+    """µs per step at TP 1, then on simulated TP ranks, for every hidden size and row count of the step part; each row
+    is appended to `out` as it is measured (an interrupted run keeps what it has)."""
     device = timer.device
-    out = []
+    out = [] if out is None else out
     # First, alone on the GPU: its process must be gone before ours allocate their graphs.
     tilelang = run_tilelang(args) if getattr(args, "tilelang_path", None) is not None else None
     plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
@@ -198,7 +199,7 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer) -> list[dict]:
         add_tilelang(out, tilelang)
     simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
     for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
-        out += bench_step_simulated(args, timer, hidden, world)
+        bench_step_simulated(args, timer, hidden, world, out)
     return out
 
 
@@ -257,10 +258,11 @@ class SimulatedStep:
         return row
 
 
-def bench_step_simulated(args: argparse.Namespace, timer: GraphTimer, hidden: int, world: int) -> list[dict]:
-    """µs per step of W simulated ranks at every row count of the step part."""
+def bench_step_simulated(args: argparse.Namespace, timer: GraphTimer, hidden: int, world: int, out: list[dict]) -> None:
+    """µs per step of W simulated ranks at every row count of the step part, appended to `out`."""
     sim = SimulatedStep(args, timer.device, hidden, world)
-    return [sim.row(timer, rows) for rows in sorted(args.step_rows)]
+    for rows in sorted(args.step_rows):
+        out.append(sim.row(timer, rows))
 
 
 def print_step(rows: list[dict]) -> None:

@@ -60,6 +60,28 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     ]
 
 
+def test_an_interrupted_step_part_keeps_the_rows_it_measured() -> None:
+    """A time limit's SIGINT in the middle of the step part: the rows already measured stay in the caller's list
+    (bench.kernels.main writes and prints them)."""
+
+    class StopsOnTheFifthCall(OnceTimer):
+        def per_call_us(self, calls: Sequence[Callable[[], object]], calls_each: int = 1) -> float:
+            if self.calls == 4:
+                raise KeyboardInterrupt
+            return super().per_call_us(calls, calls_each)
+
+    args = parse_args(["--step-hidden", "512", "--step-rows", "1", "3", "--step-layers", "2", "--step-tp", "1"])
+    args.no_compile = True
+    rows: list[dict] = []
+    try:
+        step.bench_step(args, StopsOnTheFifthCall(), rows)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt was swallowed")
+    assert [(r["H"], r["rows"]) for r in rows] == [(512, 1)]
+
+
 def test_the_compiled_step_baseline_traces_the_reference_chain() -> None:
     from boundary import Boundaries, BoundaryAllReduce
     from boundary.toy import ToyConfig, ToyModel, compare
