@@ -42,9 +42,10 @@ bench: $(DEPS)
 	$(PYTHON) -m bench $(if $(TILELANG),--tilelang-path $(TILELANG))
 
 # Nsight Compute on every shipped kernel (profiles/profile_all.py; needs ncu and a CUDA GPU), at H=7168 and rows
-# 16 and 512 unless given, e.g. make profile H=5120 ROWS="1 64"; `$(PYTHON) profiles/profile_all.py --list` shows the plan.
+# 16 and 512 unless given, e.g. make profile H=5120 ROWS="1 64" ONLY="boundary final" (kernel-name prefixes);
+# `$(PYTHON) profiles/profile_all.py --list` shows the plan.
 profile: $(DEPS)
-	$(PYTHON) profiles/profile_all.py $(if $(H),--hidden $(H)) $(if $(ROWS),--rows $(ROWS))
+	$(PYTHON) profiles/profile_all.py $(if $(H),--hidden $(H)) $(if $(ROWS),--rows $(ROWS)) $(if $(ONLY),--only $(ONLY))
 
 lint: $(DEPS)
 	$(PYTHON) -m ruff check boundary cute_kernels tests bench profiles

@@ -13,6 +13,7 @@ The multi-rank boundary is SIMULATED: W ranks of BoundaryAllReduce.simulated on 
 runs take application range replay, and their numbers are those of the whole range, every rank's launch together.
 
   python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
+  python profiles/profile_all.py --only boundary final    the kernels whose names start so
   python profiles/profile_all.py --list        the plan (no GPU needed)
   python profiles/profile_all.py --self-test   the report parsing on an embedded sample (no GPU needed)
 
@@ -173,18 +174,28 @@ def kernels(world: int) -> list[Kernel]:
     return plan
 
 
-def plan(hidden: int, rows: Sequence[int], world: int) -> list[Item]:
-    """Every (kernel, row count) run at hidden size `hidden`."""
-    return [Item(k, hidden, r) for k in kernels(world) for r in rows]
+def selected(world: int, only: Sequence[str] = ()) -> list[Kernel]:
+    """The plan's kernels whose names start with one of `only` (every kernel when it is empty); raises ValueError
+    naming the plan when a prefix matches none."""
+    every = kernels(world)
+    for prefix in only:
+        if not any(k.name.startswith(prefix) for k in every):
+            names = ", ".join(k.name for k in every)
+            raise ValueError(f"--only {prefix!r} matches no kernel of the plan ({names})")
+    return [k for k in every if not only or any(k.name.startswith(p) for p in only)]
 
 
-def print_plan(hidden: int, rows: Sequence[int], world: int) -> None:
+def plan(hidden: int, rows: Sequence[int], world: int, only: Sequence[str] = ()) -> list[Item]:
+    """Every (kernel, row count) run at hidden size `hidden`, of the kernels `only` selects."""
+    return [Item(k, hidden, r) for k in selected(world, only) for r in rows]
+
+
+def print_plan(hidden: int, rows: Sequence[int], world: int, only: Sequence[str] = ()) -> None:
     """The plan, one kernel a line, and how many ncu runs it makes."""
-    plan_kernels = kernels(world)
+    plan_kernels = selected(world, only)
     row_text = ", ".join(map(str, rows))
-    print(
-        f"profile plan at H={hidden}, rows {row_text}: {len(plan_kernels)} kernels, {len(plan(hidden, rows, world))} ncu runs"
-    )
+    runs = len(plan(hidden, rows, world, only))
+    print(f"profile plan at H={hidden}, rows {row_text}: {len(plan_kernels)} kernels, {runs} ncu runs")
     for i, k in enumerate(plan_kernels, 1):
         print(f"  {i:2d}. {k.name:28s} {k.about}")
 
@@ -468,11 +479,11 @@ def ncu_version(ncu: str) -> str:
     return lines[-1] if status == 0 and lines else "version unknown"
 
 
-def profile_all(hidden: int, rows: Sequence[int], world: int) -> int:
-    """Profile the whole plan, write the summaries and the table; 1 where any run failed."""
+def profile_all(hidden: int, rows: Sequence[int], world: int, only: Sequence[str] = ()) -> int:
+    """Profile the plan, write the summaries and the table; 1 where any run failed."""
     ncu = check_machine()
     gpu_name, gpu = gpu_names()
-    items = plan(hidden, rows, world)
+    items = plan(hidden, rows, world, only)
     REPORTS.mkdir(parents=True, exist_ok=True)
     copy_bps = copy_bandwidth()
     date = dt.datetime.now(dt.timezone.utc).date().isoformat()
@@ -575,6 +586,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--world", type=int, default=4, choices=PEER_WORLD_SIZES, help="simulated ranks of the multi-rank boundary"
     )
+    p.add_argument(
+        "--only", nargs="+", default=[], metavar="PREFIX", help="profile the kernels whose names start so (see --list)"
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--list", action="store_true", help="print the plan and exit (no GPU needed)")
     mode.add_argument("--self-test", action="store_true", help="check the report parsing on a sample and exit")
@@ -583,6 +597,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--hidden must be a positive multiple of 256 (the boundary's), got {args.hidden}")
     if min(args.rows) < 1:
         p.error(f"--rows must be positive, got {args.rows}")
+    try:
+        selected(args.world, args.only)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -593,9 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_all self-test passed")
         return 0
     if args.list:
-        print_plan(args.hidden, args.rows, args.world)
+        print_plan(args.hidden, args.rows, args.world, args.only)
         return 0
-    return profile_all(args.hidden, args.rows, args.world)
+    return profile_all(args.hidden, args.rows, args.world, args.only)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,14 @@ def test_the_plan_names_every_kernel_at_two_row_counts() -> None:
     assert "peer-w4-oneshot-SIMULATED" in out.stdout and "peer-w4-twoshot-SIMULATED" in out.stdout
 
 
+def test_only_selects_kernels_by_name_and_refuses_a_name_it_lacks() -> None:
+    out = _run("--list", "--only", "boundary-fp8", "peer", "--rows", "16")
+    assert out.returncode == 0, out.stderr
+    assert "3 kernels, 3 ncu runs" in out.stdout and "boundary-bf16" not in out.stdout
+    out = _run("--list", "--only", "softmax")
+    assert out.returncode == 2 and "--only 'softmax' matches no kernel of the plan (boundary-bf16," in out.stderr
+
+
 def test_the_summary_parser_reads_the_raw_csv_layout() -> None:
     out = _run("--self-test")
     assert out.returncode == 0, out.stderr + out.stdout
