@@ -26,6 +26,7 @@ from cute_kernels.allreduce.protocol import (
 )
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.compile import lazy_module_loading, warmup
+from cute_kernels.hardware import MAX_DEVICE_CONNECTIONS, device_connections
 
 log = logging.getLogger("boundary")
 
@@ -97,6 +98,7 @@ class BoundaryAllReduce:
     """
 
     _warned_lazy = False  # simulated() has said that CUDA loads kernels lazily in this process
+    _warned_connections = False  # simulated() has said that the ranks' streams may share hardware queues
 
     def __init__(
         self,
@@ -268,6 +270,18 @@ class BoundaryAllReduce:
                 "simulated ranks share one CUDA context, and CUDA loads kernels lazily here: a kernel launched for the "
                 "first time (torch's, cuBLAS's or yours) while a boundary spins can stall every rank to timeout_us. "
                 "Set CUDA_MODULE_LOADING=EAGER before CUDA initialises, and call warmup() (CONTRACT §7)"
+            )
+        connections = device_connections()
+        if connections < MAX_DEVICE_CONNECTIONS and not BoundaryAllReduce._warned_connections:
+            BoundaryAllReduce._warned_connections = True  # once per process
+            log.warning(
+                "simulated ranks share one CUDA context, whose streams CUDA maps onto CUDA_DEVICE_MAX_CONNECTIONS=%d "
+                "hardware queues: with more streams than that (the ranks' own, their side streams, the caller's), a "
+                "rank's kernel can queue behind a peer's spinning boundary and every rank stalls to timeout_us. Set "
+                "CUDA_DEVICE_MAX_CONNECTIONS=%d before CUDA initialises, and use at most that many streams in all "
+                "(CONTRACT §7)",
+                connections,
+                MAX_DEVICE_CONNECTIONS,
             )
         spaces = Workspace.simulated(hidden_size, world_size, max_rows, ranks[0].device, timeout_us)
         for ar, ws in zip(ranks, spaces):

@@ -128,6 +128,9 @@ class ToyModel:
         self.embed = randn(c.vocab, hidden, std=1.0).to(self.device)
         self.final_norm = ToyNorm((1 + randn(hidden, std=0.1, dtype=F32)).to(BF16).to(self.device), c.rms_norm_eps)
         self.layers: list[ToyLayer] = []
+        # One side stream for every layer's coefficients: they run one after another anyway, and W simulated ranks
+        # then need 2 W streams, within the hardware queues (CONTRACT §7).
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         for index in range(c.num_layers):
             attn_fn = randn(24, hc * hidden, std=0.01, dtype=F32)
             weights = dict(
@@ -168,7 +171,7 @@ class ToyModel:
                     engram=engram,
                     engram_table=None if table is None else table.to(self.device),
                     engram_gate=None if gate is None else gate.to(self.device),
-                    mhc_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None,
+                    mhc_stream=side,
                     **moved,
                 )
             )

@@ -72,3 +72,13 @@ def for_arch(arch: str) -> Hardware:
     if arch not in FLAGSHIP_SMS:
         raise ValueError(f"no SM count known for arch {arch!r}; set {SM_COUNT_ENV}")
     return Hardware(arch, FLAGSHIP_SMS[arch])
+
+
+DEFAULT_DEVICE_CONNECTIONS = 8  # the driver's default of CUDA_DEVICE_MAX_CONNECTIONS
+MAX_DEVICE_CONNECTIONS = 32  # the most the driver takes
+
+
+def device_connections() -> int:
+    """The hardware work queues CUDA maps a context's streams onto ($CUDA_DEVICE_MAX_CONNECTIONS, read when CUDA
+    initialises; the driver's default where unset). Streams beyond it share queues, in launch order."""
+    return env_int("CUDA_DEVICE_MAX_CONNECTIONS", 1) or DEFAULT_DEVICE_CONNECTIONS

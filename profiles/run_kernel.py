@@ -231,6 +231,7 @@ def main() -> None:
         # Simulated ranks share one CUDA context: every kernel must be loaded before a boundary spins, so CUDA loads
         # modules eagerly (CONTRACT §7). Set before torch initialises CUDA; $CUDA_MODULE_LOADING wins.
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # no rank's kernel queued behind a spinning peer
     import torch
 
     from cute_kernels.compile import arch_for_device

@@ -9,6 +9,9 @@ from pathlib import Path
 # Simulated ranks share one CUDA context: every kernel (torch's and cuBLAS's too) must load before a boundary spins,
 # so CUDA loads modules eagerly here (CONTRACT §7). Set before anything initialises CUDA; $CUDA_MODULE_LOADING wins.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# ... and maps their streams onto this many hardware queues: with fewer queues than streams, a rank's kernel can queue
+# behind a peer's spinning boundary (CONTRACT §7). 32 is the driver's most; $CUDA_DEVICE_MAX_CONNECTIONS wins.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -362,3 +362,17 @@ def test_the_multi_rank_plot_draws_every_series(tmp_path, monkeypatch: pytest.Mo
     assert [title for title, _ in drawn] == [f"{kind} W=2, H=4096", f"{kind} W=4, H=4096"]
     assert all(labels == [label for _, label in series] for _, labels in drawn)
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_the_hardware_queue_count_is_read_as_cuda_reads_it(monkeypatch) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS: the driver's 8 where unset, the value where set, an error naming it otherwise
+    (simulated() warns below 32: CONTRACT §7)."""
+    from cute_kernels.hardware import DEFAULT_DEVICE_CONNECTIONS, device_connections
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert device_connections() == DEFAULT_DEVICE_CONNECTIONS == 8
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    assert device_connections() == 32
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "many")
+    with pytest.raises(ValueError, match="^CUDA_DEVICE_MAX_CONNECTIONS must be an int >= 1, got 'many'"):
+        device_connections()

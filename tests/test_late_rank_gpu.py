@@ -265,3 +265,25 @@ def test_a_rank_that_comes_after_its_peers_gave_up(world: int, mode: str) -> Non
     assert f"gave up waiting for rank(s) [{late}]" in outcome.error, outcome  # trial() has reset every rank
     for seed in range(12, 15):
         assert late_rank.trial(ranks, mode, late, lambda: None, seed=seed).error == "", f"after reset(), seed {seed}"
+
+
+def _queues_case(connections: int) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.stream_queues_case", "--connections", str(connections)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
+
+
+def test_simulated_ranks_streams_each_get_a_hardware_queue() -> None:
+    """8 simulated ranks run the toy step with side streams (16 streams): with CUDA_DEVICE_MAX_CONNECTIONS=32 every
+    step is clean and every rank has rank 0's bits; with the driver's 8 queues (the negative control) streams share
+    queues and a rank's kernel waits behind a peer's spinning boundary until the timeout."""
+    clean = _queues_case(32)
+    assert all(not s["stalled"] and s["ranks_differing"] == 0 for s in clean), clean
+    shared = _queues_case(8)
+    assert any(s["stalled"] for s in shared), f"the negative control did not stall: {shared}"

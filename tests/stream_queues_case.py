@@ -1,0 +1,68 @@
+"""One fresh process of the hardware-queue test (CONTRACT §7): W simulated ranks run the toy decode step eagerly with
+their coefficients on side streams (2 W streams in use), under a given CUDA_DEVICE_MAX_CONNECTIONS.
+
+`python -m tests.stream_queues_case --connections 32` prints one JSON line: per step, whether any rank's boundary
+gave up waiting, and how many ranks' outputs differ from rank 0's. With 8 queues (the driver's default) and 16
+streams, some streams share a queue, and a rank's kernel can wait behind a peer's spinning boundary: the negative
+control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, required=True)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(args.connections)  # before anything initialises CUDA
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+
+    import torch
+
+    from bench.step import boundaries_only
+    from boundary import Boundaries, BoundaryAllReduce, DecodeStep
+    from boundary.toy import ToyConfig, ToyModel, compare, decode_step, random_tokens
+
+    hidden, rows, world = 5120, 4, args.world
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=8, device="cuda", timeout_us=200_000)
+    ranks[0].warmup(progress=False, quantize=("mxfp8",))
+    models = [
+        ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), rank=r, world_size=world, device="cuda")
+        for r in range(world)
+    ]
+    for ar, model in zip(ranks, models):  # every GEMM shape once, before any boundary spins (cuBLAS loads lazily)
+        with torch.cuda.stream(ar.stream):
+            boundaries_only(model, rows)
+    torch.cuda.synchronize()
+    boundaries = [Boundaries(ar) for ar in ranks]
+    step = DecodeStep(rows=rows, side_stream=True)
+    results = []
+    for index in range(args.steps):
+        tokens = random_tokens(models[0], rows, index)
+        calls = [lambda ar, t=tokens: decode_step(models[ar.rank], boundaries[ar.rank], t, step)] * world
+        outs = BoundaryAllReduce.run_simulated(ranks, calls)
+        torch.cuda.synchronize()
+        stalled = False
+        for ar in ranks:
+            try:
+                ar.check()
+            except RuntimeError:
+                stalled = True
+        differ = sum(not compare(outs[r], outs[0])["bitwise"] for r in range(1, world))
+        results.append({"stalled": stalled, "ranks_differing": differ})
+        if stalled:
+            for ar in ranks:
+                ar.reset()
+            torch.cuda.synchronize()
+    print(json.dumps({"connections": args.connections, "steps": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
