@@ -459,4 +459,8 @@ def main(argv: list[str] | None, *, arch: str) -> int:
             step.print_step(results["step"])
             step.plot_step(results["step"], args.out / f"{stem}-step.png")  # after the JSON: a plot cannot lose it
         print(f"\nwrote {path}" + (" (incomplete: the run was stopped)" if "incomplete" in results else ""))
+    stalled = [r for r in results.get("step", []) if "stalled" in r]
+    if stalled:
+        print(f"make bench: {len(stalled)} simulated step row(s) STALLED (a boundary gave up waiting); see the table")
+        return 1
     return 0

@@ -1,5 +1,7 @@
 """One fresh process of the hardware-queue test (CONTRACT §7): W simulated ranks run the toy decode step eagerly with
-their coefficients on side streams (2 W streams in use), under a given CUDA_DEVICE_MAX_CONNECTIONS.
+their coefficients on side streams (2 W streams in use), under a given CUDA_DEVICE_MAX_CONNECTIONS. The sublayers are
+fixed outputs (bench.step.boundaries_only) unless --sublayers: with the toy's GEMMs beside the spinning boundaries the
+step stalled even with 32 queues (v23, W 8), a second hazard of one GPU that this case keeps apart.
 
 `python -m tests.stream_queues_case --connections 32` prints one JSON line: per step, whether any rank's boundary
 gave up waiting, and how many ranks' outputs differ from rank 0's. With 8 queues (the driver's default) and 16
@@ -19,6 +21,7 @@ def main() -> int:
     parser.add_argument("--connections", type=int, required=True)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sublayers", action="store_true", help="run the toy's GEMM sublayers (else fixed outputs)")
     args = parser.parse_args()
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(args.connections)  # before anything initialises CUDA
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
@@ -36,10 +39,13 @@ def main() -> int:
         ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), rank=r, world_size=world, device="cuda")
         for r in range(world)
     ]
+    free = []
     for ar, model in zip(ranks, models):  # every GEMM shape once, before any boundary spins (cuBLAS loads lazily)
         with torch.cuda.stream(ar.stream):
-            boundaries_only(model, rows)
+            free.append(boundaries_only(model, rows))
     torch.cuda.synchronize()
+    if not args.sublayers:
+        models = free
     boundaries = [Boundaries(ar) for ar in ranks]
     step = DecodeStep(rows=rows, side_stream=True)
     results = []
@@ -60,7 +66,7 @@ def main() -> int:
             for ar in ranks:
                 ar.reset()
             torch.cuda.synchronize()
-    print(json.dumps({"connections": args.connections, "steps": results}))
+    print(json.dumps({"connections": args.connections, "sublayers": args.sublayers, "steps": results}))
     return 0
 
 

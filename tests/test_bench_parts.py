@@ -219,3 +219,41 @@ def test_a_simulated_ranks_baseline_finalizes_only_its_own_moe_partial() -> None
     got = per_rank.moe(layer, x)
     assert calls == [1], calls
     assert torch.equal(got.view(torch.int16), step.summed_sublayers(free).moe(layer, x).view(torch.int16))
+
+
+def test_a_simulated_step_that_stalls_is_reported_and_ends_its_world_size(monkeypatch, capsys) -> None:
+    """A simulated step whose boundary gave up waiting: a STALLED row (no timings), every rank re-armed, and no more
+    rows at that W (the exchange was out of step); other errors propagate."""
+
+    class Stalls:
+        resets = 0
+
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def row(self, timer: object, rows: int) -> dict:
+            if rows > 1:
+                raise RuntimeError("rank 0: the boundary gave up waiting for rank(s) [3] after timeout_us=10")
+            return {"H": 512, "tp": 4, "layers": 2, "boundaries": 4, "rows": rows, "overlap_us": 2.0}
+
+        def reset(self) -> None:
+            Stalls.resets += 1
+
+    monkeypatch.setattr(step, "SimulatedStep", Stalls)
+    args = parse_args(["--step-rows", "1", "4", "16"])
+    out: list[dict] = []
+    step.bench_step_simulated(args, OnceTimer(), 512, 4, out)  # type: ignore[arg-type]
+    assert [r["rows"] for r in out] == [1, 4] and "stalled" in out[1] and Stalls.resets == 1
+    step.print_step(out[1:])
+    assert "STALLED: rank 0: the boundary gave up waiting" in capsys.readouterr().out
+
+    def fails(self: object, timer: object, rows: int) -> dict:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(Stalls, "row", fails)
+    try:
+        step.bench_step_simulated(args, OnceTimer(), 512, 4, [])  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        assert str(exc) == "something else"
+    else:
+        raise AssertionError("an error other than a stall was swallowed")

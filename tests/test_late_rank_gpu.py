@@ -269,7 +269,7 @@ def test_a_rank_that_comes_after_its_peers_gave_up(world: int, mode: str) -> Non
 
 def _queues_case(connections: int) -> list[dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.stream_queues_case", "--connections", str(connections)],
+        [sys.executable, "-m", "tests.stream_queues_case", "--connections", str(connections)],  # fixed sublayers
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -280,9 +280,10 @@ def _queues_case(connections: int) -> list[dict]:
 
 
 def test_simulated_ranks_streams_each_get_a_hardware_queue() -> None:
-    """8 simulated ranks run the toy step with side streams (16 streams): with CUDA_DEVICE_MAX_CONNECTIONS=32 every
-    step is clean and every rank has rank 0's bits; with the driver's 8 queues (the negative control) streams share
-    queues and a rank's kernel waits behind a peer's spinning boundary until the timeout."""
+    """8 simulated ranks run the toy step (fixed sublayer outputs) with side streams (16 streams): with
+    CUDA_DEVICE_MAX_CONNECTIONS=32 every step is clean and every rank has rank 0's bits; with the driver's 8 queues
+    (the negative control) streams share queues and a rank's kernel waits behind a peer's spinning boundary until the
+    timeout. (v23 ran the form with the toy's GEMM sublayers: it stalled with 32 queues too, CONTRACT §7.)"""
     clean = _queues_case(32)
     assert all(not s["stalled"] and s["ranks_differing"] == 0 for s in clean), clean
     shared = _queues_case(8)
