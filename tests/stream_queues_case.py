@@ -1,7 +1,8 @@
 """One fresh process of the hardware-queue test (CONTRACT §7): W simulated ranks run the toy decode step eagerly with
 their coefficients on side streams (2 W streams in use), under a given CUDA_DEVICE_MAX_CONNECTIONS. The sublayers are
-fixed outputs (bench.step.boundaries_only) unless --sublayers: with the toy's GEMMs beside the spinning boundaries the
-step stalled even with 32 queues (v23, W 8), a second hazard of one GPU that this case keeps apart.
+fixed outputs (bench.step.boundaries_only) unless `--sublayers gemm`: with the toy's GEMMs beside the spinning boundaries the
+step stalled even with 32 queues (v23, W 8), a second hazard of one GPU that this case keeps apart; `--sublayers
+sleep` puts a one-SM kernel of about a GEMM's time in each sublayer's place, to tell the two apart.
 
 `python -m tests.stream_queues_case --connections 32` prints one JSON line: per step, whether any rank's boundary
 gave up waiting, and how many ranks' outputs differ from rank 0's. With 8 queues (the driver's default) and 16
@@ -15,13 +16,20 @@ import argparse
 import json
 import os
 
+SLEEP_CYCLES = 20_000  # about 10 us at the H200's clocks: a small GEMM's time
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, required=True)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--sublayers", action="store_true", help="run the toy's GEMM sublayers (else fixed outputs)")
+    parser.add_argument(
+        "--sublayers",
+        choices=("fixed", "sleep", "gemm"),
+        default="fixed",
+        help="fixed outputs; fixed outputs after a one-CTA sleep kernel of about a GEMM's time; the toy's GEMMs",
+    )
     args = parser.parse_args()
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(args.connections)  # before anything initialises CUDA
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
@@ -44,7 +52,12 @@ def main() -> int:
         with torch.cuda.stream(ar.stream):
             free.append(boundaries_only(model, rows))
     torch.cuda.synchronize()
-    if not args.sublayers:
+    if args.sublayers == "sleep":  # work of a GEMM's length that needs one SM, not the whole GPU
+        for model in free:
+            attention, moe = model.attention, model.moe
+            model.attention = lambda layer, x, f=attention: (torch.cuda._sleep(SLEEP_CYCLES), f(layer, x))[1]
+            model.moe = lambda layer, x, f=moe: (torch.cuda._sleep(SLEEP_CYCLES), f(layer, x))[1]
+    if args.sublayers != "gemm":
         models = free
     boundaries = [Boundaries(ar) for ar in ranks]
     step = DecodeStep(rows=rows, side_stream=True)
