@@ -165,7 +165,7 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
     device = timer.device
     out = [] if out is None else out
     # First, alone on the GPU: its process must be gone before ours allocate their graphs.
-    tilelang = run_tilelang(args) if getattr(args, "tilelang_path", None) is not None else None
+    tilelang = run_tilelang(args) if args.tilelang_path is not None else None
     plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
     models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
     for hidden, rows in tqdm(plan, desc="decode step (TP 1)", unit="shape"):
