@@ -253,9 +253,10 @@ def test_toy_decode_step_captures_in_a_cuda_graph_with_side_streams() -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_simulated_ranks_run_whole_decode_steps_at_once_in_a_cuda_graph(world: int) -> None:
-    """W simulated ranks each run the toy step (coefficients on side streams) at once on one GPU, captured in one
-    graph and replayed: every rank gets the same bits (each has a coefficients workspace of its own; a shared one
-    raced), and they track the plain chain after the rank-order sum of every rank's partials."""
+    """W simulated ranks each run the toy step (coefficients on side streams, sublayers as fixed outputs: CONTRACT §7)
+    at once on one GPU, captured in one graph and replayed: every rank gets the same bits (each has a coefficients
+    workspace of its own; a shared one raced), and they track the plain chain after the rank-order sum of every
+    rank's partials."""
     from bench.step import boundaries_only, summed_sublayers
 
     rows = 4
@@ -263,11 +264,9 @@ def test_simulated_ranks_run_whole_decode_steps_at_once_in_a_cuda_graph(world: i
     ranks = BoundaryAllReduce.simulated(H, world, max_rows=8, device="cuda", timeout_us=1_000_000)
     ranks[0].warmup(progress=False, quantize=("mxfp8",))
     models = [ToyModel(config, rank=r, world_size=world, device="cuda") for r in range(world)]
-    # cuBLAS loads a GEMM kernel at its first launch, which waits for spinning peers (CONTRACT §7): every rank's
-    # sublayer shapes run once before any boundary spins.
-    for ar, model in zip(ranks, models):
-        with torch.cuda.stream(ar.stream):
-            boundaries_only(model, rows)
+    # The toy's GEMMs beside spinning peers on one GPU can stall a step (CONTRACT §7): each rank's sublayers return
+    # outputs computed once here, before any boundary spins.
+    models = [boundaries_only(model, rows) for model in models]
     torch.cuda.synchronize()
     boundaries = [Boundaries(ar) for ar in ranks]
     step = DecodeStep(rows=rows, side_stream=True)
