@@ -4,7 +4,7 @@ Each op's real implementation is the direct Python path (`BoundaryAllReduce`, `b
 inputs and runs the fused kernels where they run. A boundary op names its rank's `BoundaryAllReduce` (the workspace,
 the peer table, the error word) by `all_reduce.handle`, an int; those buffers are the op's hidden state, as a
 communicator is an all-reduce op's. `torch.compile` traces the fake implementations and calls the ops as opaque
-nodes. Annotations stay unpostponed here: `torch.library.custom_op` reads them to build the schema.
+nodes.
 """
 
 import torch
@@ -24,9 +24,55 @@ from boundary.types import (
 
 BF16 = torch.bfloat16
 F32 = torch.float32
-# The outputs written in place take no default in the schemas: torch's boxed call drops trailing arguments equal to
-# their defaults, and torch 2.11's in-place bookkeeping then indexes past the arguments it got.
-BOUNDARY_MUTATES = ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "aux_out")
+
+# Plain torch.library registration: torch.library.custom_op wraps every call in Python (an autograd wrapper, an
+# aliasing check), 7-10 us a call more on an x86 host where torch.add takes 1 us (perf-log v23). The schemas are the
+# ones custom_op inferred (its `int` is SymInt); the outputs written in place carry (a!) annotations and no default
+# (torch's boxed call drops trailing arguments equal to their defaults, and torch 2.11's in-place bookkeeping then
+# indexes past the arguments it got).
+_LIB = torch.library.Library("mhc_boundary", "DEF")
+
+
+def _op(schema: str):
+    """Define mhc_boundary::<schema> and make the decorated function its implementation on every device."""
+
+    def register(fn):
+        _LIB.define(schema)
+        _LIB.impl(schema.split("(", 1)[0], fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+BOUNDARY_SCHEMA = (
+    "boundary(SymInt handle, Tensor? x, Tensor? gemm2_permuted, Tensor? expert_weights, "
+    "Tensor? expanded_idx_to_permuted_idx, Tensor? shared_output, Tensor residual, Tensor post, "
+    "Tensor comb, Tensor pre, Tensor norm_weight, float norm_eps, Tensor(a12!)? mxfp8_data, "
+    "Tensor(a13!)? mxfp8_scale, Tensor(a14!)? fp8_data, Tensor(a15!)? fp8_scale, bool fp8_ue8m0, "
+    "Tensor(a17!)? aux_out) -> (Tensor, Tensor)"
+)
+POST_ONLY_SCHEMA = (
+    "post_only(SymInt handle, Tensor? x, Tensor? gemm2_permuted, Tensor? expert_weights, "
+    "Tensor? expanded_idx_to_permuted_idx, Tensor? shared_output, Tensor residual, Tensor post, "
+    "Tensor comb) -> Tensor"
+)
+FINAL_SCHEMA = (
+    "final(SymInt handle, Tensor? x, Tensor? gemm2_permuted, Tensor? expert_weights, "
+    "Tensor? expanded_idx_to_permuted_idx, Tensor? shared_output, Tensor residual, Tensor post, "
+    "Tensor comb, Tensor pre, Tensor norm_weight, float norm_eps) -> Tensor"
+)
+MHC_PRE_DELAYED_SCHEMA = (
+    "mhc_pre_delayed(Tensor residual, Tensor fn, Tensor hc_scale, Tensor hc_base, float rms_eps, "
+    "float hc_pre_eps, float hc_sinkhorn_eps, float hc_post_mult_value, SymInt sinkhorn_repeat, "
+    "Tensor? pre_mix=None, Tensor? x=None, Tensor? norm_weight=None, float norm_eps=1e-06, "
+    'str backend="auto") -> (Tensor, Tensor, Tensor, Tensor)'
+)
+MHC_MIXES_SCHEMA = (
+    "mhc_mixes(Tensor residual, Tensor fn, Tensor hc_scale, Tensor hc_base, float rms_eps, "
+    "float hc_pre_eps, float hc_sinkhorn_eps, float hc_post_mult_value, SymInt sinkhorn_repeat, "
+    'Tensor? x=None, str backend="auto") -> (Tensor, Tensor, Tensor)'
+)
+MHC_POST_SCHEMA = 'mhc_post(Tensor x, Tensor residual, Tensor post, Tensor comb, str backend="auto") -> Tensor'
 
 
 def _run_boundary(
@@ -70,7 +116,7 @@ def _run_boundary(
     return ar.finalize(*moe, shared_output, *epilogue, aux_out=aux_out, fp8_out=fp8)
 
 
-@torch.library.custom_op("mhc_boundary::boundary", mutates_args=BOUNDARY_MUTATES)
+@_op(BOUNDARY_SCHEMA)
 def boundary(
     handle: int,
     x: Tensor | None,
@@ -115,7 +161,7 @@ def boundary(
     )
 
 
-@boundary.register_fake
+@torch.library.register_fake("mhc_boundary::boundary", lib=_LIB)
 def _boundary_fake(
     handle: int,
     x: Tensor | None,
@@ -141,7 +187,7 @@ def _boundary_fake(
 
 # No aux_out here: Inductor cannot compile an op that returns one Tensor and declares a mutated argument the call
 # passes as None ("getitem is not an OpOverload"); aux on the residual-only boundary is BoundaryAllReduce's.
-@torch.library.custom_op("mhc_boundary::post_only", mutates_args=())
+@_op(POST_ONLY_SCHEMA)
 def post_only(
     handle: int,
     x: Tensor | None,
@@ -171,7 +217,7 @@ def post_only(
     return new
 
 
-@post_only.register_fake
+@torch.library.register_fake("mhc_boundary::post_only", lib=_LIB)
 def _post_only_fake(
     handle: int,
     x: Tensor | None,
@@ -186,7 +232,7 @@ def _post_only_fake(
     return torch.empty_like(residual)
 
 
-@torch.library.custom_op("mhc_boundary::final", mutates_args=())
+@_op(FINAL_SCHEMA)
 def final(
     handle: int,
     x: Tensor | None,
@@ -219,7 +265,7 @@ def final(
     return hidden
 
 
-@final.register_fake
+@torch.library.register_fake("mhc_boundary::final", lib=_LIB)
 def _final_fake(
     handle: int,
     x: Tensor | None,
@@ -237,7 +283,7 @@ def _final_fake(
     return residual.new_empty(residual.shape[0], residual.shape[2])
 
 
-@torch.library.custom_op("mhc_boundary::mhc_pre_delayed", mutates_args=())
+@_op(MHC_PRE_DELAYED_SCHEMA)
 def mhc_pre_delayed(
     residual: Tensor,
     fn: Tensor,
@@ -259,7 +305,7 @@ def mhc_pre_delayed(
     return mhc.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=backend)
 
 
-@mhc_pre_delayed.register_fake
+@torch.library.register_fake("mhc_boundary::mhc_pre_delayed", lib=_LIB)
 def _mhc_pre_delayed_fake(
     residual: Tensor,
     fn: Tensor,
@@ -281,7 +327,7 @@ def _mhc_pre_delayed_fake(
     return post, comb, residual.new_empty(rows, hidden), pre
 
 
-@torch.library.custom_op("mhc_boundary::mhc_mixes", mutates_args=())
+@_op(MHC_MIXES_SCHEMA)
 def mhc_mixes(
     residual: Tensor,
     fn: Tensor,
@@ -300,7 +346,7 @@ def mhc_mixes(
     return mhc.mixes(residual, params, x, backend=backend)
 
 
-@mhc_mixes.register_fake
+@torch.library.register_fake("mhc_boundary::mhc_mixes", lib=_LIB)
 def _mhc_mixes_fake(
     residual: Tensor,
     fn: Tensor,
@@ -326,13 +372,13 @@ def _mixes_fake(residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-@torch.library.custom_op("mhc_boundary::mhc_post", mutates_args=())
+@_op(MHC_POST_SCHEMA)
 def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     """The new streams from a reduced sublayer output: `boundary.mhc_post` as an op."""
     return mhc.mhc_post(x, residual, post, comb, backend=backend)
 
 
-@mhc_post.register_fake
+@torch.library.register_fake("mhc_boundary::mhc_post", lib=_LIB)
 def _mhc_post_fake(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     return torch.empty_like(residual)
 

@@ -399,3 +399,28 @@ def test_partial_args_cover_every_pending_form() -> None:
     assert ops.partial_args(MoEOutput(inp["x"], inp["shared"])) == (inp["x"], None, None, None, inp["shared"])
     moe = MoEOutput(UnfinalizedMoEOutput(inp["permuted"], inp["weights"], inp["idx"]), None)
     assert ops.partial_args(moe) == (None, inp["permuted"], inp["weights"], inp["idx"], None)
+
+
+@pytest.mark.parametrize("name", ["boundary", "post_only", "final", "mhc_pre_delayed", "mhc_mixes", "mhc_post"])
+def test_each_op_schema_names_its_implementations_arguments_in_order(name: str) -> None:
+    """The schemas are spelled out (plain torch.library registration): they must name the implementation's and the
+    fake implementation's parameters, in order, with the same defaults, and mark only the outputs written in place."""
+    import inspect
+
+    from boundary import ops
+
+    schema = getattr(torch.ops.mhc_boundary, name).default._schema
+    names = [a.name for a in schema.arguments]
+    for fn in (getattr(ops, name), getattr(ops, f"_{name}_fake")):
+        params = inspect.signature(fn).parameters
+        assert list(params) == names, (fn.__name__, names)
+        for arg in schema.arguments:
+            default = params[arg.name].default
+            if default is inspect.Parameter.empty:
+                assert not arg.has_default_value(), (fn.__name__, arg.name)
+            else:
+                assert arg.default_value == default, (fn.__name__, arg.name)
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == (
+        {"mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "aux_out"} if name == "boundary" else set()
+    )
