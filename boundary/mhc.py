@@ -244,14 +244,20 @@ def pre_delayed_overlap(
 
 
 def mixes(
-    residual: Tensor, params: MHCParams, x: Tensor | None = None, *, backend: str = "auto"
+    residual: Tensor,
+    params: MHCParams,
+    x: Tensor | None = None,
+    *,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """post, comb and next_pre alone (no layer input), on the current stream: one launch on the kernels."""
+    """post, comb and next_pre alone (no layer input), on the current stream: one launch on the kernels.
+    `workspace_owner`: see prepare_workspace."""
     params, _ = checks.pre_delayed(residual, params, None, x, None, 0.0)
     arch = kernel_arch(residual.device, backend)
     if arch is not None:
         _check_kernel_args(residual, x, params.fn, None, None, arch, inline=False, layer_input_kernel=False)
-    return _coefficients(residual, x, params, arch)
+    return _coefficients(residual, x, params, arch, workspace_owner)
 
 
 def _coefficients(

@@ -65,12 +65,12 @@ MHC_PRE_DELAYED_SCHEMA = (
     "mhc_pre_delayed(Tensor residual, Tensor fn, Tensor hc_scale, Tensor hc_base, float rms_eps, "
     "float hc_pre_eps, float hc_sinkhorn_eps, float hc_post_mult_value, SymInt sinkhorn_repeat, "
     "Tensor? pre_mix=None, Tensor? x=None, Tensor? norm_weight=None, float norm_eps=1e-06, "
-    'str backend="auto") -> (Tensor, Tensor, Tensor, Tensor)'
+    'str backend="auto", SymInt? workspace_owner=None) -> (Tensor, Tensor, Tensor, Tensor)'
 )
 MHC_MIXES_SCHEMA = (
     "mhc_mixes(Tensor residual, Tensor fn, Tensor hc_scale, Tensor hc_base, float rms_eps, "
     "float hc_pre_eps, float hc_sinkhorn_eps, float hc_post_mult_value, SymInt sinkhorn_repeat, "
-    'Tensor? x=None, str backend="auto") -> (Tensor, Tensor, Tensor)'
+    'Tensor? x=None, str backend="auto", SymInt? workspace_owner=None) -> (Tensor, Tensor, Tensor)'
 )
 MHC_POST_SCHEMA = 'mhc_post(Tensor x, Tensor residual, Tensor post, Tensor comb, str backend="auto") -> Tensor'
 
@@ -299,10 +299,14 @@ def mhc_pre_delayed(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(post, comb, layer_input, next_pre) of CONTRACT §3: `boundary.mhc_pre_delayed` as an op."""
+    """(post, comb, layer_input, next_pre) of CONTRACT §3: `boundary.mhc_pre_delayed` as an op. `workspace_owner`
+    names a simulated rank's coefficients workspace (the scheduler passes it; see mhc.prepare_workspace)."""
     params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
-    return mhc.pre_delayed(residual, params, pre_mix, x, norm_weight, norm_eps, backend=backend)
+    return mhc.pre_delayed(
+        residual, params, pre_mix, x, norm_weight, norm_eps, backend=backend, workspace_owner=workspace_owner
+    )
 
 
 @torch.library.register_fake("mhc_boundary::mhc_pre_delayed", lib=_LIB)
@@ -321,6 +325,7 @@ def _mhc_pre_delayed_fake(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rows, hc, hidden = residual.shape
     post, comb, pre = _mixes_fake(residual)
@@ -340,10 +345,11 @@ def mhc_mixes(
     sinkhorn_repeat: int,
     x: Tensor | None = None,
     backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(post, comb, next_pre) alone, with no layer input: the coefficients a `sublayer` computes after its boundary."""
     params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
-    return mhc.mixes(residual, params, x, backend=backend)
+    return mhc.mixes(residual, params, x, backend=backend, workspace_owner=workspace_owner)
 
 
 @torch.library.register_fake("mhc_boundary::mhc_mixes", lib=_LIB)
@@ -359,6 +365,7 @@ def _mhc_mixes_fake(
     sinkhorn_repeat: int,
     x: Tensor | None = None,
     backend: str = "auto",
+    workspace_owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _mixes_fake(residual)
 

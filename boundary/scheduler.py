@@ -180,14 +180,8 @@ class Boundaries:
         self.custom_ops = checks.flag("custom_ops", custom_ops)
         # The mHC ops follow the boundary's path: torch ops beside the reference, kernels otherwise.
         self.backend = "reference" if all_reduce.path == "reference" else "kernel"
-        # Simulated ranks run their steps at once on one GPU: each rank's coefficients need a workspace of its own,
-        # which the custom ops (no rank in their schema) cannot name.
+        # Simulated ranks run their steps at once on one GPU: each rank's coefficients need a workspace of its own.
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
-        if self.custom_ops and all_reduce.simulated_ranks:
-            raise ValueError(
-                "custom_ops=True cannot drive simulated ranks: their coefficients would share one workspace on the "
-                "GPU while the ranks run at once; use custom_ops=False"
-            )
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; input = RMSNorm(stream 0)."""
@@ -359,9 +353,9 @@ class Boundaries:
             if self.custom_ops:
                 if layer_input is None:
                     return torch.ops.mhc_boundary.mhc_pre_delayed(
-                        residual, *params, pre_mix, x, norm_weight, norm_eps, self.backend
+                        residual, *params, pre_mix, x, norm_weight, norm_eps, self.backend, self._owner
                     )
-                post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend)
+                post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend, self._owner)
                 return post, comb, layer_input, pre
             stream = None
             if self._side(step):

@@ -294,7 +294,40 @@ def test_simulated_ranks_run_whole_decode_steps_at_once_in_a_cuda_graph(world: i
         ar.check()
 
 
-def test_custom_ops_refuse_simulated_ranks() -> None:
-    ranks = BoundaryAllReduce.simulated(H, 2, max_rows=8, device="cuda")
-    with pytest.raises(ValueError, match="^custom_ops=True cannot drive simulated ranks"):
-        Boundaries(ranks[0], custom_ops=True)
+def test_custom_ops_drive_simulated_ranks_with_the_direct_paths_bits() -> None:
+    """W 2 simulated ranks step through the custom ops (each rank's coefficients in its own workspace, named by
+    workspace_owner), eagerly and as a compiled fullgraph loop captured in a CUDA graph: every rank gets the bits
+    of the direct path's step. The first compiled call compiles each rank's graph while the other rank waits: a long
+    timeout covers it."""
+    from bench.step import boundaries_only
+
+    world, rows = 2, 4
+    ranks = BoundaryAllReduce.simulated(H, world, max_rows=8, device="cuda", timeout_us=120_000_000)
+    ranks[0].warmup(progress=False, quantize=("mxfp8",))
+    config = ToyConfig(hidden_size=H, num_layers=2)
+    models = [boundaries_only(ToyModel(config, rank=r, world_size=world, device="cuda"), rows) for r in range(world)]
+    torch.cuda.synchronize()
+    direct = [Boundaries(ar) for ar in ranks]
+    op = [Boundaries(ar, custom_ops=True) for ar in ranks]
+    step = DecodeStep(rows=rows, side_stream=False)
+    tokens = random_tokens(models[0], rows, 0).clone()
+    compiled = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
+
+    def every_rank(fn, boundaries) -> list:
+        calls = [lambda ar: fn(models[ar.rank], boundaries[ar.rank], tokens, step)] * world
+        return BoundaryAllReduce.run_simulated(ranks, calls)
+
+    want = every_rank(decode_step, direct)
+    for got in (every_rank(decode_step, op), every_rank(compiled, op)):
+        torch.cuda.synchronize()
+        assert all(compare(g, w)["bitwise"] for g, w in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = every_rank(compiled, op)
+    tokens.copy_(random_tokens(models[0], rows, 1))
+    graph.replay()
+    want = every_rank(decode_step, direct)
+    torch.cuda.synchronize()
+    assert all(compare(g, w)["bitwise"] for g, w in zip(captured, want))
+    for ar in ranks:
+        ar.check()

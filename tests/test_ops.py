@@ -141,6 +141,26 @@ def test_the_mhc_ops_give_the_direct_paths_bits() -> None:
     assert bitwise_equal(post, mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"]))
 
 
+def test_the_coefficient_ops_hand_the_workspace_owner_to_the_direct_path(monkeypatch) -> None:
+    """A simulated rank's coefficients workspace (mhc.prepare_workspace's owner) travels through the ops, which is
+    what lets custom_ops=True drive simulated ranks; None (the default) for a real rank."""
+    inp = inputs()
+    args = (inp["residual"], inp["fn"], inp["scale"], inp["base"], 1e-20, 1e-6, 1e-6, 2.0, 20)
+    seen = []
+    for name in ("pre_delayed", "mixes"):
+        real = getattr(mhc, name)
+
+        def spy(*a, real=real, **k):
+            seen.append(k.get("workspace_owner"))
+            return real(*a, **k)
+
+        monkeypatch.setattr(mhc, name, spy)
+    OPS.mhc_pre_delayed(*args, workspace_owner=3)
+    OPS.mhc_mixes(*args, None, "auto", 2)
+    OPS.mhc_mixes(*args)
+    assert seen == [3, 2, None]
+
+
 def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) -> None:
     inp = inputs()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
