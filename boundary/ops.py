@@ -26,7 +26,7 @@ BF16 = torch.bfloat16
 F32 = torch.float32
 
 # Plain torch.library registration: torch.library.custom_op wraps every call in Python (an autograd wrapper, an
-# aliasing check), 7-10 us a call more on an x86 host where torch.add takes 1 us (perf-log v23). The schemas are the
+# aliasing check), several times a plain op's host cost (docs/PERF.md decisions: boundary.ops._op). The schemas are the
 # ones custom_op inferred (its `int` is SymInt); the outputs written in place carry (a!) annotations and no default
 # (torch's boxed call drops trailing arguments equal to their defaults, and torch 2.11's in-place bookkeeping then
 # indexes past the arguments it got).
