@@ -318,9 +318,10 @@ def test_custom_ops_drive_simulated_ranks_with_the_direct_paths_bits() -> None:
         return BoundaryAllReduce.run_simulated(ranks, calls)
 
     want = every_rank(decode_step, direct)
-    for got in (every_rank(decode_step, op), every_rank(compiled, op)):
+    for fn in (decode_step, compiled):  # the ops eagerly, then compiled (the first call compiles every rank's graph)
+        got = every_rank(fn, op)
         torch.cuda.synchronize()
-        assert all(compare(g, w)["bitwise"] for g, w in zip(got, want))
+        assert all(compare(g, w)["bitwise"] for g, w in zip(got, want)), fn
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = every_rank(compiled, op)
