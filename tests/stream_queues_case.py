@@ -30,9 +30,17 @@ def main() -> int:
         default="fixed",
         help="fixed outputs; fixed outputs after a one-CTA sleep kernel of about a GEMM's time; the toy's GEMMs",
     )
+    parser.add_argument(
+        "--no-gemm-workspace",
+        action="store_true",
+        help="cuBLAS without a workspace (no split-K / stream-K GEMMs, whose CTAs may wait for each other)",
+    )
     args = parser.parse_args()
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(args.connections)  # before anything initialises CUDA
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+    if args.no_gemm_workspace:  # read at torch's first cuBLAS call
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":0:0"
+        os.environ["CUBLASLT_WORKSPACE_SIZE"] = "0"
 
     import torch
 
