@@ -72,6 +72,21 @@ def test_guide_worked_example_gives_the_bits_of_the_plain_toy() -> None:
         assert_same_step(hidden, moe_input, model, tokens)
 
 
+def test_guide_custom_ops_example_compiles_in_one_graph_with_the_direct_paths_bits() -> None:
+    """The compiled-model example runs as written (Inductor on the CPU) and gives the direct path's bits."""
+    from boundary.toy import compare, decode_step
+
+    torch._dynamo.reset()
+    text = GUIDE.read_text()
+    mark = "<!-- runs in the tests: custom ops -->"
+    marked = [code for start, code in python_blocks(text) if text[:start].rstrip().endswith(mark)]
+    assert len(marked) == 1
+    ns = run(marked[0], "docs/INTEGRATION.md (custom ops)")
+    model, step = ns["model"], ns["step"]
+    want = decode_step(model, Boundaries(ns["all_reduce"]), random_tokens(model, 4, 0), step)
+    assert compare(ns["out"], want)["bitwise"]
+
+
 def test_guide_covers_what_an_integrator_needs() -> None:
     headings = set(re.findall(r"^## (.+)$", GUIDE.read_text(), re.M))
     for needed in (
@@ -84,6 +99,7 @@ def test_guide_covers_what_an_integrator_needs() -> None:
         "Several ranks: a TP group",
         "The kernel cache",
         "NaN and inf inputs",
+        "Compiled models: the custom ops",
     ):
         assert needed in headings, needed
 
