@@ -4,7 +4,7 @@ Each op's real implementation is the direct Python path (`BoundaryAllReduce`, `b
 inputs and runs the fused kernels where they run. A boundary op names its rank's `BoundaryAllReduce` (the workspace,
 the peer table, the error word) by `all_reduce.handle`, an int; those buffers are the op's hidden state, as a
 communicator is an all-reduce op's. `torch.compile` traces the fake implementations and calls the ops as opaque
-nodes.
+nodes. Annotations stay unpostponed here: `torch.library.infer_schema` reads them to build the schema.
 """
 
 import torch
@@ -25,54 +25,24 @@ from boundary.types import (
 BF16 = torch.bfloat16
 F32 = torch.float32
 
-# Plain torch.library registration: torch.library.custom_op wraps every call in Python (an autograd wrapper, an
-# aliasing check), several times a plain op's host cost (docs/PERF.md decisions: boundary.ops._op). The schemas are the
-# ones custom_op inferred (its `int` is SymInt); the outputs written in place carry (a!) annotations and no default
-# (torch's boxed call drops trailing arguments equal to their defaults, and torch 2.11's in-place bookkeeping then
-# indexes past the arguments it got).
+# The outputs written in place take no default in the schemas: torch's boxed call drops trailing arguments equal to
+# their defaults, and torch 2.11's in-place bookkeeping then indexes past the arguments it got.
+BOUNDARY_MUTATES = ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "aux_out")
+# Plain torch.library registration, not torch.library.custom_op, which wraps every call in Python (an autograd
+# wrapper, an aliasing check) at several times a plain op's host cost (docs/PERF.md decisions: boundary.ops._op).
 _LIB = torch.library.Library("mhc_boundary", "DEF")
 
 
-def _op(schema: str):
-    """Define mhc_boundary::<schema> and make the decorated function its implementation on every device."""
+def _op(mutates_args: tuple[str, ...] = ()):
+    """Define mhc_boundary::<the function's name> with the schema its annotations give (as custom_op infers it) and
+    make the function its implementation on every device."""
 
     def register(fn):
-        _LIB.define(schema)
-        _LIB.impl(schema.split("(", 1)[0], fn, "CompositeExplicitAutograd")
+        _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
         return fn
 
     return register
-
-
-BOUNDARY_SCHEMA = (
-    "boundary(SymInt handle, Tensor? x, Tensor? gemm2_permuted, Tensor? expert_weights, "
-    "Tensor? expanded_idx_to_permuted_idx, Tensor? shared_output, Tensor residual, Tensor post, "
-    "Tensor comb, Tensor pre, Tensor norm_weight, float norm_eps, Tensor(a12!)? mxfp8_data, "
-    "Tensor(a13!)? mxfp8_scale, Tensor(a14!)? fp8_data, Tensor(a15!)? fp8_scale, bool fp8_ue8m0, "
-    "Tensor(a17!)? aux_out) -> (Tensor, Tensor)"
-)
-POST_ONLY_SCHEMA = (
-    "post_only(SymInt handle, Tensor? x, Tensor? gemm2_permuted, Tensor? expert_weights, "
-    "Tensor? expanded_idx_to_permuted_idx, Tensor? shared_output, Tensor residual, Tensor post, "
-    "Tensor comb) -> Tensor"
-)
-FINAL_SCHEMA = (
-    "final(SymInt handle, Tensor? x, Tensor? gemm2_permuted, Tensor? expert_weights, "
-    "Tensor? expanded_idx_to_permuted_idx, Tensor? shared_output, Tensor residual, Tensor post, "
-    "Tensor comb, Tensor pre, Tensor norm_weight, float norm_eps) -> Tensor"
-)
-MHC_PRE_DELAYED_SCHEMA = (
-    "mhc_pre_delayed(Tensor residual, Tensor fn, Tensor hc_scale, Tensor hc_base, float rms_eps, "
-    "float hc_pre_eps, float hc_sinkhorn_eps, float hc_post_mult_value, SymInt sinkhorn_repeat, "
-    "Tensor? pre_mix=None, Tensor? x=None, Tensor? norm_weight=None, float norm_eps=1e-06, "
-    'str backend="auto", SymInt? workspace_owner=None) -> (Tensor, Tensor, Tensor, Tensor)'
-)
-MHC_MIXES_SCHEMA = (
-    "mhc_mixes(Tensor residual, Tensor fn, Tensor hc_scale, Tensor hc_base, float rms_eps, "
-    "float hc_pre_eps, float hc_sinkhorn_eps, float hc_post_mult_value, SymInt sinkhorn_repeat, "
-    'Tensor? x=None, str backend="auto", SymInt? workspace_owner=None) -> (Tensor, Tensor, Tensor)'
-)
-MHC_POST_SCHEMA = 'mhc_post(Tensor x, Tensor residual, Tensor post, Tensor comb, str backend="auto") -> Tensor'
 
 
 def _run_boundary(
@@ -116,7 +86,7 @@ def _run_boundary(
     return ar.finalize(*moe, shared_output, *epilogue, aux_out=aux_out, fp8_out=fp8)
 
 
-@_op(BOUNDARY_SCHEMA)
+@_op(BOUNDARY_MUTATES)
 def boundary(
     handle: int,
     x: Tensor | None,
@@ -187,7 +157,7 @@ def _boundary_fake(
 
 # No aux_out here: Inductor cannot compile an op that returns one Tensor and declares a mutated argument the call
 # passes as None ("getitem is not an OpOverload"); aux on the residual-only boundary is BoundaryAllReduce's.
-@_op(POST_ONLY_SCHEMA)
+@_op()
 def post_only(
     handle: int,
     x: Tensor | None,
@@ -232,7 +202,7 @@ def _post_only_fake(
     return torch.empty_like(residual)
 
 
-@_op(FINAL_SCHEMA)
+@_op()
 def final(
     handle: int,
     x: Tensor | None,
@@ -283,7 +253,7 @@ def _final_fake(
     return residual.new_empty(residual.shape[0], residual.shape[2])
 
 
-@_op(MHC_PRE_DELAYED_SCHEMA)
+@_op()
 def mhc_pre_delayed(
     residual: Tensor,
     fn: Tensor,
@@ -332,7 +302,7 @@ def _mhc_pre_delayed_fake(
     return post, comb, residual.new_empty(rows, hidden), pre
 
 
-@_op(MHC_MIXES_SCHEMA)
+@_op()
 def mhc_mixes(
     residual: Tensor,
     fn: Tensor,
@@ -379,7 +349,7 @@ def _mixes_fake(residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-@_op(MHC_POST_SCHEMA)
+@_op()
 def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     """The new streams from a reduced sublayer output: `boundary.mhc_post` as an op."""
     return mhc.mhc_post(x, residual, post, comb, backend=backend)

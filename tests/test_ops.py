@@ -423,8 +423,9 @@ def test_partial_args_cover_every_pending_form() -> None:
 
 @pytest.mark.parametrize("name", ["boundary", "post_only", "final", "mhc_pre_delayed", "mhc_mixes", "mhc_post"])
 def test_each_op_schema_names_its_implementations_arguments_in_order(name: str) -> None:
-    """The schemas are spelled out (plain torch.library registration): they must name the implementation's and the
-    fake implementation's parameters, in order, with the same defaults, and mark only the outputs written in place."""
+    """Each schema (inferred from the implementation, registered with torch.library.Library) names the
+    implementation's and the fake implementation's parameters, in order, with the same defaults, and marks only the
+    outputs written in place."""
     import inspect
 
     from boundary import ops
