@@ -177,9 +177,13 @@ class Fp8GroupWriter:
         amax = Uint32(0)
         for i in cutlass.range_constexpr(4):
             amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
-        for off in cutlass.range_constexpr(4):
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
-        return amax
+        # A group is 16 aligned lanes: each half-warp's max from one full-warp redux that the other half joins with 0
+        # (every magnitude pattern is >= 0, so 0 never wins over a real amax), where 4 dependent shuffles ran
+        # (docs/PERF.md decisions: Fp8GroupWriter.group_amax).
+        low = cute.arch.lane_idx() < FP8_GROUP_LANES
+        m_lo = cute.arch.warp_redux_sync(Uint32(cutlass.select_(low, amax, Uint32(0))), "umax")
+        m_hi = cute.arch.warp_redux_sync(Uint32(cutlass.select_(low, Uint32(0), amax)), "umax")
+        return Uint32(cutlass.select_(low, m_lo, m_hi))
 
     @cute.jit
     def scale(self, amax: Uint32) -> tuple:
@@ -196,7 +200,11 @@ class Fp8GroupWriter:
             inverse = Float32(cutlass.select_(e == Int32(254), Float32(2.0**-127), inverse))
             inverse = Float32(cutlass.select_(e == Int32(0xFF), ptx.rcp_rn(sf), inverse))
         else:
-            inverse = ptx.rcp_rn(sf)
+            # rcp.approx and one Newton step: rcp.rn's bits for every sf the rule can make (docs/PERF.md decisions:
+            # Fp8GroupWriter.scale). Inf and NaN keep rcp.approx's 0 and NaN (the step would make Inf's NaN).
+            y0 = ptx.rcp_approx(sf)
+            e = ptx.fma_rn(-sf, y0, Float32(1.0))
+            inverse = Float32(cutlass.select_(amax >= Uint32(0x7F80), y0, ptx.fma_rn(y0, e, y0)))
         return sf, inverse
 
     @cute.jit
@@ -224,12 +232,16 @@ class Fp8GroupWriter:
     @cute.jit
     def store_scale(self, scale_addr: Int64, sf_bits: Uint32, lane: Int32, row: Int32, rows: Int32, padded: Int32):
         """From the group's first lane its scale and, after the last row, the zeros of the padding rows T..T_pad-1 of
-        its column (docs/PERF.md decisions: Fp8GroupWriter.store)."""
+        its column (docs/PERF.md decisions: Fp8GroupWriter.store): in one 16-byte store where the last row starts the
+        column's last chunk of 4 (T_pad is a multiple of 4, so that chunk is 16-byte aligned)."""
         if lane % FP8_GROUP_LANES == 0:
-            ptx.st_global_b32(scale_addr, sf_bits)
-            if row == rows - 1:
-                for p in cutlass.range(rows, padded):
-                    ptx.st_global_b32(scale_addr + Int64(p - row) * 4, Uint32(0))
+            if row == rows - 1 and row % 4 == 0 and padded == row + 4:
+                ptx.st_global_v4_b32(scale_addr, sf_bits, Uint32(0), Uint32(0), Uint32(0))
+            else:
+                ptx.st_global_b32(scale_addr, sf_bits)
+                if row == rows - 1:
+                    for p in cutlass.range(rows, padded):
+                        ptx.st_global_b32(scale_addr + Int64(p - row) * 4, Uint32(0))
 
 
 def amax_over_e4m3_max(a: Float32, non_finite: cutlass.Boolean) -> Float32:
