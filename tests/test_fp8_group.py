@@ -264,3 +264,25 @@ def test_the_kernels_quotient_is_ieee_division_for_every_amax() -> None:
         if q != np.divide(a, np.float32(448.0), dtype=np.float32):
             wrong.append(float(a))
     assert len(amaxes) > 18_000 and not wrong, f"{len(wrong)} amax values miss the IEEE quotient: {wrong[:5]}"
+
+
+def test_the_kernels_reciprocal_is_rcp_rn_for_every_scale() -> None:
+    """The kernel takes 1/sf by rcp.approx and one Newton FMA (quant.Fp8GroupWriter.scale), not rcp.rn. rcp.approx
+    is within 2^-23 of 1/sf (the PTX ISA), so the refined value before its one rounding lies within 1.5 * 2^-46 of
+    1/sf (the error squared, plus the rounding of the residual): it rounds as 1/sf does wherever 1/sf lies farther
+    than that from an fp32 rounding midpoint. No scale the rule can make (amax / 448 for every amax above) comes
+    within 2^-44 of one, checked with exact rational arithmetic; ue8m0 scales are powers of two, whose reciprocals
+    are exact."""
+    magnitudes = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(np.float32)
+    amaxes = np.concatenate([magnitudes[magnitudes >= np.float32(1e-4)], [np.float32(1e-4)]])
+    close = []
+    for a in amaxes:
+        sf = np.divide(a, np.float32(448.0), dtype=np.float32)  # the kernel's sf (the test above)
+        exact = 1 / Fraction(float(sf))
+        below = np.float32(float(exact))
+        if Fraction(float(below)) > exact:
+            below = np.nextafter(below, np.float32(0))
+        midpoint = (Fraction(float(below)) + Fraction(float(np.nextafter(below, np.float32(np.inf))))) / 2
+        if abs(exact - midpoint) <= exact / 2**44:
+            close.append(float(sf))
+    assert len(amaxes) > 18_000 and not close, f"{len(close)} scales lie near a rounding midpoint: {close[:5]}"
