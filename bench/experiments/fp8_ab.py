@@ -17,7 +17,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
 
-from bench.experiments.fp8_ablation import SETS
+from bench.experiments.fp8_ablation import SETS, time_rounds
 from bench.experiments.fp8_ablation import call as ablation_call
 from bench.kernels import boundary_inputs
 from bench.timing import GraphTimer
@@ -106,10 +106,7 @@ def main() -> None:
         for rows in args.rows:
             if not same_bytes(fns, H, rows, device):
                 raise SystemExit(f"H {H} rows {rows}: the shipped writer's bytes differ from v21's")
-            sets = [boundary_inputs(rows, H, device, seed) for seed in range(SETS)]
-            for r in range(args.rounds):
-                us = [timer.per_call_us([call(fns[f], s, f) for s in sets]) for f in FORMS]
-                print(f"H {H} rows {rows} round {r}: " + "  ".join(f"{f}={u:.3f}" for f, u in zip(FORMS, us)))
+            time_rounds(timer, fns, list(FORMS), H, rows, args.rounds, call)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,14 @@ def call(fn: object, s: dict, form: str):
     return lambda: fn(*args)
 
 
+def time_rounds(timer: GraphTimer, fns: dict, forms: list, H: int, rows: int, rounds: int, call_of) -> None:
+    """Print `rounds` interleaved rounds of µs per call of each form's kernel at H x rows (SETS input sets each)."""
+    sets = [boundary_inputs(rows, H, timer.device, seed) for seed in range(SETS)]
+    for r in range(rounds):
+        us = [timer.per_call_us([call_of(fns[f], s, f) for s in sets]) for f in forms]
+        print(f"H {H} rows {rows} round {r}: " + "  ".join(f"{f}={u:.3f}" for f, u in zip(forms, us)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
@@ -110,10 +118,7 @@ def main() -> None:
     for H in args.hidden:
         fns = {form: compiled(H, arch, form) for form in forms}
         for rows in args.rows:
-            sets = [boundary_inputs(rows, H, device, seed) for seed in range(SETS)]
-            for r in range(args.rounds):
-                us = [timer.per_call_us([call(fns[f], s, f) for s in sets]) for f in forms]
-                print(f"H {H} rows {rows} round {r}: " + "  ".join(f"{f}={u:.3f}" for f, u in zip(forms, us)))
+            time_rounds(timer, fns, forms, H, rows, args.rounds, call)
 
 
 if __name__ == "__main__":
