@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 SLEEP_CYCLES = 20_000  # about 10 us at the H200's clocks: a small GEMM's time
 
@@ -35,6 +36,15 @@ def main() -> int:
         action="store_true",
         help="cuBLAS without a workspace (no split-K / stream-K GEMMs, whose CTAs may wait for each other)",
     )
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--inline", action="store_true", help="the coefficients inline (no side streams)")
+    parser.add_argument(
+        "--residency-divisor",
+        type=int,
+        default=1,
+        help="size each rank's boundary grid as if K times as many ranks shared the GPU (fewer spinning CTAs)",
+    )
     args = parser.parse_args()
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(args.connections)  # before anything initialises CUDA
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
@@ -48,8 +58,10 @@ def main() -> int:
     from boundary import Boundaries, BoundaryAllReduce, DecodeStep
     from boundary.toy import ToyConfig, ToyModel, compare, decode_step, random_tokens
 
-    hidden, rows, world = 5120, 4, args.world
-    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=8, device="cuda", timeout_us=200_000)
+    hidden, rows, world = args.hidden, args.rows, args.world
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(8, rows), device="cuda", timeout_us=200_000)
+    for ar in ranks:  # the launch shape every rank shares, before warmup() compiles and loads it
+        ar.workspace.ranks_per_device = world * args.residency_divisor
     ranks[0].warmup(progress=False, quantize=("mxfp8",))
     models = [
         ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), rank=r, world_size=world, device="cuda")
@@ -68,26 +80,32 @@ def main() -> int:
     if args.sublayers != "gemm":
         models = free
     boundaries = [Boundaries(ar) for ar in ranks]
-    step = DecodeStep(rows=rows, side_stream=True)
+    step = DecodeStep(rows=rows, side_stream=not args.inline)
     results = []
     for index in range(args.steps):
         tokens = random_tokens(models[0], rows, index)
         calls = [lambda ar, t=tokens: decode_step(models[ar.rank], boundaries[ar.rank], t, step)] * world
+        start = time.perf_counter()
         outs = BoundaryAllReduce.run_simulated(ranks, calls)
+        issued_ms = (time.perf_counter() - start) * 1e3
         torch.cuda.synchronize()
-        stalled = False
+        stalled, waiting = False, []
         for ar in ranks:
             try:
                 ar.check()
-            except RuntimeError:
+            except RuntimeError as exc:
                 stalled = True
+                waiting.append(f"{ar.rank}: {str(exc).split('waiting for ')[-1][:40]}")
         differ = sum(not compare(outs[r], outs[0])["bitwise"] for r in range(1, world))
-        results.append({"stalled": stalled, "ranks_differing": differ})
+        results.append(
+            {"stalled": stalled, "ranks_differing": differ, "issued_ms": round(issued_ms, 1), "waiting": waiting}
+        )
         if stalled:
             for ar in ranks:
                 ar.reset()
             torch.cuda.synchronize()
-    print(json.dumps({"connections": args.connections, "sublayers": args.sublayers, "steps": results}))
+    case = {k: getattr(args, k) for k in ("connections", "sublayers", "world", "hidden", "rows", "inline")}
+    print(json.dumps(case | {"residency_divisor": args.residency_divisor, "steps": results}))
     return 0
 
 
