@@ -1,16 +1,25 @@
 """`make profile`: Nsight Compute on every shipped kernel at a small and a large row count, with a short summary each.
 
-For each kernel of the plan (`--list` prints it) and each row count this runs `ncu --clock-control none
---profile-from-start off --set full` on profiles/run_kernel.py (which compiles and warms the kernel up, then makes
-one call between cudaProfilerStart and Stop), keeps the report as profiles/reports/<gpu>-<kernel>-H<h>-rows<r>.ncu-rep
-(git-ignored), reads it back (`ncu --import ... --csv --page raw --print-units base`) and writes
+Every (kernel of the plan, row count) is an item (`--list` prints the plan). The single-rank items all run in ONE
+`ncu --clock-control none --profile-from-start off --set full` process: `profiles/run_kernel.py --batch ITEM + ITEM ...`
+builds, compiles and warms up every item first, then gives each a profiled range of its own (cudaProfilerStart,
+the marker, the item's one call, synchronize, cudaProfilerStop). The marker is torch.cuda._sleep(1): one launch of
+PyTorch's at::cuda::(anonymous namespace)::spin_kernel, a kernel no item launches. The report's launches, in ID
+(launch) order, are split at the markers: each marker opens the next item's launches, in the batch's order. Anything
+but exactly one marker per item, a launch before the first marker, or an item without a launch fails the whole batch
+loudly, naming what the report holds, rather than give an item another's launches; the markers are then dropped.
+(NVTX ranges would need ncu's --nvtx and its filters, whose form in the raw CSV page is not checked here.)
+
+The report for the batch is profiles/reports/<gpu>-single-rank-H<h>-rows<r1>-<r2>....ncu-rep, plus one per peer item
+(git-ignored); each is read back (`ncu --import ... --csv --page raw --print-units base`) into
 profiles/<gpu>-<kernel>-H<h>-rows<r>.txt: per launch the time, the achieved DRAM bandwidth, its share of the
 device-to-device copy bandwidth measured at the start of the same run, the achieved occupancy and the top three
-warp-stall reasons; then one table of every run, profiles/<gpu>-summary.md. Clocks are left alone, as in the benchmark.
+warp-stall reasons; then one table of every item, profiles/<gpu>-summary.md. Clocks are left alone, as in the benchmark.
 
 The multi-rank boundary is SIMULATED: W ranks of BoundaryAllReduce.simulated on one GPU, sharing its SMs and HBM
 (never NVLink). Kernel replay serialises launches, so a rank profiled alone would wait for peers that never run: these
-runs take application range replay, and their numbers are those of the whole range, every rank's launch together.
+items take application range replay, one ncu process each, and their numbers are those of the whole range, every
+rank's launch together.
 
   python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
   python profiles/profile_all.py --only boundary final    the kernels whose names start so
@@ -44,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "profiles"
 REPORTS = PROFILES / "reports"
 RUN_TIMEOUT_S = 1800  # one ncu run; the simulated ranks' range replay reruns the program once per pass
+MARKER = "spin_kernel"  # in the name of torch.cuda._sleep's kernel, run_kernel.py --batch's marker
 
 NCU_COMMON = ("--clock-control", "none", "--profile-from-start", "off")
 KERNEL_REPLAY = ("--set", "full")
@@ -121,7 +131,7 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Item:
-    """One ncu run: a kernel at one hidden size and row count."""
+    """One profiled call: a kernel at one hidden size and row count."""
 
     kernel: Kernel
     hidden: int
@@ -131,9 +141,26 @@ class Item:
         """The file name of its report and summary, without the extension."""
         return f"{gpu}-{self.kernel.name}-H{self.hidden}-rows{self.rows}"
 
+    def arguments(self) -> list[str]:
+        """Its run_kernel.py arguments (one item's, as in --batch)."""
+        return [*self.kernel.args, "--hidden", str(self.hidden), "--rows", str(self.rows)]
+
     def command(self) -> list[str]:
-        """The run_kernel.py arguments, from the repository root."""
-        return ["profiles/run_kernel.py", *self.kernel.args, "--hidden", str(self.hidden), "--rows", str(self.rows)]
+        """The run_kernel.py command line that profiles it alone, from the repository root."""
+        return ["profiles/run_kernel.py", *self.arguments()]
+
+
+def batch_command(items: Sequence[Item]) -> list[str]:
+    """The run_kernel.py command line that profiles single-rank `items` in one process, each after a marker."""
+    command = ["profiles/run_kernel.py", "--batch"]
+    for i, item in enumerate(items):
+        command += ["+", *item.arguments()] if i else item.arguments()
+    return command
+
+
+def batch_stem(gpu: str, hidden: int, rows: Sequence[int]) -> str:
+    """The file name of the single-rank batch's report, without the extension."""
+    return f"{gpu}-single-rank-H{hidden}-rows{'-'.join(map(str, rows))}"
 
 
 @dataclass(frozen=True)
@@ -149,8 +176,11 @@ class Launch:
     stall_basis: str  # what the shares are of
 
 
+Row = dict[str, tuple[str, str]]  # a row of the raw page: metric -> (value, unit)
+
+
 class ProfileError(RuntimeError):
-    """One run failed; the message says why and where its output went."""
+    """One run failed, or its report does not map onto its items; the message says why and where its output went."""
 
 
 def kernels(world: int) -> list[Kernel]:
@@ -190,12 +220,21 @@ def plan(hidden: int, rows: Sequence[int], world: int, only: Sequence[str] = ())
     return [Item(k, hidden, r) for k in selected(world, only) for r in rows]
 
 
+def ncu_runs(items: Sequence[Item]) -> int:
+    """How many ncu processes `items` take: one for every single-rank item together, one per simulated item."""
+    simulated = sum(item.kernel.simulated for item in items)
+    return simulated + (len(items) > simulated)
+
+
 def print_plan(hidden: int, rows: Sequence[int], world: int, only: Sequence[str] = ()) -> None:
-    """The plan, one kernel a line, and how many ncu runs it makes."""
+    """The plan, one kernel a line, and how many items and ncu runs it makes."""
     plan_kernels = selected(world, only)
     row_text = ", ".join(map(str, rows))
-    runs = len(plan(hidden, rows, world, only))
-    print(f"profile plan at H={hidden}, rows {row_text}: {len(plan_kernels)} kernels, {runs} ncu runs")
+    items = plan(hidden, rows, world, only)
+    print(
+        f"profile plan at H={hidden}, rows {row_text}: {len(plan_kernels)} kernels, {len(items)} items in "
+        f"{ncu_runs(items)} ncu runs (the single-rank items in one, each SIMULATED item alone)"
+    )
     for i, k in enumerate(plan_kernels, 1):
         print(f"  {i:2d}. {k.name:28s} {k.about}")
 
@@ -267,13 +306,52 @@ def stalls(row: dict[str, tuple[str, str]]) -> tuple[tuple[tuple[str, float], ..
     return (), ""
 
 
+def row_name(row: dict[str, tuple[str, str]]) -> str:
+    """The kernel's (or range's) name in a row of the raw page."""
+    return next((row[k][0] for k in ("Kernel Name", "Range Name", "Name") if row.get(k, ("", ""))[0]), "?")
+
+
 def launch_of(row: dict[str, tuple[str, str]]) -> Launch:
     """The summary metrics of one row of the raw page."""
-    name = next((row[k][0] for k in ("Kernel Name", "Range Name", "Name") if row.get(k, ("", ""))[0]), "?")
-    reasons, basis = stalls(row)
+    name, (reasons, basis) = row_name(row), stalls(row)
     return Launch(
         name, number(row, TIME), dram_bps(row), number(row, OCCUPANCY), number(row, THEORETICAL), reasons, basis
     )
+
+
+def split_at_markers(rows: Sequence[Row], count: int) -> list[list[Row]]:
+    """The launches of `count` batch items, markers dropped, from the batch report's rows: in ID (launch) order each
+    marker opens the next item's launches. Raises ProfileError naming every launch unless there is exactly one marker
+    per item, none but a marker first, and a launch after every marker."""
+    ids = [row.get("ID", ("", ""))[0].strip() for row in rows]
+    if all(i.isdigit() for i in ids):
+        rows = [row for _, row in sorted(zip(map(int, ids), rows), key=lambda ir: ir[0])]
+    groups: list[list[Row]] = []
+    early = 0  # launches before the first marker
+    for row in rows:
+        if MARKER in row_name(row):
+            groups.append([])
+        elif groups:
+            groups[-1].append(row)
+        else:
+            early += 1
+    empty = [i for i, group in enumerate(groups, 1) if not group]
+    if len(groups) != count or early or empty:
+        found = ", ".join("MARKER" if MARKER in row_name(row) else short_name(row_name(row)) for row in rows)
+        raise ProfileError(
+            f"the batch report does not split into its {count} items: {len(groups)} {MARKER} markers, {early} "
+            f"launch(es) before the first, items {empty or 'none'} without a launch; its {len(rows)} launches in "
+            f"order: {found or 'none'}"
+        )
+    return groups
+
+
+def ids_text(rows: Sequence[Row]) -> str:
+    """The report IDs of an item's launches, e.g. "IDs 4-5" or "ID 7"; "" where the rows lack them."""
+    ids = [row.get("ID", ("", ""))[0].strip() for row in rows]
+    if not ids or not all(ids):
+        return ""
+    return f"ID {ids[0]}" if len(ids) == 1 else f"IDs {ids[0]}-{ids[-1]}"
 
 
 def combined(launches: Sequence[Launch]) -> tuple[float | None, float | None]:
@@ -327,12 +405,12 @@ def launch_lines(launch: Launch, copy_bps: float) -> list[str]:
     ]
 
 
-def summary(item: Item, launches: Sequence[Launch], gpu: str, context: str, copy_bps: float) -> str:
-    """The text of one run's summary file."""
+def summary(item: Item, launches: Sequence[Launch], report: str, context: str, copy_bps: float) -> str:
+    """The text of one item's summary file; `report` says where its launches are."""
     lines = [
         f"{item.kernel.name}  H={item.hidden} rows={item.rows}: {item.kernel.about}",
         context,
-        f"report   {shown(REPORTS / item.stem(gpu))}.ncu-rep",
+        f"report   {report}",
         f"command  python {' '.join(item.command())}",
     ]
     if item.kernel.simulated:
@@ -419,12 +497,11 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def profile_one(ncu: str, item: Item, gpu: str) -> list[Launch]:
-    """Profile one run into its report and read the report back."""
-    stem = item.stem(gpu)
+def profile_rows(ncu: str, stem: str, replay: Sequence[str], program: Sequence[str]) -> list[Row]:
+    """Profile `program` (run_kernel.py and its arguments) into the report `stem` and read its rows back; the ncu
+    output goes to <stem>.log where anything fails."""
     report, log = REPORTS / f"{stem}.ncu-rep", REPORTS / f"{stem}.log"
-    replay = RANGE_REPLAY if item.kernel.simulated else KERNEL_REPLAY
-    command = [ncu, *NCU_COMMON, *replay, "-f", "-o", str(REPORTS / stem), sys.executable, *item.command()]
+    command = [ncu, *NCU_COMMON, *replay, "-f", "-o", str(REPORTS / stem), sys.executable, *program]
     report.unlink(missing_ok=True)  # an earlier run's report must not pass for this one's
     status, out = run(command, RUN_TIMEOUT_S)
     if status or not report.exists():
@@ -434,11 +511,33 @@ def profile_one(ncu: str, item: Item, gpu: str) -> list[Launch]:
     if status:
         log.write_text(out)
         raise ProfileError(f"ncu --import {shown(report)} exited with status {status}; see {shown(log)}")
-    launches = [launch_of(row) for row in parse_raw_csv(out)]
-    if not launches:
+    rows = parse_raw_csv(out)
+    if not rows:
         raise ProfileError(f"{shown(report)} holds no launch: nothing ran between cudaProfilerStart and Stop")
     log.unlink(missing_ok=True)
-    return launches
+    return rows
+
+
+def profile_one(ncu: str, item: Item, gpu: str) -> tuple[list[Launch], str]:
+    """Profile one item alone into its report: its launches, and where they are."""
+    replay = RANGE_REPLAY if item.kernel.simulated else KERNEL_REPLAY
+    rows = profile_rows(ncu, item.stem(gpu), replay, item.command())
+    return [launch_of(row) for row in rows], f"{shown(REPORTS / item.stem(gpu))}.ncu-rep"
+
+
+def profile_batch(ncu: str, items: Sequence[Item], gpu: str, stem: str) -> list[tuple[list[Launch], str]]:
+    """Profile single-rank `items` in one process into the report `stem`: each item's launches, and where they are."""
+    rows = profile_rows(ncu, stem, KERNEL_REPLAY, batch_command(items))
+    report = f"{shown(REPORTS / stem)}.ncu-rep"
+    try:
+        groups = split_at_markers(rows, len(items))
+    except ProfileError as exc:
+        log = REPORTS / f"{stem}.log"
+        log.write_text(f"{exc}\n")
+        raise ProfileError(f"{exc} (also in {shown(log)})") from None
+    return [
+        ([launch_of(row) for row in group], f"{report} ({ids_text(group)})".removesuffix(" ()")) for group in groups
+    ]
 
 
 def check_machine() -> str:
@@ -491,25 +590,37 @@ def profile_all(hidden: int, rows: Sequence[int], world: int, only: Sequence[str
         f"{date}, Nsight Compute {ncu_version(ncu)}, clocks not locked (--clock-control none); "
         f"copy bandwidth measured in this run {copy_bps / 1e12:.2f} TB/s"
     )
-    print(f"{gpu_name}: {len(items)} ncu runs; {context}")
-    results: list[tuple[Item, list[Launch]]] = []
+    batch = [item for item in items if not item.kernel.simulated]
+    runs: list[list[Item]] = ([batch] if batch else []) + [[item] for item in items if item.kernel.simulated]
+    print(f"{gpu_name}: {len(items)} items in {len(runs)} ncu runs; {context}")
+    done: dict[Item, list[Launch]] = {}
     failures: list[tuple[Item, str]] = []
-    bar = tqdm(items, unit="run", dynamic_ncols=True)
-    for item in bar:
-        bar.set_description(f"ncu {item.kernel.name} rows {item.rows}")
+    bar = tqdm(runs, unit="run", dynamic_ncols=True)
+    for run_items in bar:
+        first = run_items[0]
+        if first.kernel.simulated:
+            bar.set_description(f"ncu {first.kernel.name} rows {first.rows}")
+        else:
+            bar.set_description(f"ncu {len(run_items)} single-rank items in one process")
         try:
-            launches = profile_one(ncu, item, gpu)
+            if first.kernel.simulated:
+                found = [profile_one(ncu, first, gpu)]
+            else:
+                found = profile_batch(ncu, run_items, gpu, batch_stem(gpu, hidden, rows))
         except ProfileError as exc:
-            failures.append((item, str(exc)))
-            tqdm.write(f"FAILED {item.kernel.name} rows {item.rows}: {exc}")
+            failures += [(item, str(exc)) for item in run_items]
+            names = ", ".join(f"{item.kernel.name} rows {item.rows}" for item in run_items)
+            tqdm.write(f"FAILED {names}: {exc}")
             continue
-        (PROFILES / f"{item.stem(gpu)}.txt").write_text(summary(item, launches, gpu, context, copy_bps))
-        results.append((item, launches))
-        tqdm.write(one_line(item, launches, copy_bps))
+        for item, (launches, report) in zip(run_items, found):
+            (PROFILES / f"{item.stem(gpu)}.txt").write_text(summary(item, launches, report, context, copy_bps))
+            done[item] = launches
+            tqdm.write(one_line(item, launches, copy_bps))
     bar.close()
+    results = [(item, done[item]) for item in items if item in done]  # the plan's order
     summary_md = PROFILES / f"{gpu}-summary.md"
     summary_md.write_text(table(results, failures, gpu_name, context, copy_bps))
-    print(f"\n{len(results)} of {len(items)} runs profiled. Results:")
+    print(f"\n{len(results)} of {len(items)} items profiled. Results:")
     print(f"  summaries  {shown(PROFILES / gpu)}-<kernel>-H{hidden}-rows<rows>.txt ({len(results)} files)")
     print(f"  table      {shown(summary_md)}")
     print(f"  reports    {shown(REPORTS / gpu)}-*.ncu-rep (open with ncu-ui, or ncu --import REPORT --page details)")
@@ -542,6 +653,27 @@ SAMPLE_BASE_UNITS = """"Kernel Name","gpu__time_duration.sum","dram__bytes_read.
 "kernel_a","4,352","100000000000","50000000"
 """
 
+# A batch of two items, as `ncu --csv --page raw` lists it (by ID): the first item's one launch, the second's two, each
+# after a marker (torch.cuda._sleep's kernel, demangled).
+SAMPLE_BATCH_CSV = """"ID","Kernel Name","gpu__time_duration.sum"
+"","","nsecond"
+"0","at::cuda::(anonymous namespace)::spin_kernel(long)","1,000"
+"1","kernel_a","4,000"
+"2","at::cuda::(anonymous namespace)::spin_kernel(long)","1,000"
+"3","kernel_b1","2,000"
+"4","kernel_b2","3,000"
+"""
+
+
+def expect_split_failure(rows: Sequence[Row], count: int, *wants: str) -> None:
+    """Assert that splitting `rows` into `count` items raises ProfileError saying each of `wants`."""
+    try:
+        split_at_markers(rows, count)
+    except ProfileError as exc:
+        assert all(want in str(exc) for want in wants), (wants, str(exc))
+    else:
+        raise AssertionError(f"split_at_markers into {count} items did not fail")
+
 
 def self_test() -> None:
     """Assert the parsing and the summary on the embedded samples of `ncu --csv --page raw` output."""
@@ -571,7 +703,23 @@ def self_test() -> None:
     assert base.occupancy_pct is None and base.stalls == () and stall_text(base) == "n/a", base
     item = Item(kernels(4)[-1], 7168, 16)
     assert item.kernel.name == "peer-w4-twoshot-SIMULATED" and item.kernel.simulated
-    assert "SIMULATED" in summary(item, [first], "gpu", "context", 4.8e12)
+    assert "SIMULATED" in summary(item, [first], "the report", "context", 4.8e12)
+    batch = parse_raw_csv(SAMPLE_BATCH_CSV)
+    rows_a, rows_b = split_at_markers(list(reversed(batch)), 2)  # ID order, not row order
+    assert [row_name(r) for r in rows_a] == ["kernel_a"] and ids_text(rows_a) == "ID 1", rows_a
+    assert [row_name(r) for r in rows_b] == ["kernel_b1", "kernel_b2"] and ids_text(rows_b) == "IDs 3-4", rows_b
+    assert combined([launch_of(r) for r in rows_b])[0] == 5e-6
+    expect_split_failure(batch, 3, "into its 3 items: 2 spin_kernel markers", "MARKER, kernel_a, MARKER, kernel_b1")
+    expect_split_failure(batch[1:], 1, "1 launch(es) before the first", "kernel_a, MARKER, kernel_b1")
+    expect_split_failure(batch[:1] + batch[2:], 2, "items [1] without a launch")
+    expect_split_failure([], 1, "0 spin_kernel markers", "in order: none")
+    single = plan(7168, [16, 512], 4, ["boundary-bf16", "final"])
+    command = batch_command(single)
+    assert command[:2] == ["profiles/run_kernel.py", "--batch"] and command.count("+") == 3, command
+    assert command[2:10] == ["--kernel", "boundary", "--variant", "bf16", "--hidden", "7168", "--rows", "16"], command
+    assert ncu_runs(plan(7168, [16, 512], 4)) == 5 and ncu_runs(single) == 1 and ncu_runs([item]) == 1
+    text = summary(single[0], [first], "profiles/reports/x.ncu-rep (ID 1)", "context", 4.8e12)
+    assert "\nreport   profiles/reports/x.ncu-rep (ID 1)\ncommand  python profiles/run_kernel.py --kernel" in text
     md = table([(plan(7168, [512], 4)[0], launches)], [(item, "ncu exited")], "GPU", "context", 4.8e12)
     assert (
         md.count("\n| boundary-bf16 | 7168 | 512 |") == 3 and "| all | 12.50 |" in md and "failed: ncu exited" in md

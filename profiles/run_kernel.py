@@ -11,6 +11,10 @@ python profiles/run_kernel.py --kernel layer_input --rows 16    (the layer-input
 python profiles/run_kernel.py --kernel peer --world 4 --protocol oneshot|twoshot --rows 16
     (SIMULATED ranks: W BoundaryAllReduce ranks on one GPU, every rank's call in the profiled region; profile it
     with ncu --replay-mode app-range, since kernel replay would run each rank alone and its exchange would wait)
+python profiles/run_kernel.py --batch --kernel boundary --variant bf16 --rows 16 + --kernel final --rows 512 + ...
+    (several single-rank items in one process, `+` between their arguments: every item is built, compiled and warmed
+    up first; then each has a profiled range of its own that opens with one marker launch, torch.cuda._sleep(1),
+    a kernel named at::cuda::...::spin_kernel, then the item's call; profile_all splits the report at the markers)
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ QUANT = {"bf16": None, "mxfp8": "mxfp8", "fp8": "fp8_1x128"}  # bench.kernels.fu
 EPS = 1e-6
 MOE_TOP_K = 8  # experts per token of the MoE variant (DeepSeek-V3's)
 PEER_TIMEOUT_US = 2_000_000  # a simulated rank that waits this long reports its peers missing (then this fails)
+BATCH = "--batch"
+SEPARATOR = "+"  # between the items of --batch
+MARKER_CYCLES = 1  # torch.cuda._sleep's spin: the marker's own time does not matter, only its name
 
 Call = Callable[[], object]
 
@@ -80,6 +87,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.world = 4 if args.world is None else args.world
     return args
+
+
+def parse_batch(argv: list[str]) -> list[argparse.Namespace]:
+    """The items of `--batch ITEM + ITEM ...`, each parsed as a one-item command line; peer items are refused (they
+    take application range replay, one process each)."""
+    items: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == SEPARATOR:
+            items.append([])
+        else:
+            items[-1].append(arg)
+    if any(not item for item in items):
+        raise SystemExit(f"run_kernel: {BATCH} needs one item's arguments before, between and after each {SEPARATOR!r}")
+    parsed = [parse_args(item) for item in items]
+    if any(args.kernel == "peer" for args in parsed):
+        raise SystemExit(f"run_kernel: --kernel peer takes application range replay, one process each: not in {BATCH}")
+    return parsed
 
 
 def boundary_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -> Call:
@@ -225,8 +249,33 @@ def label(args: argparse.Namespace) -> str:
     return f"{what} H={args.hidden} rows={args.rows}" + (f" knobs={dict(args.knobs)}" if args.knobs else "")
 
 
-def main() -> None:
-    args = parse_args()
+def profile_batch(batch: list[argparse.Namespace]) -> None:
+    """Build and warm up every item, then profile each in a range of its own: the marker launch, then its call."""
+    import torch
+
+    from cute_kernels.compile import arch_for_device
+
+    if not torch.cuda.is_available():
+        raise SystemExit("run_kernel: no CUDA GPU here")
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_for_device(device)
+    calls = [build(args, device, arch)[0] for args in batch]
+    torch.cuda._sleep(MARKER_CYCLES)  # the marker's module is loaded outside every profiled range
+    for args, call in zip(batch, calls):
+        for _ in range(args.calls):  # compile, load, allocate
+            call()
+    torch.cuda.synchronize()
+    for call in calls:
+        torch.cuda.profiler.start()
+        torch.cuda._sleep(MARKER_CYCLES)
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    print(f"profiled {len(batch)} calls, each after a marker: " + "; ".join(label(args) for args in batch))
+
+
+def profile_one(args: argparse.Namespace) -> None:
+    """Build and warm up one item, then profile its call (no marker)."""
     if args.kernel == "peer":
         # Simulated ranks share one CUDA context: every kernel must be loaded before a boundary spins, so CUDA loads
         # modules eagerly (CONTRACT §7). Set before torch initialises CUDA; $CUDA_MODULE_LOADING wins.
@@ -252,6 +301,14 @@ def main() -> None:
     for ar in ranks:
         ar.check()  # a timed-out exchange would have profiled a spin, not the boundary
     print(f"profiled one call: {label(args)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [BATCH]:
+        profile_batch(parse_batch(argv[1:]))
+    else:
+        profile_one(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""`make profile`'s driver on the CPU: its plan covers every shipped kernel at a small and a large row count, and its
-summary parser reads ncu's raw CSV layout (an embedded sample) into time, bandwidth, occupancy and stall shares."""
+"""`make profile`'s driver on the CPU: its plan covers every shipped kernel at a small and a large row count in one ncu
+run for the single-rank items (plus one per SIMULATED item), its summary parser reads ncu's raw CSV layout (an embedded
+sample) into time, bandwidth, occupancy and stall shares, and splits a batch report at its markers (or fails loudly);
+run_kernel.py's --batch refuses what it cannot profile in one process."""
 
 from __future__ import annotations
 
@@ -10,16 +12,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "profiles/profile_all.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+def _run(*args: str, script: str = "profiles/profile_all.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_the_plan_names_every_kernel_at_two_row_counts() -> None:
     out = _run("--list")
     assert out.returncode == 0, out.stderr
-    assert "13 kernels, 26 ncu runs" in out.stdout
+    assert "13 kernels, 26 items in 5 ncu runs" in out.stdout
     for kernel in ("boundary-bf16", "boundary-fp8", "boundary-moe", "final", "coefficients-inline", "layer-input"):
         assert kernel in out.stdout
     assert "peer-w4-oneshot-SIMULATED" in out.stdout and "peer-w4-twoshot-SIMULATED" in out.stdout
@@ -28,15 +28,25 @@ def test_the_plan_names_every_kernel_at_two_row_counts() -> None:
 def test_only_selects_kernels_by_name_and_refuses_a_name_it_lacks() -> None:
     out = _run("--list", "--only", "boundary-fp8", "peer", "--rows", "16")
     assert out.returncode == 0, out.stderr
-    assert "3 kernels, 3 ncu runs" in out.stdout and "boundary-bf16" not in out.stdout
+    assert "3 kernels, 3 items in 3 ncu runs" in out.stdout and "boundary-bf16" not in out.stdout
     out = _run("--list", "--only", "softmax")
     assert out.returncode == 2 and "--only 'softmax' matches no kernel of the plan (boundary-bf16," in out.stderr
 
 
-def test_the_summary_parser_reads_the_raw_csv_layout() -> None:
+def test_the_summary_parser_reads_the_raw_csv_layout_and_splits_a_batch_at_its_markers() -> None:
     out = _run("--self-test")
     assert out.returncode == 0, out.stderr + out.stdout
     assert "self-test passed" in out.stdout
+
+
+def test_a_batch_refuses_peer_items_and_empty_items() -> None:
+    batch = ("--batch", "--kernel", "boundary", "--rows", "16", "+")
+    out = _run(*batch, "--kernel", "peer", "--protocol", "oneshot", script="profiles/run_kernel.py")
+    assert out.returncode == 1 and "--kernel peer takes application range replay" in out.stderr, out.stderr
+    out = _run(*batch, script="profiles/run_kernel.py")
+    assert out.returncode == 1 and "--batch needs one item's arguments" in out.stderr, out.stderr
+    out = _run(*batch, "--kernel", "final", "--variant", "bf16", script="profiles/run_kernel.py")
+    assert out.returncode == 2 and "--variant applies to --kernel" in out.stderr, out.stderr
 
 
 def test_without_a_gpu_it_says_so_and_fails() -> None:
