@@ -67,7 +67,12 @@ def test_default_schedule_is_sized_from_the_sm_count(monkeypatch) -> None:
         n = config.clusters(rows)
         assert n <= config.max_clusters and -(-rows // n) == -(-rows // config.max_clusters)
     assert default_config(7168, "sm_100a").max_clusters == int(0.9 * (148 * 5 // 7))  # a B200's 148 SMs
-    assert default_config(7168, "sm_90a", ranks_per_device=4).max_clusters == 84 // 4  # simulated ranks share
+    # Ranks sharing one GPU: one CTA per SM among them all (a late rank's own kernels need room beside the spinners).
+    assert default_config(7168, "sm_90a", ranks_per_device=4).max_clusters == int(0.9 * (132 // 7)) // 4
+    for H in (2560, 4096, 5120, 7168):
+        for world in (2, 4, 8):
+            shared = default_config(H, "sm_90a", ranks_per_device=world, world_size=world)
+            assert world * shared.max_clusters * shared.cluster_n <= 132, (H, world)
     monkeypatch.setenv(hardware.SM_COUNT_ENV, "114")  # an H100 PCIe, compiled on a CPU box
     default_config.cache_clear()
     try:

@@ -267,9 +267,9 @@ def test_a_rank_that_comes_after_its_peers_gave_up(world: int, mode: str) -> Non
         assert late_rank.trial(ranks, mode, late, lambda: None, seed=seed).error == "", f"after reset(), seed {seed}"
 
 
-def _queues_case(connections: int) -> list[dict]:
+def _shared_gpu_case(*args: str) -> list[dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.stream_queues_case", "--connections", str(connections)],  # fixed sublayers
+        [sys.executable, "-m", "tests.shared_gpu_case", "--connections", "32", "--steps", "4", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -279,11 +279,11 @@ def _queues_case(connections: int) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
 
 
-def test_simulated_ranks_streams_each_get_a_hardware_queue() -> None:
-    """8 simulated ranks run the toy step (fixed sublayer outputs) with side streams (16 streams): with
-    CUDA_DEVICE_MAX_CONNECTIONS=32 every step is clean and every rank has rank 0's bits; with the driver's 8 queues
-    (the negative control) streams share queues and a rank's kernel waits behind a peer's spinning boundary until the
-    timeout. (v23 ran the form with the toy's GEMM sublayers: it stalled with 32 queues too, CONTRACT §7.)"""
-    clean, shared = _queues_case(32), _queues_case(8)  # both run, so that a failure shows the control's outcome too
-    assert all(not s["stalled"] and s["ranks_differing"] == 0 for s in clean), (clean, shared)
-    assert any(s["stalled"] for s in shared), f"the negative control did not stall: {shared}"
+@pytest.mark.parametrize("case", [("--world", "8"), ("--world", "4", "--hidden", "7168", "--rows", "16")])
+def test_simulated_ranks_leave_room_for_a_late_ranks_own_kernels(case: tuple[str, ...]) -> None:
+    """Simulated ranks run eager toy steps (fixed sublayer outputs, side streams): with the shipped grid budget every
+    step is clean and every rank has rank 0's bits; sized as in v23 (4 CTAs per SM among the ranks; the negative
+    control) the spinning grids leave the last ranks' coefficients no room, and the steps stall to the timeout."""
+    clean, dense = _shared_gpu_case(*case), _shared_gpu_case(*case, "--shared-ctas-per-sm", "4")
+    assert all(not s["stalled"] and s["ranks_differing"] == 0 for s in clean), (clean, dense)
+    assert any(s["stalled"] for s in dense), f"the negative control did not stall: {dense}"

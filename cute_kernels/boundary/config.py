@@ -16,6 +16,10 @@ PEER_REGISTER_BUDGET = 128
 # the start (one that waited for a free slot would run its rows after the others had finished theirs).
 RESIDENT_SHARE = 0.9
 OTHER_SHARED_BYTES = 1024  # a bound on the cluster sum's slots and barriers
+# Ranks sharing one GPU: their waiting grids together take at most this many CTAs per SM, so that the kernels a late
+# rank runs before its boundary (its coefficients, a GEMM) still find room beside the peers' spinning CTAs
+# (docs/PERF.md decisions: SHARED_GPU_CTAS_PER_SM).
+SHARED_GPU_CTAS_PER_SM = 1
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,9 @@ def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int
     """The shipped launch shape and row schedule for hidden size H on `arch`'s hardware: a function of H
     (and the device), never of the row count, so a row's bits never depend on the batch.
 
-    `ranks_per_device` > 1 (simulated ranks sharing one GPU) divides the resident clusters among them:
-    every rank's grid must be resident at once. `world_size` > 1 (the peer exchange) takes a larger
+    `ranks_per_device` > 1 (ranks sharing one GPU) divides the resident clusters among them, counting
+    `SHARED_GPU_CTAS_PER_SM` CTAs per SM: every rank's grid must be resident at once, and leave room for
+    the kernels a late rank runs before its boundary. `world_size` > 1 (the peer exchange) takes a larger
     register budget, so fewer CTAs per SM.
     """
     cluster_n, threads = row_split(H)
@@ -90,5 +95,6 @@ def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int
         hardware.REGISTERS_PER_SM // (budget * threads),
     )
     sms = hardware.for_arch(arch).sm_count
-    cap = int(RESIDENT_SHARE * (sms * ctas_per_sm // cluster_n)) // ranks_per_device
+    resident = ctas_per_sm if ranks_per_device == 1 else min(ctas_per_sm, SHARED_GPU_CTAS_PER_SM)
+    cap = int(RESIDENT_SHARE * (sms * resident // cluster_n)) // ranks_per_device
     return BoundaryConfig(cluster_n, threads, max(1, min(cap, hardware.MAX_GRID_Y)), ctas_per_sm)

@@ -1,13 +1,16 @@
-"""One fresh process of the hardware-queue test (CONTRACT §7): W simulated ranks run the toy decode step eagerly with
-their coefficients on side streams (2 W streams in use), under a given CUDA_DEVICE_MAX_CONNECTIONS. The sublayers are
-fixed outputs (bench.step.boundaries_only) unless `--sublayers gemm`: with the toy's GEMMs beside the spinning boundaries the
-step stalled even with 32 queues (v23, W 8), a second hazard of one GPU that this case keeps apart; `--sublayers
-sleep` puts a one-SM kernel of about a GEMM's time in each sublayer's place, to tell the two apart.
+"""One fresh process of the shared-GPU test (CONTRACT §7): W simulated ranks run the toy decode step eagerly, their
+coefficients on side streams unless `--inline`, under a given CUDA_DEVICE_MAX_CONNECTIONS. The sublayers are fixed
+outputs (bench.step.boundaries_only) unless `--sublayers gemm` (the toy's GEMMs) or `--sublayers sleep` (a one-SM
+kernel of about a GEMM's time before each fixed output).
 
-`python -m tests.stream_queues_case --connections 32` prints one JSON line: per step, whether any rank's boundary
-gave up waiting, and how many ranks' outputs differ from rank 0's. With 8 queues (the driver's default) and 16
-streams, some streams share a queue, and a rank's kernel can wait behind a peer's spinning boundary: the negative
-control.
+The ranks' boundaries spin until every peer's has started, on one GPU: a rank whose own kernels before its boundary
+(its coefficients, a GEMM) find no room beside the peers' spinning CTAs never starts it, and every rank waits to the
+timeout. `--shared-ctas-per-sm 4` sizes the grids as v23 did (4 CTAs per SM among all ranks; the negative control);
+by default they take the shipped budget (`SHARED_GPU_CTAS_PER_SM`).
+
+`python -m tests.shared_gpu_case --connections 32` prints one JSON line: per step, whether any rank's boundary gave
+up waiting (and which ranks each waited for), how many ranks' outputs differ from rank 0's, and the host's time to
+issue every rank's step.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--inline", action="store_true", help="the coefficients inline (no side streams)")
     parser.add_argument(
-        "--residency-divisor",
+        "--shared-ctas-per-sm",
         type=int,
-        default=1,
-        help="size each rank's boundary grid as if K times as many ranks shared the GPU (fewer spinning CTAs)",
+        help="the CTAs per SM the ranks' waiting grids may take together (default: the shipped "
+        "SHARED_GPU_CTAS_PER_SM; 4, v23's budget, is the negative control)",
     )
     args = parser.parse_args()
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(args.connections)  # before anything initialises CUDA
@@ -54,14 +57,17 @@ def main() -> int:
 
     import torch
 
+    from cute_kernels.boundary import config
+
+    if args.shared_ctas_per_sm is not None:  # before any launch shape is computed (default_config is cached)
+        config.SHARED_GPU_CTAS_PER_SM = args.shared_ctas_per_sm
+
     from bench.step import boundaries_only
     from boundary import Boundaries, BoundaryAllReduce, DecodeStep
     from boundary.toy import ToyConfig, ToyModel, compare, decode_step, random_tokens
 
     hidden, rows, world = args.hidden, args.rows, args.world
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=max(8, rows), device="cuda", timeout_us=200_000)
-    for ar in ranks:  # the launch shape every rank shares, before warmup() compiles and loads it
-        ar.workspace.ranks_per_device = world * args.residency_divisor
     ranks[0].warmup(progress=False, quantize=("mxfp8",))
     models = [
         ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), rank=r, world_size=world, device="cuda")
@@ -105,7 +111,7 @@ def main() -> int:
                 ar.reset()
             torch.cuda.synchronize()
     case = {k: getattr(args, k) for k in ("connections", "sublayers", "world", "hidden", "rows", "inline")}
-    print(json.dumps(case | {"residency_divisor": args.residency_divisor, "steps": results}))
+    print(json.dumps(case | {"shared_ctas_per_sm": config.SHARED_GPU_CTAS_PER_SM, "steps": results}))
     return 0
 
 
