@@ -141,7 +141,8 @@ def tilelang_command(args: argparse.Namespace, out: Path) -> list[str]:
         "bench.tilelang_step",
         *("--step-hidden", *map(str, args.step_hidden)),
         *("--step-rows", *map(str, args.step_rows)),
-        *("--step-layers", str(args.step_layers), "--replays", str(args.replays), "--out", str(out)),
+        *("--step-layers", str(args.step_layers), "--top-k", str(ToyConfig().top_k)),
+        *("--replays", str(args.replays), "--out", str(out)),
     ]
 
 

@@ -5,6 +5,10 @@ collapse with the row's own pre), and torch's RMSNorm of the layer input (the mo
 fused boundary includes). A step is as many boundaries as the toy step's boundaries-only model has (bench.step), on
 fixed inputs, in one CUDA graph per row count, timed as bench's GraphTimer times ours. TP 1 only.
 
+Every second boundary follows the MoE sublayer, as in the toy step: there the partial is first finalized as an
+unfused engine does it, vLLM's `moe_sum` over the top-k expert rows (the routing weights applied in GEMM2, rows in
+token order) plus the shared expert's output, two torch kernels; the fused boundary reads the same expert rows itself.
+
     PYTHONPATH=/tmp/tl:. python3 -m bench.tilelang_step --out tilelang.json
     python -m bench --parts step --tilelang-json tilelang.json      (in the CuTe DSL process: the step table's column)
 """
@@ -22,13 +26,21 @@ import torch
 from bench.timing import GraphTimer
 
 HC = 4
+TOP_K = 4  # experts per token of the toy step (boundary.toy.ToyConfig.top_k)
 EPS = dict(rms_eps=1e-20, mhc_pre_eps=1e-6, mhc_sinkhorn_eps=1e-6, mhc_post_mult_value=2.0, sinkhorn_repeat=20)
 
 
-def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """One boundary's inputs (the partial, the streams, the carried mixes, the projection's weights) and outputs."""
+def boundary_inputs(
+    rows: int, hidden: int, device: torch.device, seed: int, top_k: int = 0
+) -> dict[str, torch.Tensor]:
+    """One boundary's inputs (the partial, or with `top_k` the MoE's weighted expert rows and shared output; the
+    streams, the carried mixes, the projection's weights) and outputs."""
     g = torch.Generator(device=device).manual_seed(seed)
-    return dict(
+    moe = {}
+    if top_k:
+        moe["routed"] = (torch.randn(rows, top_k, hidden, generator=g, device=device) * 0.25).to(torch.bfloat16)
+        moe["shared"] = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
+    return moe | dict(
         x=torch.randn(1, rows, hidden, generator=g, device=device).to(torch.bfloat16),
         residual=torch.randn(1, rows, HC, hidden, generator=g, device=device).to(torch.bfloat16),
         post=torch.rand(1, rows, HC, 1, generator=g, device=device) * 2,
@@ -45,10 +57,14 @@ def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int) -> 
 
 
 def tilelang_boundary(inp: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One boundary on TileLang's kernels: post, projection, pre (mixes and collapse), then the RMSNorm."""
+    """One boundary on TileLang's kernels: post (after the MoE's finalize, where it follows one), projection, pre
+    (mixes and collapse), then the RMSNorm."""
     from tile_kernels.mhc import mhc_post_fwd, mhc_pre_big_fuse_fwd
 
-    new = mhc_post_fwd(inp["x"], inp["residual"], inp["post"], inp["comb"], out=inp["new_residual"])
+    x = inp["x"]
+    if "routed" in inp:
+        torch.add(inp["routed"].sum(1), inp["shared"], out=x[0])
+    new = mhc_post_fwd(x, inp["residual"], inp["post"], inp["comb"], out=inp["new_residual"])
     flat = new.view(-1, HC * new.shape[-1])
     mul = (flat.float() @ inp["fn"].t()).unsqueeze(0)  # TF32 when allowed (main sets it)
     sqrsum = flat.float().square().sum(-1).unsqueeze(0)
@@ -67,9 +83,14 @@ def tilelang_boundary(inp: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.rms_norm(inp["layer_input"], (new.shape[-1],), inp["norm_weight"], 1e-20)
 
 
-def step_call(hidden: int, rows: int, boundaries: int, device: torch.device) -> Any:
+def after_moe(index: int) -> bool:
+    """Whether a step's boundary `index` follows the MoE sublayer (the toy's layers: attention, then MoE)."""
+    return index % 2 == 1
+
+
+def step_call(hidden: int, rows: int, boundaries: int, device: torch.device, top_k: int = TOP_K) -> Any:
     """A step of `boundaries` TileLang boundaries, each on its own fixed inputs."""
-    sets = [boundary_inputs(rows, hidden, device, seed) for seed in range(boundaries)]
+    sets = [boundary_inputs(rows, hidden, device, i, top_k if after_moe(i) else 0) for i in range(boundaries)]
     return lambda: [tilelang_boundary(inp) for inp in sets]
 
 
@@ -79,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168])
     p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
     p.add_argument("--step-layers", type=int, default=4, help="the toy step's layers (Engram on layer 1)")
+    p.add_argument("--top-k", type=int, default=TOP_K, help="experts per token of the MoE boundaries")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -98,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(h, r) for h in args.step_hidden for r in sorted(args.step_rows)]
     for k, (hidden, rows) in enumerate(plan):  # plain progress lines: the TileLang bundle may lack tqdm
         print(f"TileLang step {k + 1}/{len(plan)}: H {hidden}, {rows} rows", file=sys.stderr, flush=True)
-        us = timer.per_call_us([step_call(hidden, rows, boundaries, device)])
+        us = timer.per_call_us([step_call(hidden, rows, boundaries, device, args.top_k)])
         rows_out.append({"H": hidden, "rows": rows, "boundaries": boundaries, "tilelang_step_us": us})
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows_out}, indent=1))
     for r in rows_out:

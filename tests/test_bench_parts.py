@@ -175,7 +175,26 @@ def test_the_tilelang_process_gets_the_step_parts_shapes(tmp_path) -> None:
     cmd = step.tilelang_command(args, tmp_path / "t.json")
     assert cmd[1:3] == ["-m", "bench.tilelang_step"]
     text = " ".join(cmd)
-    assert "--step-hidden 512 --step-rows 1 4 --step-layers 4" in text and f"--out {tmp_path / 't.json'}" in text
+    assert "--step-hidden 512 --step-rows 1 4 --step-layers 4 --top-k 4" in text and f"--out {tmp_path / 't.json'}" in text
+
+
+def test_the_tilelang_step_finalizes_the_moe_partials_as_the_toy_step_has_them() -> None:
+    """Every second TileLang boundary follows the MoE, as the toy step's do: it gets the toy's top-k weighted expert
+    rows and a shared output, and its partial is their sum (vLLM's moe_sum, then the shared add)."""
+    from bench import tilelang_step
+    from boundary.toy import ToyConfig
+
+    assert tilelang_step.TOP_K == ToyConfig().top_k
+    assert [tilelang_step.after_moe(i) for i in range(4)] == [False, True, False, True]
+    cpu = torch.device("cpu")
+    moe = tilelang_step.boundary_inputs(3, 256, cpu, seed=1, top_k=4)
+    assert moe["routed"].shape == (3, 4, 256) and moe["shared"].shape == (3, 256)
+    assert "routed" not in tilelang_step.boundary_inputs(3, 256, cpu, seed=1)
+    x = moe["x"][0]
+    torch.add(moe["routed"].sum(1), moe["shared"], out=x)  # what tilelang_boundary does before mhc_post_fwd
+    want = (moe["routed"].float().sum(1) + moe["shared"].float()).to(torch.bfloat16)
+    bound = 2 * 2**-8 * (moe["routed"].float().abs().sum(1) + moe["shared"].float().abs())  # two bf16 roundings
+    assert ((x.float() - want.float()).abs() <= bound).all()
 
 
 def test_a_tilelang_run_that_measures_nothing_fails_the_step_part_loudly(tmp_path) -> None:
