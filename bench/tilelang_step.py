@@ -30,9 +30,7 @@ TOP_K = 4  # experts per token of the toy step (boundary.toy.ToyConfig.top_k)
 EPS = dict(rms_eps=1e-20, mhc_pre_eps=1e-6, mhc_sinkhorn_eps=1e-6, mhc_post_mult_value=2.0, sinkhorn_repeat=20)
 
 
-def boundary_inputs(
-    rows: int, hidden: int, device: torch.device, seed: int, top_k: int = 0
-) -> dict[str, torch.Tensor]:
+def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int, top_k: int = 0) -> dict[str, torch.Tensor]:
     """One boundary's inputs (the partial, or with `top_k` the MoE's weighted expert rows and shared output; the
     streams, the carried mixes, the projection's weights) and outputs."""
     g = torch.Generator(device=device).manual_seed(seed)

@@ -175,7 +175,9 @@ def test_the_tilelang_process_gets_the_step_parts_shapes(tmp_path) -> None:
     cmd = step.tilelang_command(args, tmp_path / "t.json")
     assert cmd[1:3] == ["-m", "bench.tilelang_step"]
     text = " ".join(cmd)
-    assert "--step-hidden 512 --step-rows 1 4 --step-layers 4 --top-k 4" in text and f"--out {tmp_path / 't.json'}" in text
+    assert (
+        "--step-hidden 512 --step-rows 1 4 --step-layers 4 --top-k 4" in text and f"--out {tmp_path / 't.json'}" in text
+    )
 
 
 def test_the_tilelang_step_finalizes_the_moe_partials_as_the_toy_step_has_them() -> None:
