@@ -5,7 +5,9 @@ ranks (W ranks' steps on one GPU, each on its own stream: SIMULATED, never NVLin
 Two models per hidden size. "boundaries only": every sublayer returns an output computed once beforehand (a copy-free
 stand-in of zero cost), so the step is the boundaries alone: 2 per layer plus the Engram seam and the final one, each
 with its coefficients, collapse and norm. "toy sublayers": the toy's own attention and MoE stand-ins (small GEMMs,
-far cheaper than a real V4 layer's), which gives an upper bound on the boundaries' share of a step.
+far cheaper than a real V4 layer's), which gives an upper bound on the boundaries' share of a step. At H 7168 a third,
+"V3 weight reads": each sublayer first reads the weight bytes a DeepSeek-V3 layer activates for the rows
+(bench.weight_reads), the boundaries' share of a step of real layers' cost.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from bench import weight_reads
 from bench.timing import GraphTimer
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
@@ -169,6 +172,7 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
     tilelang = run_tilelang(args) if args.tilelang_path is not None else None
     plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
     models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
+    reads = None
     for hidden, rows in tqdm(plan, desc="decode step (TP 1)", unit="shape"):
         if hidden not in models:
             config = ToyConfig(hidden_size=hidden, num_layers=args.step_layers)
@@ -189,6 +193,10 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
             row["compile_us"] = timer.per_call_us([_compiled_call(free, ref_b, rows)])
         row["toy_step_us"] = timer.per_call_us([_step_call(model, ours_b, rows, rows <= 16)])
         row["boundary_share"] = row["ours_us"] / row["toy_step_us"]
+        if hidden == weight_reads.HIDDEN:
+            reads = reads or weight_reads.WeightReads(device, max(args.step_rows))
+            row["v3_step_us"] = timer.per_call_us([_step_call(reads.model(free, rows), ours_b, rows, rows <= 16)])
+            row["v3_share"] = row["ours_us"] / row["v3_step_us"]
         for key in ("eager", "compile"):
             if f"{key}_us" in row:
                 row[f"x_{key}"] = row[f"{key}_us"] / row["ours_us"]
@@ -286,7 +294,8 @@ def print_step(rows: list[dict]) -> None:
     )
     head = (
         f"{'H':>5} {'TP':>2} {'L':>2} {'rows':>4} | {'side':>7} {'inline':>7} {'/bnd':>5} | {'eager':>8} "
-        f"{'compile':>8} {'TileLang':>8} | {'x eager':>7} {'x comp':>6} {'x TL':>5} | {'toy step':>8} {'share':>5}"
+        f"{'compile':>8} {'TileLang':>8} | {'x eager':>7} {'x comp':>6} {'x TL':>5} | {'toy step':>8} {'share':>5} | "
+        f"{'V3 step':>8} {'share':>5}"
     )
     print(head)
     print("-" * len(head))
@@ -300,13 +309,16 @@ def print_step(rows: list[dict]) -> None:
             f"{r['per_boundary_us']:5.2f} | {r['eager_us']:8.1f} {r.get('compile_us', nan):8.1f} "
             f"{r.get('tilelang_us', nan):8.1f} | {r['x_eager']:7.1f} {r.get('x_compile', nan):6.1f} "
             f"{r.get('x_tilelang', nan):5.1f} | {r.get('toy_step_us', nan):8.1f} "
-            f"{100 * r.get('boundary_share', nan):4.0f}%"
+            f"{100 * r.get('boundary_share', nan):4.0f}% | {r.get('v3_step_us', nan):8.1f} "
+            f"{100 * r.get('v3_share', nan):4.0f}%"
         )
     print(
         "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (a sublayer output's "
         "reduction and post, the next coefficients, collapse, norm: 2 per layer); share: the boundaries-only step over the step with the toy's sublayers (cheap stand-ins, so "
         "an upper bound; TP 1 only); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams; "
-        "TileLang (bench.tilelang_step, TP 1, its own process): post + TF32 projection + pre + RMSNorm per boundary"
+        "TileLang (bench.tilelang_step, TP 1, its own process): post + TF32 projection + pre + RMSNorm per boundary; "
+        "V3 step (H 7168, TP 1): each sublayer reads the weight bytes a DeepSeek-V3 layer activates for the rows at FP8 "
+        "(bench.weight_reads; no KV cache), share: the boundaries-only step over it"
     )
 
 
@@ -330,6 +342,7 @@ def plot_step(rows: list[dict], path: Any) -> None:
             ("compile_us", "reference chain, torch.compile"),
             ("tilelang_us", "TileLang mHC kernels"),
             ("toy_step_us", "fused, with the toy sublayers"),
+            ("v3_step_us", "fused, with V3-sized weight reads"),
         ):
             if any(key in r for r in sel):
                 ax.plot(xs, [r.get(key, float("nan")) for r in sel], marker="o", label=label)

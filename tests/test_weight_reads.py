@@ -1,0 +1,56 @@
+"""The weight-read stand-ins of the decode step (bench.weight_reads): DeepSeek-V3's activated weight bytes per layer."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from bench import step, weight_reads
+from bench.kernels import parse_args
+from boundary.toy import ToyConfig, ToyModel
+from tests.test_bench_parts import OnceTimer
+
+CPU = torch.device("cpu")
+
+
+def test_a_layer_reads_the_attention_weights_and_the_experts_its_rows_pick() -> None:
+    assert weight_reads.ATTENTION_PARAMS == 187_105_280  # MLA's five projections at DeepSeek-V3's sizes
+    assert weight_reads.EXPERT_PARAMS == 3 * 7168 * 2048
+    assert weight_reads.routed_experts_read(1) == pytest.approx(8)  # one token: its top 8
+    assert weight_reads.routed_experts_read(16) == pytest.approx(256 * (1 - (31 / 32) ** 16))
+    assert 255 < weight_reads.routed_experts_read(512) < 256  # nearly every expert
+    attention, moe = weight_reads.layer_bytes(1)
+    assert attention == weight_reads.ATTENTION_PARAMS and moe == 9 * weight_reads.EXPERT_PARAMS  # + the shared one
+
+
+def test_the_stand_ins_read_then_return_the_boundaries_only_outputs(monkeypatch) -> None:
+    monkeypatch.setattr(weight_reads, "ATTENTION_PARAMS", 4096)
+    monkeypatch.setattr(weight_reads, "EXPERT_PARAMS", 1024)
+    free = step.boundaries_only(ToyModel(ToyConfig(hidden_size=512, num_layers=2), device=CPU), 3)
+    reads = weight_reads.WeightReads(CPU, max_rows=3)
+    assert reads.words.numel() * 4 == max(weight_reads.layer_bytes(3))
+    amax_sizes = []
+    real_amax = torch.amax
+    monkeypatch.setattr(torch, "amax", lambda t: (amax_sizes.append(t.numel()), real_amax(t))[1])
+    model = reads.model(free, 3)
+    x = torch.zeros(3, 512, dtype=torch.bfloat16)
+    assert model.attention(free.layers[0], x) is free.attention(free.layers[0], x)
+    assert model.moe(free.layers[1], x) is free.moe(free.layers[1], x)
+    assert amax_sizes == [n // 4 for n in weight_reads.layer_bytes(3)]
+
+
+def test_the_step_part_adds_the_weight_read_step_at_v3s_hidden_size(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(weight_reads, "HIDDEN", 512)
+    monkeypatch.setattr(weight_reads, "ATTENTION_PARAMS", 4096)
+    monkeypatch.setattr(weight_reads, "EXPERT_PARAMS", 1024)
+    argv = ["--step-hidden", "512", "--step-rows", "2", "--step-layers", "2", "--step-tp", "1"]
+    args: argparse.Namespace = parse_args(argv)
+    args.no_compile = True
+    timer = OnceTimer()
+    (row,) = step.bench_step(args, timer)  # type: ignore[arg-type]
+    assert timer.calls == 5  # side streams, inline, eager chain, the toy sublayers, the V3 weight reads
+    assert row["v3_share"] == row["ours_us"] / row["v3_step_us"]
+    step.print_step([row])
+    assert "V3 step" in capsys.readouterr().out
