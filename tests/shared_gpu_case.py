@@ -3,10 +3,11 @@ coefficients on side streams unless `--inline`, under a given CUDA_DEVICE_MAX_CO
 outputs (bench.step.boundaries_only) unless `--sublayers gemm` (the toy's GEMMs) or `--sublayers sleep` (a one-SM
 kernel of about a GEMM's time before each fixed output).
 
-The ranks' boundaries spin until every peer's has started, on one GPU: a rank whose own kernels before its boundary
-(its coefficients, a GEMM) find no room beside the peers' spinning CTAs never starts it, and every rank waits to the
-timeout. `--shared-ctas-per-sm 4` sizes the grids as v23 did (4 CTAs per SM among all ranks; the negative control);
-by default they take the shipped budget (`SHARED_GPU_CTAS_PER_SM`).
+The ranks' boundaries wait on one GPU until every peer's has started; with grids as large as fit (v23), steps stalled
+to the timeout (a late rank's kernels before its boundary need room beside the peers' waiting CTAs; at the shapes
+measured the smaller grids also made the calls staged, so the cause is not yet separated). `--shared-ctas-per-sm 4`
+sizes the grids as v23 did (4 CTAs per SM among all ranks; the negative control); by default they take the shipped
+budget (`SHARED_GPU_CTAS_PER_SM`).
 
 `python -m tests.shared_gpu_case --connections 32` prints one JSON line: per step, whether any rank's boundary gave
 up waiting (and which ranks each waited for), how many ranks' outputs differ from rank 0's, and the host's time to

@@ -16,9 +16,9 @@ PEER_REGISTER_BUDGET = 128
 # the start (one that waited for a free slot would run its rows after the others had finished theirs).
 RESIDENT_SHARE = 0.9
 OTHER_SHARED_BYTES = 1024  # a bound on the cluster sum's slots and barriers
-# Ranks sharing one GPU: their waiting grids together take at most this many CTAs per SM, so that the kernels a late
-# rank runs before its boundary (its coefficients, a GEMM) still find room beside the peers' spinning CTAs
-# (docs/PERF.md decisions: SHARED_GPU_CTAS_PER_SM).
+# Ranks sharing one GPU: their waiting grids together take at most this many CTAs per SM. With every cluster that
+# fits, simulated decode steps stalled to the timeout: a late rank's kernels before its boundary need room beside
+# the peers' waiting CTAs (docs/PERF.md decisions: SHARED_GPU_CTAS_PER_SM).
 SHARED_GPU_CTAS_PER_SM = 1
 
 
