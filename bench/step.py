@@ -28,6 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from bench import weight_reads
+from bench.allreduce import on_streams
 from bench.timing import GraphTimer
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
@@ -91,18 +92,6 @@ def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyMode
     summed.attention = attention  # type: ignore[method-assign]
     summed.moe = moe  # type: ignore[method-assign]
     return summed
-
-
-def on_streams(streams: list[torch.cuda.Stream], calls: list[Callable[[], object]]) -> None:
-    """Each call on its own stream, forked from the current stream and joined back into it (capturable)."""
-    main = torch.cuda.current_stream()
-    for stream in streams:
-        stream.wait_stream(main)
-    for stream, call in zip(streams, calls):
-        with torch.cuda.stream(stream):
-            call()
-    for stream in streams:
-        main.wait_stream(stream)
 
 
 def add_tilelang(rows: list[dict], tilelang: list[dict]) -> None:
