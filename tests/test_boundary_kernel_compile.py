@@ -301,3 +301,18 @@ def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkey
     ((args,),) = [got]
     assert len(args) == len(want) and all(a is b or (a == b and type(a) is float) for a, b in zip(args[2:], want[2:]))
     assert torch.equal(args[0], residual) and torch.equal(args[1], post.view(2, 4))
+
+
+def test_the_budget_experiment_switches_the_shared_gpu_launch_shape_and_back() -> None:
+    """bench/experiments/shared_budget_ab.py times v23's grids (4 CTAs per SM among ranks sharing a GPU) against the
+    shipped ones in one process: its switch changes the cluster cap of shared-GPU launches only, and restores it."""
+    from bench.experiments import shared_budget_ab as ab
+
+    one_gpu_each = default_config(7168, "sm_90a", 1, 4).max_clusters
+    try:
+        ab.use_budget(4)
+        assert default_config(7168, "sm_90a", 4, 4).max_clusters == int(0.9 * (132 * 4 // 7)) // 4
+        assert default_config(7168, "sm_90a", 1, 4).max_clusters == one_gpu_each
+    finally:
+        ab.use_budget(ab.SHIPPED)
+    assert default_config(7168, "sm_90a", 4, 4).max_clusters == int(0.9 * (132 // 7)) // 4
