@@ -8,6 +8,8 @@ fixed inputs, in one CUDA graph per row count, timed as bench's GraphTimer times
 Every second boundary follows the MoE sublayer, as in the toy step: there the partial is first finalized as an
 unfused engine does it, vLLM's `moe_sum` over the top-k expert rows (the routing weights applied in GEMM2, rows in
 token order) plus the shared expert's output, two torch kernels; the fused boundary reads the same expert rows itself.
+The step also runs the toy step's model code that is no boundary, the same torch ops on the same shapes: the embedding
+broadcast to the HC streams and one Engram injection (a gated table row added to every stream).
 
     PYTHONPATH=/tmp/tl:. python3 -m bench.tilelang_step --out tilelang.json
     python -m bench --parts step --tilelang-json tilelang.json      (in the CuTe DSL process: the step table's column)
@@ -27,6 +29,7 @@ from bench.timing import GraphTimer
 
 HC = 4
 TOP_K = 4  # experts per token of the toy step (boundary.toy.ToyConfig.top_k)
+VOCAB = 512  # rows of the toy's embedding and Engram tables (boundary.toy.ToyConfig.vocab)
 EPS = dict(rms_eps=1e-20, mhc_pre_eps=1e-6, mhc_sinkhorn_eps=1e-6, mhc_post_mult_value=2.0, sinkhorn_repeat=20)
 
 
@@ -86,10 +89,30 @@ def after_moe(index: int) -> bool:
     return index % 2 == 1
 
 
+def engram_streams(embed: torch.Tensor, table: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The toy step's torch code around its boundaries, as boundary.toy runs it: the tokens' embedding rows broadcast to
+    the HC streams (Boundaries.first), then one Engram injection, a gated table row added to each stream
+    (ToyModel.engram_inject)."""
+    streams = embed[tokens].unsqueeze(1).expand(-1, HC, -1).contiguous()
+    value = table[tokens].to(torch.float32)
+    return (streams.to(torch.float32) + gate.view(1, -1, 1) * value.unsqueeze(1)).to(torch.bfloat16)
+
+
+def model_code(rows: int, hidden: int, device: torch.device) -> Any:
+    """engram_streams on fixed random tables and tokens."""
+    g = torch.Generator(device=device).manual_seed(rows)
+    tokens = torch.randint(0, VOCAB, (rows,), generator=g, device=device)
+    embed = torch.randn(VOCAB, hidden, generator=g, device=device).to(torch.bfloat16)
+    table = torch.randn(VOCAB, hidden, generator=g, device=device).to(torch.bfloat16)
+    gate = torch.rand(HC, generator=g, device=device)
+    return lambda: engram_streams(embed, table, gate, tokens)
+
+
 def step_call(hidden: int, rows: int, boundaries: int, device: torch.device, top_k: int = TOP_K) -> Any:
-    """A step of `boundaries` TileLang boundaries, each on its own fixed inputs."""
+    """A step of `boundaries` TileLang boundaries, each on its own fixed inputs, and the step's model code."""
     sets = [boundary_inputs(rows, hidden, device, i, top_k if after_moe(i) else 0) for i in range(boundaries)]
-    return lambda: [tilelang_boundary(inp) for inp in sets]
+    glue = model_code(rows, hidden, device)
+    return lambda: (glue(), [tilelang_boundary(inp) for inp in sets])
 
 
 def main(argv: list[str] | None = None) -> int:

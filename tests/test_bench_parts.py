@@ -186,7 +186,7 @@ def test_the_tilelang_step_finalizes_the_moe_partials_as_the_toy_step_has_them()
     from bench import tilelang_step
     from boundary.toy import ToyConfig
 
-    assert tilelang_step.TOP_K == ToyConfig().top_k
+    assert tilelang_step.TOP_K == ToyConfig().top_k and tilelang_step.VOCAB == ToyConfig().vocab
     assert [tilelang_step.after_moe(i) for i in range(4)] == [False, True, False, True]
     cpu = torch.device("cpu")
     moe = tilelang_step.boundary_inputs(3, 256, cpu, seed=1, top_k=4)
@@ -197,6 +197,20 @@ def test_the_tilelang_step_finalizes_the_moe_partials_as_the_toy_step_has_them()
     want = (moe["routed"].float().sum(1) + moe["shared"].float()).to(torch.bfloat16)
     bound = 2 * 2**-8 * (moe["routed"].float().abs().sum(1) + moe["shared"].float().abs())  # two bf16 roundings
     assert ((x.float() - want.float()).abs() <= bound).all()
+
+
+def test_the_tilelang_step_runs_the_toy_steps_model_code_too() -> None:
+    """The embedding broadcast to the streams and the Engram injection: on the toy's own tables, the toy's bits."""
+    from bench import tilelang_step
+    from boundary.toy import ToyConfig, ToyModel
+
+    model = ToyModel(ToyConfig(hidden_size=256), device="cpu")
+    layer = next(layer for layer in model.layers if layer.engram_table is not None)
+    tokens = torch.tensor([0, 5, 511])
+    want = model.engram_inject(layer, model.embed[tokens].unsqueeze(1).expand(-1, 4, -1), tokens)
+    got = tilelang_step.engram_streams(model.embed, layer.engram_table, layer.engram_gate, tokens)
+    assert torch.equal(got, want)
+    assert tilelang_step.model_code(3, 256, torch.device("cpu"))().shape == (3, 4, 256)
 
 
 def test_a_tilelang_run_that_measures_nothing_fails_the_step_part_loudly(tmp_path) -> None:
