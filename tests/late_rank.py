@@ -25,15 +25,15 @@ LATENESS_MS = (0.1, 5.0, 50.0, 500.0)
 # (a sleep kernel, real GEMMs), both together (half each).
 KINDS = ("host", "sleep", "gemm", "both")
 # A boundary of each protocol and schedule: (protocol forced, rows: None = the staged count, call mode, shared
-# output on which ranks: "all", "none", "odd").
+# output on which ranks: "all", "none", "odd"). 3 rows: unstaged at every W (a W 8 rank launches 3 clusters at H 4096).
 MODES: dict[str, tuple[str | None, int | None, str, str]] = {
-    "oneshot": ("oneshot", 4, "partial", "none"),
-    "twoshot": ("twoshot", 4, "partial", "none"),
+    "oneshot": ("oneshot", 3, "partial", "none"),
+    "twoshot": ("twoshot", 3, "partial", "none"),
     "staged": (None, None, "partial", "none"),
     "moe": (None, 4, "moe", "none"),
     "moe+shared": (None, 4, "moe", "all"),
     "moe mixed shared": (None, 4, "moe", "odd"),
-    "residual-only": (None, 4, "residual-only", "none"),
+    "residual-only": (None, 3, "residual-only", "none"),
 }
 
 
@@ -107,7 +107,7 @@ class Delays:
 def mode_inputs(world: int, mode: str, seed: int) -> tuple[list[sim.RankInputs], str, str | None]:
     """The inputs of one trial of `mode` (MODES), the call mode and the protocol it forces."""
     protocol, rows, call_mode, shared = MODES[mode]
-    rows = sim.staged_rows(world, HIDDEN) if rows is None else rows
+    rows = sim.staged_rows(world, HIDDEN) if rows is None else sim.unstaged_rows(world, HIDDEN, rows, exact=True)
     inputs = sim.make_inputs(world, rows, HIDDEN, call_mode, seed=seed)
     if call_mode == "moe":
         for r, inp in enumerate(inputs):

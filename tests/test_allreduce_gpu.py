@@ -52,6 +52,15 @@ def protocol_rows(world: int, hidden: int) -> dict[str, int]:
     return {"oneshot": max(1, min(limit, MAX_ROWS)), "twoshot": min(limit + 1, MAX_ROWS)}
 
 
+def unstaged_rows(world: int, hidden: int, rows: int, *, exact: bool = False) -> int:
+    """At most `rows` rows whose call is unstaged at (W, H), one row per cluster (the cap of ranks sharing a GPU);
+    `exact`: `rows` itself, which must be unstaged."""
+    config = default_config(hidden, arch_for_device(torch.device("cuda")), world, world)
+    fit = min(rows, config.max_clusters)
+    assert not exact or fit == rows, f"{rows} rows at W {world}, H {hidden} take the staged kernel"
+    return fit
+
+
 def staged_rows(world: int, hidden: int) -> int:
     """A row count whose call is staged at (W, H): more rows than the clusters its launch takes."""
     config = default_config(hidden, arch_for_device(torch.device("cuda")), world, world)
@@ -284,7 +293,8 @@ EVERY_MODE = [
 
 @pytest.mark.parametrize(("mode", "world", "hidden"), EVERY_MODE)
 def test_every_mode(world: int, hidden: int, mode: str) -> None:
-    """Rows 1 (inline, one-shot), 16 (W 4: one-shot, W 8: two-shot; staged at W 8 from H 4096), 129 and 512 (staged)."""
+    """Rows 1 (inline, one-shot), 16 (W 4: one-shot, W 8: two-shot; staged where 16 passes the ranks' cluster cap), 129
+    and 512 (staged)."""
     ranks = simulated(world, hidden)
     for rows in (1, 16, 129, 512):
         inputs = make_inputs(world, rows, hidden, mode, seed=rows + 7)
@@ -379,8 +389,8 @@ def assert_y(outputs: list[RankOutputs], inputs: list[RankInputs]) -> None:
 @pytest.mark.parametrize("protocol", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_sums_exact_in_any_order(world: int, protocol: str) -> None:
-    """Small integers: every order gives the same sum, so this checks the values alone (nccl-tests' idea);
-    inline (the row count nearest the switch) and staged."""
+    """Small integers: every order gives the same sum, so this checks the values alone (nccl-tests' idea); at the row
+    count nearest the switch (staged where it passes the ranks' cluster cap) and staged."""
     hidden = 5120
     ranks = simulated(world, hidden)
     for rows in sorted({protocol_rows(world, hidden)[protocol], staged_rows(world, hidden)}):
@@ -482,8 +492,8 @@ def test_consecutive_boundaries_without_host_sync(world: int) -> None:
 def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
     world, hidden = 4, 7168
     ranks = simulated(world, hidden)
-    # One-shot inline (16 rows, one per cluster), two-shot staged (several rows per cluster).
-    for rows, protocol in ((16, "oneshot"), (staged_rows(world, hidden), "twoshot")):
+    # One-shot inline (up to 16 rows, one per cluster), two-shot staged (several rows per cluster).
+    for rows, protocol in ((unstaged_rows(world, hidden, 16), "oneshot"), (staged_rows(world, hidden), "twoshot")):
         inputs = make_inputs(world, rows, hidden, "mxfp8", seed=11)
         with forcing(ranks, protocol):
             run(ranks, inputs, "mxfp8")  # outside the capture: allocations settle
@@ -517,7 +527,8 @@ def test_ten_thousand_graph_replays_with_inputs_changed_in_place() -> None:
 def test_a_rank_delayed_on_the_device_before_its_push(world: int, protocol: str) -> None:
     hidden = 4096
     ranks = simulated(world, hidden)
-    plan = [(rows, late) for rows in (8, staged_rows(world, hidden)) for late in range(world)]  # inline, staged
+    inline = unstaged_rows(world, hidden, 8)
+    plan = [(rows, late) for rows in (inline, staged_rows(world, hidden)) for late in range(world)]
     for rows, late in plan:
         inputs = make_inputs(world, rows, hidden, "partial", seed=late)
 
@@ -566,7 +577,7 @@ def test_a_rank_that_never_arrives_is_named_and_the_process_stays_usable(
     check() names every rank it waited for, and after a reset the ranks run on, exact."""
     hidden = 4096
     ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=MAX_ROWS, device="cuda", timeout_us=20_000)
-    rows = staged_rows(world, hidden) if staged else 8
+    rows = staged_rows(world, hidden) if staged else unstaged_rows(world, hidden, 8)
     with forcing(ranks, protocol):
         inputs = make_inputs(world, rows, hidden, "partial", seed=9)
         check(run(ranks, inputs, "partial"), inputs, "partial")  # every rank once: the kernel is loaded
@@ -722,9 +733,10 @@ def test_the_race_test_passes_with_two_generations_and_fails_with_one(protocol: 
 def test_the_race_test_with_two_shot_owners_moving_between_calls() -> None:
     """W 4, staged two-shot, calls whose cluster counts differ, so that a segment's owner moves from call to call
     (protocol.segment_owner) while rank 0 runs behind: two generations survive it, one does not."""
-    rows = [200, 150, 90, 60]
     config = default_config(4096, arch_for_device(torch.device("cuda")), 4, 4)
+    rows = [2 * (config.max_clusters - k) for k in range(4)]  # two rows per cluster, 4 cluster counts
     assert len({config.clusters(n) for n in rows}) == len(rows), "the cluster counts must differ"
+    assert all(config.clusters(n) < n for n in rows), "every call must be staged"
     wrong, gave_up = _race(_Stalled, "twoshot", rows, world=4)
     assert wrong == 0 and not gave_up, "two generations must survive owners that move while a rank runs behind"
     wrong, gave_up = _race(_OneGeneration, "twoshot", rows, world=4)
