@@ -70,40 +70,46 @@ def test_warmup_runs_every_job_and_logs_its_phases(capsys, caplog) -> None:
     assert re.fullmatch(r"test: 3 jobs, 0 compiled here, while loading; loaded: \d+\.\d s", caplog.messages[-1])
 
 
+def _run_script(tmp_path: Path, name: str, body: str) -> str:
+    """Run `body` as a script of its own (a fresh interpreter, the cache under tmp_path); its stdout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / name
+    script.write_text(body)
+    env = dict(os.environ, MHC_BOUNDARY_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 def test_a_parallel_warmup_compiles_in_other_processes_and_runs_an_unguarded_script_once(tmp_path) -> None:
     """warmup(workers=2) compiles the jobs missing from the disk cache in two fresh interpreters (this process only
     loads them), and a caller's script without a main guard runs once: the workers are not multiprocessing children
     that re-run it."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "unguarded.py"
-    script.write_text(
+    stdout = _run_script(
+        tmp_path,
+        "unguarded.py",
         "import cute_kernels.compile as cc\n"
         "from tests.tiny_kernel import compile_tiny\n"
         "print('script body ran', flush=True)\n"
         "widths = (384, 640, 896, 1152, 1408)\n"
         "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in widths]\n"
         "cc.warmup(jobs, workers=2, progress=False)\n"
-        "print('compiled here:', cc.STATS.compiles, 'from disk:', cc.STATS.disk_hits, flush=True)\n"
+        "print('compiled here:', cc.STATS.compiles, 'from disk:', cc.STATS.disk_hits, flush=True)\n",
     )
-    env = dict(os.environ, MHC_BOUNDARY_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("script body ran") == 1, out.stdout
+    assert stdout.count("script body ran") == 1, stdout
     # Five jobs on two workers, each handed its next job when it finishes one: every job compiled once, elsewhere.
-    assert "compiled here: 0 from disk: 5" in out.stdout, out.stdout
+    assert "compiled here: 0 from disk: 5" in stdout, stdout
     assert len(list((tmp_path / "cache").rglob("*.o"))) == 5
 
 
 def test_a_compile_that_fails_in_a_worker_is_reported_with_its_log(tmp_path) -> None:
     """A job that raises in its compile process fails the warmup with that process's last lines; the other jobs are
     still compiled by the other worker."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "failing.py"
-    script.write_text(
+    stdout = _run_script(
+        tmp_path,
+        "failing.py",
         "import cute_kernels.compile as cc\n"
         "from tests.tiny_kernel import compile_tiny\n"
         "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in (384, 640, 896)]\n"
@@ -112,11 +118,8 @@ def test_a_compile_that_fails_in_a_worker_is_reported_with_its_log(tmp_path) -> 
         "    cc.warmup(jobs, workers=2, progress=False)\n"
         "except RuntimeError as exc:\n"
         "    print('raised:', str(exc).splitlines()[0], flush=True)\n"
-        "    print('log names the arch:', 'sm_80' in str(exc), flush=True)\n"
+        "    print('log names the arch:', 'sm_80' in str(exc), flush=True)\n",
     )
-    env = dict(os.environ, MHC_BOUNDARY_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "raised: 1 of 2 compile processes failed" in out.stdout, out.stdout
-    assert "log names the arch: True" in out.stdout, out.stdout
+    assert "raised: 1 of 2 compile processes failed" in stdout, stdout
+    assert "log names the arch: True" in stdout, stdout
     assert len(list((tmp_path / "cache").rglob("*.o"))) == 3
