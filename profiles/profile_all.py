@@ -18,8 +18,9 @@ warp-stall reasons; then one table of every item, profiles/<gpu>-summary.md. Clo
 
 The multi-rank boundary is SIMULATED: W ranks of BoundaryAllReduce.simulated on one GPU, sharing its SMs and HBM
 (never NVLink). Kernel replay serialises launches, so a rank profiled alone would wait for peers that never run: these
-items take application range replay, one ncu process each, and their numbers are those of the whole range, every
-rank's launch together.
+items take range replay, one ncu process each, and their numbers are those of the whole range, every rank's launch
+together. Range replay reruns the range in the process, its memory restored before each pass; application range
+replay, which reruns the whole program once per pass, took over 215 s for one item on the H200 (v25) and is not used.
 
   python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
   python profiles/profile_all.py --only boundary final    the kernels whose names start so
@@ -52,16 +53,18 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "profiles"
 REPORTS = PROFILES / "reports"
-RUN_TIMEOUT_S = 1800  # one ncu run; the simulated ranks' range replay reruns the program once per pass
+RUN_TIMEOUT_S = 1800  # one ncu run
 MARKER = "spin_kernel"  # in the name of torch.cuda._sleep's kernel, run_kernel.py --batch's marker
 
-NCU_COMMON = ("--clock-control", "none", "--profile-from-start", "off")
-KERNEL_REPLAY = ("--set", "full")
+NCU_COMMON = ("--clock-control", "none")
+# Kernel replay profiles only what lies between cudaProfilerStart and Stop; range replay takes those calls as its
+# range and refuses --profile-from-start.
+KERNEL_REPLAY = ("--profile-from-start", "off", "--set", "full")
 # Range replay measures the range as a whole: the sections that hold the summary's metrics (launch statistics and
 # source-level sampling belong to single kernels).
 RANGE_REPLAY = (
     "--replay-mode",
-    "app-range",
+    "range",
     *("--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis"),
     *("--section", "Occupancy", "--section", "WarpStateStats"),
 )
@@ -497,11 +500,16 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def ncu_command(ncu: str, stem: str, replay: Sequence[str], program: Sequence[str]) -> list[str]:
+    """The ncu command line that profiles `program` into the report `stem`."""
+    return [ncu, *NCU_COMMON, *replay, "-f", "-o", str(REPORTS / stem), sys.executable, *program]
+
+
 def profile_rows(ncu: str, stem: str, replay: Sequence[str], program: Sequence[str]) -> list[Row]:
     """Profile `program` (run_kernel.py and its arguments) into the report `stem` and read its rows back; the ncu
     output goes to <stem>.log where anything fails."""
     report, log = REPORTS / f"{stem}.ncu-rep", REPORTS / f"{stem}.log"
-    command = [ncu, *NCU_COMMON, *replay, "-f", "-o", str(REPORTS / stem), sys.executable, *program]
+    command = ncu_command(ncu, stem, replay, program)
     report.unlink(missing_ok=True)  # an earlier run's report must not pass for this one's
     status, out = run(command, RUN_TIMEOUT_S)
     if status or not report.exists():

@@ -10,7 +10,7 @@ python profiles/run_kernel.py --kernel coefficients --variant standard|inline|br
 python profiles/run_kernel.py --kernel layer_input --rows 16    (the layer-input-only kernel)
 python profiles/run_kernel.py --kernel peer --world 4 --protocol oneshot|twoshot --rows 16
     (SIMULATED ranks: W BoundaryAllReduce ranks on one GPU, every rank's call in the profiled region; profile it
-    with ncu --replay-mode app-range, since kernel replay would run each rank alone and its exchange would wait)
+    with ncu --replay-mode range, since kernel replay would run each rank alone and its exchange would wait)
 python profiles/run_kernel.py --batch --kernel boundary --variant bf16 --rows 16 + --kernel final --rows 512 + ...
     (several single-rank items in one process, `+` between their arguments: every item is built, compiled and warmed
     up first; then each has a profiled range of its own that opens with one marker launch, torch.cuda._sleep(1),
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def parse_batch(argv: list[str]) -> list[argparse.Namespace]:
     """The items of `--batch ITEM + ITEM ...`, each parsed as a one-item command line; peer items are refused (they
-    take application range replay, one process each)."""
+    take range replay, one process each)."""
     items: list[list[str]] = [[]]
     for arg in argv:
         if arg == SEPARATOR:
@@ -102,7 +102,7 @@ def parse_batch(argv: list[str]) -> list[argparse.Namespace]:
         raise SystemExit(f"run_kernel: {BATCH} needs one item's arguments before, between and after each {SEPARATOR!r}")
     parsed = [parse_args(item) for item in items]
     if any(args.kernel == "peer" for args in parsed):
-        raise SystemExit(f"run_kernel: --kernel peer takes application range replay, one process each: not in {BATCH}")
+        raise SystemExit(f"run_kernel: --kernel peer takes range replay, one process each: not in {BATCH}")
     return parsed
 
 
