@@ -49,7 +49,7 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     timer = OnceTimer()
     rows = step.bench_step(args, timer)  # type: ignore[arg-type]
     assert [(r["H"], r["rows"]) for r in rows] == [(512, 1), (512, 3)]
-    assert timer.calls == 2 * 4  # side streams, inline, eager chain, the toy sublayers
+    assert timer.calls == 2 * 5  # side streams, inline, eager chain, the model code alone, the toy sublayers
     assert all(r["boundaries"] == 2 * 2 for r in rows)  # two per layer
     step.print_step(rows)
     printed = capsys.readouterr().out
@@ -64,9 +64,9 @@ def test_an_interrupted_step_part_keeps_the_rows_it_measured() -> None:
     """A time limit's SIGINT in the middle of the step part: the rows already measured stay in the caller's list
     (bench.kernels.main writes and prints them)."""
 
-    class StopsOnTheFifthCall(OnceTimer):
+    class StopsOnTheSixthCall(OnceTimer):  # a row is 5 calls
         def per_call_us(self, calls: Sequence[Callable[[], object]], calls_each: int = 1) -> float:
-            if self.calls == 4:
+            if self.calls == 5:
                 raise KeyboardInterrupt
             return super().per_call_us(calls, calls_each)
 
@@ -74,7 +74,7 @@ def test_an_interrupted_step_part_keeps_the_rows_it_measured() -> None:
     args.no_compile = True
     rows: list[dict] = []
     try:
-        step.bench_step(args, StopsOnTheFifthCall(), rows)  # type: ignore[arg-type]
+        step.bench_step(args, StopsOnTheSixthCall(), rows)  # type: ignore[arg-type]
     except KeyboardInterrupt:
         pass
     else:
