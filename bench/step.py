@@ -246,8 +246,8 @@ class SimulatedStep:
             ar.reset()
 
     def row(self, timer: GraphTimer, rows: int) -> dict[str, Any]:
-        """The step table's row at `rows` rows: the boundaries-only step (no toy sublayers: on one GPU the toy's
-        GEMMs beside the peers' spinning boundaries stalled a simulated step to the timeout, CONTRACT §7)."""
+        """The step table's row at `rows` rows: the boundaries-only step (no toy sublayers: W ranks' GEMMs on one GPU
+        would time the GPU's sharing, not a TP step's)."""
         free = [boundaries_only(m, rows) for m in self.full]
         n = boundaries_per_step(self.config)
         row: dict[str, Any] = {"H": self.config.hidden_size, "tp": len(self.ranks), "layers": self.config.num_layers}
