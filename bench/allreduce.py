@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.timing import GraphTimer, marginal_us
+from bench.timing import GraphTimer, marginal_us, on_streams
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
 from cute_kernels.allreduce.protocol import PROTOCOLS
@@ -114,18 +114,6 @@ def rank_sets(world: int, rows: int, hidden: int, count: int, device: torch.devi
 def boundary_call(ar: BoundaryAllReduce, s: dict[str, Any]) -> Any:
     """One public boundary call (bf16 out)."""
     return ar(s["x"], s["residual"], s["post"], s["comb"], s["pre"], s["w"], 1e-20, None)
-
-
-def on_streams(streams: Sequence[torch.cuda.Stream], work: Sequence[Callable[[], Any]]) -> None:
-    """work[i]() on streams[i], every stream forked once from the current one and joined back once."""
-    main = torch.cuda.current_stream()
-    for stream in streams:
-        stream.wait_stream(main)
-    for stream, fn in zip(streams, work):
-        with torch.cuda.stream(stream):
-            fn()
-    for stream in streams:
-        main.wait_stream(stream)
 
 
 def simulated_sequence(ranks: list[BoundaryAllReduce], sets: list[list[dict[str, Any]]]):

@@ -28,8 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from bench import tilelang_step, weight_reads
-from bench.allreduce import on_streams
-from bench.timing import GraphTimer
+from bench.timing import GraphTimer, on_streams
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
 
@@ -68,18 +67,24 @@ def _finalized(model: ToyModel, layer: Any, x: Tensor) -> Tensor:
     )
 
 
+def received_partials(models: list[ToyModel], rank: int) -> dict[tuple[int, int], Tensor]:
+    """What `rank` receives of boundaries-only models (whose partials do not depend on x): every other rank's MoE
+    partial per layer, finalized once, keyed (rank, layer index)."""
+    x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
+    return {
+        (r, layer.index): _finalized(m, layer, x)
+        for layer in models[0].layers
+        for r, m in enumerate(models)
+        if r != rank
+    }
+
+
 def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyModel:
     """A copy of rank 0's model whose sublayers return every rank's partial summed in rank order (the MoE partials
     finalized first): the exchange, after which the reference chain runs at W = 1. With `rank` (boundaries-only
-    models, whose partials do not depend on x) only that rank's MoE partial is finalized per call, as a real rank
-    does; the others' stand for what it receives, finalized once here."""
-    received: dict[tuple[int, int], Tensor] = {}
-    if rank is not None:
-        x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
-        for layer in models[0].layers:
-            for r, m in enumerate(models):
-                if r != rank:
-                    received[r, layer.index] = _finalized(m, layer, x)
+    models) only that rank's MoE partial is finalized per call, as a real rank does; the others' stand for what it
+    receives (received_partials)."""
+    received = {} if rank is None else received_partials(models, rank)
 
     def attention(layer: Any, x: Tensor) -> Tensor:
         return rank_order_sum([m.attention(m.layers[layer.index], x) for m in models])
@@ -95,11 +100,11 @@ def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyMode
 
 
 def add_tilelang(rows: list[dict], tilelang: list[dict]) -> None:
-    """The TileLang step's µs (bench.tilelang_step, same GPU, its own process) beside the TP 1 rows it matches."""
-    by_shape = {(t["H"], t["rows"]): t for t in tilelang}
+    """The TileLang step's µs (bench.tilelang_step, same GPU, its own process) beside the rows it matches."""
+    by_shape = {(t["H"], t.get("tp", 1), t["rows"]): t for t in tilelang}
     for row in rows:
-        match = by_shape.get((row["H"], row["rows"]))
-        if match is not None and row["tp"] == 1:
+        match = by_shape.get((row["H"], row["tp"], row["rows"]))
+        if match is not None and "ours_us" in row:
             row["tilelang_us"] = match["tilelang_step_us"]
             row["x_tilelang"] = match["tilelang_step_us"] / row["ours_us"]
 
@@ -133,6 +138,7 @@ def tilelang_command(args: argparse.Namespace, out: Path) -> list[str]:
         "bench.tilelang_step",
         *("--step-hidden", *map(str, args.step_hidden)),
         *("--step-rows", *map(str, args.step_rows)),
+        *("--step-tp", *map(str, args.step_tp)),
         *("--step-layers", str(args.step_layers), "--top-k", str(ToyConfig().top_k)),
         *("--replays", str(args.replays), "--out", str(out)),
     ]
@@ -195,13 +201,17 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
                 row[f"x_{key}"] = row[f"{key}_us"] / row["ours_us"]
         row["per_boundary_us"] = row["ours_us"] / n
         out.append(row)
+    simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
+    compiled: CompiledChains | None = None
+    for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
+        if not args.no_compile and (compiled is None or compiled.ref.all_reduce.hidden_size != hidden):
+            ref = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device, backend="reference")
+            compiled = CompiledChains(Boundaries(ref))
+        bench_step_simulated(args, timer, hidden, world, out, compiled)
     if args.tilelang_json is not None:
         tilelang = json.loads(args.tilelang_json.read_text())["rows"]
     if tilelang is not None:
         add_tilelang(out, tilelang)
-    simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
-    for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
-        bench_step_simulated(args, timer, hidden, world, out)
     return out
 
 
@@ -245,7 +255,12 @@ class SimulatedStep:
         for ar in self.ranks:
             ar.reset()
 
-    def row(self, timer: GraphTimer, rows: int) -> dict[str, Any]:
+    def compiled_step(self, free: list[ToyModel], rows: int, compiled: CompiledChains) -> Callable[[], object]:
+        """Every rank's exchange and compiled chain (CompiledChains) on its own stream."""
+        calls = [compiled.rank_call(free, r, rows) for r in range(len(self.ranks))]
+        return lambda: on_streams(self.streams, calls)
+
+    def row(self, timer: GraphTimer, rows: int, compiled: CompiledChains | None = None) -> dict[str, Any]:
         """The step table's row at `rows` rows: the boundaries-only step (no toy sublayers: W ranks' GEMMs on one GPU
         would time the GPU's sharing, not a TP step's)."""
         free = [boundaries_only(m, rows) for m in self.full]
@@ -259,17 +274,78 @@ class SimulatedStep:
         row["ours_us"] = min(row["overlap_us"], row["inline_us"])
         row["eager_us"] = timer.per_call_us([self.baseline_step(free, rows)])
         row["x_eager"] = row["eager_us"] / row["ours_us"]
+        if compiled is not None:
+            row["compile_us"] = timer.per_call_us([self.compiled_step(free, rows, compiled)])
+            row["x_compile"] = row["compile_us"] / row["ours_us"]
         row["per_boundary_us"] = row["ours_us"] / n
         return row
 
 
-def bench_step_simulated(args: argparse.Namespace, timer: GraphTimer, hidden: int, world: int, out: list[dict]) -> None:
-    """µs per step of W simulated ranks at every row count of the step part, appended to `out`. A step whose
-    boundary gave up waiting ends this W's rows with a row that says so (its timings are meaningless)."""
+class CompiledChains:
+    """The multi-rank compile baseline at one hidden size. Each rank's exchange runs in eager (its own MoE partial
+    finalized, then every sublayer's rank-order sum), as an engine's collective sits outside its compiled graph; then
+    the reference chain, compiled once per row count (static shapes) with the exchanged partials as its inputs, which
+    every rank and every W share."""
+
+    def __init__(self, ref: Boundaries) -> None:
+        self.ref = ref
+        self.chains: dict[int, Callable[..., object]] = {}
+        torch._dynamo.reset()
+
+    def chain(self, template: ToyModel, rows: int) -> Callable[..., object]:
+        """The compiled chain at `rows` rows: (tokens, attention partials, MoE partials per layer) -> step output."""
+        if rows not in self.chains:
+            received: dict[str, list[Tensor]] = {}
+            model = copy.copy(template)
+            model.attention = lambda layer, x: received["attention"][layer.index]  # type: ignore[method-assign]
+            model.moe = lambda layer, x: received["moe"][layer.index]  # type: ignore[method-assign]
+            step = DecodeStep(rows=rows, side_stream=False)
+
+            def run(tokens: Tensor, attention: list[Tensor], moe: list[Tensor]) -> object:
+                received["attention"], received["moe"] = attention, moe
+                out = decode_step(model, self.ref, tokens, step)
+                received.clear()  # empty at every entry: what the compiled graph's guards saw
+                return out
+
+            self.chains[rows] = torch.compile(run, dynamic=False)
+        return self.chains[rows]
+
+    def rank_call(self, models: list[ToyModel], rank: int, rows: int) -> Callable[[], object]:
+        """Rank `rank`'s step of boundaries-only `models`: its exchange in eager, then the shared compiled chain."""
+        chain = self.chain(models[0], rows)
+        tokens = random_tokens(models[0], rows, 0)
+        received = received_partials(models, rank)
+        x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
+        layers = models[0].layers
+
+        def call() -> object:
+            attention = [rank_order_sum([m.attention(m.layers[layer.index], x) for m in models]) for layer in layers]
+            moe = [
+                rank_order_sum(
+                    [_finalized(m, layer, x) if r == rank else received[r, layer.index] for r, m in enumerate(models)]
+                )
+                for layer in layers
+            ]
+            return chain(tokens, attention, moe)
+
+        return call
+
+
+def bench_step_simulated(
+    args: argparse.Namespace,
+    timer: GraphTimer,
+    hidden: int,
+    world: int,
+    out: list[dict],
+    compiled: CompiledChains | None = None,
+) -> None:
+    """µs per step of W simulated ranks at every row count of the step part, appended to `out` (with `compiled`, the
+    compile baseline too). A step whose boundary gave up waiting ends this W's rows with a row that says so (its
+    timings are meaningless)."""
     sim = SimulatedStep(args, timer.device, hidden, world)
     for rows in sorted(args.step_rows):
         try:
-            out.append(sim.row(timer, rows))
+            out.append(sim.row(timer, rows, compiled))
         except RuntimeError as exc:
             if "gave up waiting" not in str(exc):
                 raise
@@ -309,8 +385,10 @@ def print_step(rows: list[dict]) -> None:
         "side / inline: the coefficients on side streams or inline; /bnd: ours per boundary (a sublayer output's "
         "reduction and post, the next coefficients, collapse, norm: 2 per layer, and the step's model code); glue: that model "
         "code (embedding broadcast, Engram injection) alone in its own graph; share: the boundaries-only step less the "
-        "glue over the step with the toy's sublayers (cheap stand-ins, so an upper bound; TP 1 only); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams; "
-        "TileLang (bench.tilelang_step, TP 1, its own process): post + TF32 projection + pre + RMSNorm per boundary; "
+        "glue over the step with the toy's sublayers (cheap stand-ins, so an upper bound; TP 1 only); eager at TP > 1: every rank's chain after the rank-order sum of the partials, on W streams; compile at TP > 1: "
+        "every rank's exchange in eager, then the chain compiled once per row count (CompiledChains); "
+        "TileLang (bench.tilelang_step, its own process): post + TF32 projection + pre + RMSNorm per boundary, at TP > 1 "
+        "after each rank's exchange as the eager baseline's; "
         "V3 step (H 7168, TP 1): each sublayer reads the weight bytes a DeepSeek-V3 layer activates for the rows at FP8 "
         "(bench.weight_reads; no KV cache), share: the boundaries-only step less the glue over it"
     )

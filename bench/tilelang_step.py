@@ -3,7 +3,9 @@ process of their own (their tvm-ffi differs from CuTe DSL's): per boundary `mhc_
 TF32 matmul with the rows' sums of squares (vLLM runs DeepGEMM there), `mhc_pre_big_fuse_fwd` (post, comb and the
 collapse with the row's own pre), and torch's RMSNorm of the layer input (the model's attention / FFN norm, which the
 fused boundary includes). A step is as many boundaries as the toy step's boundaries-only model has (bench.step), on
-fixed inputs, in one CUDA graph per row count, timed as bench's GraphTimer times ours. TP 1 only.
+fixed inputs, in one CUDA graph per row count, timed as bench's GraphTimer times ours. At TP > 1, SIMULATED ranks:
+each rank's step on its own stream of the one GPU, every boundary after the rank's exchange (the rank-order sum of
+its partial and the others', as the eager baseline's; bench.step).
 
 Every second boundary follows the MoE sublayer, as in the toy step: there the partial is first finalized as an
 unfused engine does it, vLLM's `moe_sum` over the top-k expert rows (the routing weights applied in GEMM2, rows in
@@ -57,14 +59,32 @@ def boundary_inputs(rows: int, hidden: int, device: torch.device, seed: int, top
     )
 
 
-def tilelang_boundary(inp: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One boundary on TileLang's kernels: post (after the MoE's finalize, where it follows one), projection, pre
-    (mixes and collapse), then the RMSNorm."""
+def finalize(inp: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An MoE boundary's partial as an unfused engine finalizes it: vLLM's moe_sum over the expert rows, plus the
+    shared expert's output (two torch kernels), into the boundary's x."""
+    return torch.add(inp["routed"].sum(1), inp["shared"], out=inp["x"][0])
+
+
+def exchange(inp: dict[str, torch.Tensor], received: list[torch.Tensor], rank: int) -> None:
+    """A simulated rank's all-reduce before its boundary: its own partial (finalized first after the MoE) and what
+    it receives from the other ranks (finalized by them), summed in fp32 in rank order and rounded once into x. A
+    rank's own partial, after an attention sublayer, is inp["own"] (x is overwritten by the sum)."""
+    own = finalize(inp) if "routed" in inp else inp["own"]
+    parts = [*received[:rank], own, *received[rank:]]
+    acc = parts[0].to(torch.float32)
+    for part in parts[1:]:
+        acc = acc + part.to(torch.float32)
+    inp["x"][0].copy_(acc)
+
+
+def tilelang_boundary(inp: dict[str, torch.Tensor], ready: bool = False) -> torch.Tensor:
+    """One boundary on TileLang's kernels: post (after the MoE's finalize, where it follows one, unless the partial
+    is `ready`), projection, pre (mixes and collapse), then the RMSNorm."""
     from tile_kernels.mhc import mhc_post_fwd, mhc_pre_big_fuse_fwd
 
     x = inp["x"]
-    if "routed" in inp:
-        torch.add(inp["routed"].sum(1), inp["shared"], out=x[0])
+    if "routed" in inp and not ready:
+        finalize(inp)
     new = mhc_post_fwd(x, inp["residual"], inp["post"], inp["comb"], out=inp["new_residual"])
     flat = new.view(-1, HC * new.shape[-1])
     mul = (flat.float() @ inp["fn"].t()).unsqueeze(0)  # TF32 when allowed (main sets it)
@@ -115,6 +135,39 @@ def step_call(hidden: int, rows: int, boundaries: int, device: torch.device, top
     return lambda: (glue(), [tilelang_boundary(inp) for inp in sets])
 
 
+def simulated_step_call(
+    hidden: int, rows: int, boundaries: int, device: torch.device, world: int, top_k: int = TOP_K
+) -> Any:
+    """W SIMULATED ranks' steps, each on its own stream of one GPU: per boundary the rank's exchange (exchange: the
+    rank-order sum of its own partial and the W - 1 received ones), then TileLang's boundary; and the model code."""
+    from bench.timing import on_streams
+
+    def rank_step(rank: int) -> Any:
+        seeds = [(i * world + rank) for i in range(boundaries)]
+        sets = [boundary_inputs(rows, hidden, device, s, top_k if after_moe(i) else 0) for i, s in enumerate(seeds)]
+        for inp in sets:
+            if "routed" not in inp:
+                inp["own"] = inp["x"][0].clone()
+        g = torch.Generator(device=device).manual_seed(1000 + rank)
+        received = [
+            [torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(world - 1)]
+            for _ in range(boundaries)
+        ]
+        glue = model_code(rows, hidden, device)
+
+        def run() -> None:
+            glue()
+            for inp, got in zip(sets, received):
+                exchange(inp, got, rank)
+                tilelang_boundary(inp, ready=True)
+
+        return run
+
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    work = [rank_step(r) for r in range(world)]
+    return lambda: on_streams(streams, work)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time the TileLang step at each hidden size and row count; write the rows as JSON."""
     p = argparse.ArgumentParser(prog="python -m bench.tilelang_step", description=__doc__.splitlines()[0])
@@ -122,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
     p.add_argument("--step-layers", type=int, default=4, help="the toy step's layers (Engram on layer 1)")
     p.add_argument("--top-k", type=int, default=TOP_K, help="experts per token of the MoE boundaries")
+    p.add_argument(
+        "--step-tp", type=int, nargs="+", default=[1], choices=[1, 2, 4, 8], help="TP sizes (> 1: SIMULATED ranks)"
+    )
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -138,14 +194,21 @@ def main(argv: list[str] | None = None) -> int:
     timer = GraphTimer(device, replays=args.replays)
     boundaries = 2 * args.step_layers  # as bench.step.boundaries_per_step: two per layer
     rows_out = []
-    plan = [(h, r) for h in args.step_hidden for r in sorted(args.step_rows)]
-    for k, (hidden, rows) in enumerate(plan):  # plain progress lines: the TileLang bundle may lack tqdm
-        print(f"TileLang step {k + 1}/{len(plan)}: H {hidden}, {rows} rows", file=sys.stderr, flush=True)
-        us = timer.per_call_us([step_call(hidden, rows, boundaries, device, args.top_k)])
-        rows_out.append({"H": hidden, "rows": rows, "boundaries": boundaries, "tilelang_step_us": us})
+    plan = [(h, w, r) for h in args.step_hidden for w in args.step_tp for r in sorted(args.step_rows)]
+    for k, (hidden, world, rows) in enumerate(plan):  # plain progress lines: the TileLang bundle may lack tqdm
+        print(f"TileLang step {k + 1}/{len(plan)}: H {hidden}, TP {world}, {rows} rows", file=sys.stderr, flush=True)
+        if world == 1:
+            call = step_call(hidden, rows, boundaries, device, args.top_k)
+        else:
+            call = simulated_step_call(hidden, rows, boundaries, device, world, args.top_k)
+        us = timer.per_call_us([call])
+        rows_out.append({"H": hidden, "tp": world, "rows": rows, "boundaries": boundaries, "tilelang_step_us": us})
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows_out}, indent=1))
     for r in rows_out:
-        print(f"H {r['H']:>5} rows {r['rows']:>4}: {r['tilelang_step_us']:8.1f} us per step ({boundaries} boundaries)")
+        tp = f"TP {r['tp']}" + (" SIMULATED" if r["tp"] > 1 else "")
+        print(
+            f"H {r['H']:>5} {tp:<12} rows {r['rows']:>4}: {r['tilelang_step_us']:8.1f} us per step ({boundaries} boundaries)"
+        )
     print(f"wrote {args.out}")
     return 0
 

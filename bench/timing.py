@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -87,3 +88,15 @@ def host_us_per_call(call: Callable[[], object], n: int = 300) -> float:
         samples.append((time.perf_counter() - t0) * 1e6 / n)
         torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def on_streams(streams: Sequence[torch.cuda.Stream], work: Sequence[Callable[[], Any]]) -> None:
+    """work[i]() on streams[i], every stream forked once from the current one and joined back once."""
+    main = torch.cuda.current_stream()
+    for stream in streams:
+        stream.wait_stream(main)
+    for stream, fn in zip(streams, work):
+        with torch.cuda.stream(stream):
+            fn()
+    for stream in streams:
+        main.wait_stream(stream)

@@ -96,6 +96,29 @@ def test_the_compiled_step_baseline_traces_the_reference_chain() -> None:
     assert compare(compiled(), eager())["max_rel"] < 0.02
 
 
+def test_the_multi_rank_compile_baseline_is_the_exchange_then_one_compiled_chain_for_every_rank_and_w() -> None:
+    """Each rank's exchange in eager, then the reference chain compiled once per row count: its output is the eager
+    baseline's (summed_sublayers, then the chain) within the compile tolerance above, and other ranks and another W
+    run the same compiled graph (a recompile raises here)."""
+    from boundary import Boundaries, BoundaryAllReduce
+    from boundary.toy import ToyConfig, ToyModel, compare
+
+    config = ToyConfig(hidden_size=512, num_layers=2, vocab=64)
+    ref = Boundaries(BoundaryAllReduce(512, max_rows=4, device="cpu", backend="reference"))
+    two = [step.boundaries_only(ToyModel(config, rank=r, world_size=2), 3) for r in range(2)]
+    four = [step.boundaries_only(ToyModel(config, rank=r, world_size=4), 3) for r in range(4)]
+    compiled = step.CompiledChains(ref)
+    got = compiled.rank_call(two, 1, 3)()
+    want = step._step_call(step.summed_sublayers(two, 1), ref, 3, False)()
+    assert compare(got, want)["max_rel"] < 0.02
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for r in range(4):
+            got = compiled.rank_call(four, r, 3)()
+            want = step._step_call(step.summed_sublayers(four, r), ref, 3, False)()
+            assert compare(got, want)["max_rel"] < 0.02
+    assert list(compiled.chains) == [3]
+
+
 def test_the_simulated_baseline_sums_every_ranks_partial_in_rank_order() -> None:
     """The multi-rank baseline's sublayers: every rank's fixed partial summed in fp32 in rank order, one bf16 rounding
     (the MoE partials finalized first), the exchange of CONTRACT §2 step 1."""
@@ -132,10 +155,32 @@ def test_the_final_boundarys_baseline_computes_what_final_computes() -> None:
     assert torch.equal(post_only_then_norm_call(ar, inp)().view(torch.int16), h.view(torch.int16))
 
 
-def test_the_tilelang_step_rows_join_the_tp1_rows_by_shape() -> None:
+def test_the_tilelang_step_rows_join_the_step_rows_by_shape_and_tp() -> None:
     rows = [{"H": 5120, "rows": 1, "tp": 1, "ours_us": 10.0}, {"H": 5120, "rows": 1, "tp": 2, "ours_us": 20.0}]
-    step.add_tilelang(rows, [{"H": 5120, "rows": 1, "tilelang_step_us": 35.0}, {"H": 7168, "rows": 1}])
-    assert rows[0]["x_tilelang"] == 3.5 and "tilelang_us" not in rows[1]
+    rows += [{"H": 5120, "rows": 1, "tp": 4, "ours_us": 30.0}, {"H": 5120, "rows": 4, "tp": 4, "stalled": "rank 0"}]
+    tilelang = [{"H": 5120, "rows": 1, "tilelang_step_us": 35.0}, {"H": 7168, "rows": 1}]  # no "tp": v24's, TP 1
+    tilelang += [{"H": 5120, "tp": 4, "rows": r, "tilelang_step_us": 60.0} for r in (1, 4)]
+    step.add_tilelang(rows, tilelang)
+    assert rows[0]["x_tilelang"] == 3.5 and "tilelang_us" not in rows[1] and rows[2]["x_tilelang"] == 2.0
+    assert "tilelang_us" not in rows[3]  # a stalled row has no time of ours to divide
+
+
+def test_the_tilelang_exchange_is_the_rank_order_sum_with_the_ranks_own_partial_in_its_place() -> None:
+    """A simulated TileLang rank's all-reduce: its own partial (the MoE's finalized first) at its rank's place among
+    the received ones, summed in fp32 in rank order, one bf16 rounding (CONTRACT §2 step 1)."""
+    from bench import tilelang_step
+
+    cpu = torch.device("cpu")
+    for top_k in (0, 4):
+        inp = tilelang_step.boundary_inputs(3, 256, cpu, seed=2, top_k=top_k)
+        received = [torch.randn(3, 256).to(torch.bfloat16) for _ in range(3)]
+        own = inp["own"] = torch.randn(3, 256).to(torch.bfloat16)  # after attention: the rank's own partial
+        if top_k:
+            own = torch.add(inp["routed"].sum(1), inp["shared"])
+        tilelang_step.exchange(inp, received, rank=2)
+        parts = [received[0], received[1], own, received[2]]
+        want = ((parts[0].float() + parts[1].float()) + parts[2].float()) + parts[3].float()
+        assert torch.equal(inp["x"][0].view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
 
 
 def test_the_tilelang_step_says_when_tile_kernels_is_missing(tmp_path, capsys) -> None:
@@ -176,7 +221,8 @@ def test_the_tilelang_process_gets_the_step_parts_shapes(tmp_path) -> None:
     assert cmd[1:3] == ["-m", "bench.tilelang_step"]
     text = " ".join(cmd)
     assert (
-        "--step-hidden 512 --step-rows 1 4 --step-layers 4 --top-k 4" in text and f"--out {tmp_path / 't.json'}" in text
+        "--step-hidden 512 --step-rows 1 4 --step-tp 1 2 4 8 --step-layers 4 --top-k 4" in text
+        and f"--out {tmp_path / 't.json'}" in text
     )
 
 
@@ -266,7 +312,7 @@ def test_a_simulated_step_that_stalls_is_reported_and_ends_its_world_size(monkey
         def __init__(self, *args: object) -> None:
             pass
 
-        def row(self, timer: object, rows: int) -> dict:
+        def row(self, timer: object, rows: int, compiled: object = None) -> dict:
             if rows > 1:
                 raise RuntimeError("rank 0: the boundary gave up waiting for rank(s) [3] after timeout_us=10")
             return {"H": 512, "tp": 4, "layers": 2, "boundaries": 4, "rows": rows, "overlap_us": 2.0}
@@ -282,7 +328,7 @@ def test_a_simulated_step_that_stalls_is_reported_and_ends_its_world_size(monkey
     step.print_step(out[1:])
     assert "STALLED: rank 0: the boundary gave up waiting" in capsys.readouterr().out
 
-    def fails(self: object, timer: object, rows: int) -> dict:
+    def fails(self: object, timer: object, rows: int, compiled: object = None) -> dict:
         raise RuntimeError("something else")
 
     monkeypatch.setattr(Stalls, "row", fails)
@@ -292,3 +338,27 @@ def test_a_simulated_step_that_stalls_is_reported_and_ends_its_world_size(monkey
         assert str(exc) == "something else"
     else:
         raise AssertionError("an error other than a stall was swallowed")
+
+
+def test_a_simulated_tilelang_step_runs_each_ranks_exchange_then_boundary_on_its_own_stream(monkeypatch) -> None:
+    """Every rank, on its own stream: the model code, then per boundary its exchange (W - 1 partials received) and
+    TileLang's boundary on the ready partial."""
+    from bench import tilelang_step, timing
+
+    events: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: f"stream on {device}")
+    monkeypatch.setattr(
+        timing, "on_streams", lambda streams, work: [events.append(("stream", s)) or w() for s, w in zip(streams, work)]
+    )
+    monkeypatch.setattr(
+        tilelang_step, "exchange", lambda inp, got, rank: events.append(("exchange", rank, len(got), "routed" in inp))
+    )
+    monkeypatch.setattr(tilelang_step, "tilelang_boundary", lambda inp, ready: events.append(("boundary", ready)))
+    call = tilelang_step.simulated_step_call(256, 3, 4, torch.device("cpu"), world=2)
+    call()
+    per_rank = [("exchange", None, 1, False), ("boundary", True), ("exchange", None, 1, True), ("boundary", True)] * 2
+    for rank in range(2):
+        got = events[rank * 9 : rank * 9 + 9]
+        assert got[0] == ("stream", "stream on cpu")
+        assert [e if e[0] != "exchange" else (e[0], None, *e[2:]) for e in got[1:]] == per_rank
+        assert {e[1] for e in got[1:] if e[0] == "exchange"} == {rank}
