@@ -279,7 +279,11 @@ def _shared_gpu_case(*args: str) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
 
 
-@pytest.mark.parametrize("case", [("--world", "8"), ("--world", "4", "--hidden", "7168", "--rows", "16")])
+@pytest.mark.parametrize(
+    "case",
+    [("--world", "8"), ("--world", "4", "--hidden", "7168", "--rows", "16")],
+    ids=["W8-H5120-4rows", "W4-H7168-16rows"],
+)
 def test_simulated_ranks_leave_room_for_a_late_ranks_own_kernels(case: tuple[str, ...]) -> None:
     """Simulated ranks run eager toy steps (fixed sublayer outputs, side streams): with the shipped grid budget every
     step is clean and every rank has rank 0's bits; sized as in v23 (4 CTAs per SM among the ranks; the negative
