@@ -33,6 +33,7 @@ from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
+GLUE_CALLS = 8  # the model code's calls in the graph that times it
 
 
 def boundaries_only(model: ToyModel, rows: int) -> ToyModel:
@@ -101,7 +102,7 @@ def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyMode
 
 def add_tilelang(rows: list[dict], tilelang: list[dict]) -> None:
     """The TileLang step's µs (bench.tilelang_step, same GPU, its own process) beside the rows it matches."""
-    by_shape = {(t["H"], t.get("tp", 1), t["rows"]): t for t in tilelang}
+    by_shape = {(t["H"], t.get("tp", 1), t["rows"]): t for t in tilelang if "tilelang_step_us" in t}  # not failed
     for row in rows:
         match = by_shape.get((row["H"], row["tp"], row["rows"]))
         if match is not None and "ours_us" in row:
@@ -160,11 +161,24 @@ def run_tilelang(args: argparse.Namespace) -> list[dict]:
 
 def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | None = None) -> list[dict]:
     """µs per step at TP 1, then on simulated TP ranks, for every hidden size and row count of the step part; each row
-    is appended to `out` as it is measured (an interrupted run keeps what it has)."""
-    device = timer.device
+    is appended to `out` as it is measured (an interrupted run keeps what it has, with its TileLang column)."""
     out = [] if out is None else out
     # First, alone on the GPU: its process must be gone before ours allocate their graphs.
     tilelang = run_tilelang(args) if args.tilelang_path is not None else None
+    try:
+        bench_step_tp1(args, timer, out)
+        bench_step_tp(args, timer, out)
+    finally:
+        if args.tilelang_json is not None:
+            tilelang = json.loads(args.tilelang_json.read_text())["rows"]
+        if tilelang is not None:
+            add_tilelang(out, tilelang)
+    return out
+
+
+def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict]) -> None:
+    """The TP 1 rows: ours (side streams, inline), eager, compile, the glue, the toy and V3 steps, appended to `out`."""
+    device = timer.device
     plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
     models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
     reads = None
@@ -186,9 +200,10 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
         row["eager_us"] = timer.per_call_us([_step_call(free, ref_b, rows, False)])
         if not args.no_compile:
             row["compile_us"] = timer.per_call_us([_compiled_call(free, ref_b, rows)])
-        # The step's model code that is no boundary (embedding broadcast, Engram injection), alone in its own graph:
-        # the shares count the boundaries only.
-        row["glue_us"] = timer.per_call_us([tilelang_step.model_code(rows, hidden, device)])
+        # The step's model code that is no boundary (embedding broadcast, Engram injection), timed alone (its graph's
+        # launch spread over GLUE_CALLS calls: the step's own launch stays with the boundaries): the shares count the
+        # boundaries only.
+        row["glue_us"] = timer.per_call_us([tilelang_step.model_code(rows, hidden, device)] * GLUE_CALLS)
         boundaries_us = row["ours_us"] - row["glue_us"]
         row["toy_step_us"] = timer.per_call_us([_step_call(model, ours_b, rows, rows <= 16)])
         row["boundary_share"] = boundaries_us / row["toy_step_us"]
@@ -201,6 +216,11 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
                 row[f"x_{key}"] = row[f"{key}_us"] / row["ours_us"]
         row["per_boundary_us"] = row["ours_us"] / n
         out.append(row)
+
+
+def bench_step_tp(args: argparse.Namespace, timer: GraphTimer, out: list[dict]) -> None:
+    """The simulated TP > 1 rows, appended to `out`; the compile baseline's chains shared by every W of a size."""
+    device = timer.device
     simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
     compiled: CompiledChains | None = None
     for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
@@ -208,11 +228,6 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
             ref = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device, backend="reference")
             compiled = CompiledChains(Boundaries(ref))
         bench_step_simulated(args, timer, hidden, world, out, compiled)
-    if args.tilelang_json is not None:
-        tilelang = json.loads(args.tilelang_json.read_text())["rows"]
-    if tilelang is not None:
-        add_tilelang(out, tilelang)
-    return out
 
 
 class SimulatedStep:
@@ -290,6 +305,9 @@ class CompiledChains:
     def __init__(self, ref: Boundaries) -> None:
         self.ref = ref
         self.chains: dict[int, Callable[..., object]] = {}
+        # A rank's own MoE finalize compiled too (one graph per row count), as the TP 1 compile fuses it; the
+        # collective (the rank-order sum) stays eager.
+        self.finalize = torch.compile(reference.moe_finalize, dynamic=False)
         torch._dynamo.reset()
 
     def chain(self, template: ToyModel, rows: int) -> Callable[..., object]:
@@ -303,9 +321,10 @@ class CompiledChains:
 
             def run(tokens: Tensor, attention: list[Tensor], moe: list[Tensor]) -> object:
                 received["attention"], received["moe"] = attention, moe
-                out = decode_step(model, self.ref, tokens, step)
-                received.clear()  # empty at every entry: what the compiled graph's guards saw
-                return out
+                try:
+                    return decode_step(model, self.ref, tokens, step)
+                finally:
+                    received.clear()  # empty at every entry: what the compiled graph's guards saw
 
             self.chains[rows] = torch.compile(run, dynamic=False)
         return self.chains[rows]
@@ -318,15 +337,23 @@ class CompiledChains:
         x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
         layers = models[0].layers
 
+        def own_moe(layer: Any) -> Tensor:
+            out = models[rank].moe(models[rank].layers[layer.index], x)
+            routed = out.routed
+            return self.finalize(
+                routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx, out.shared_output
+            )
+
         def call() -> object:
-            attention = [rank_order_sum([m.attention(m.layers[layer.index], x) for m in models]) for layer in layers]
-            moe = [
-                rank_order_sum(
-                    [_finalized(m, layer, x) if r == rank else received[r, layer.index] for r, m in enumerate(models)]
-                )
-                for layer in layers
-            ]
-            return chain(tokens, attention, moe)
+            # One code object serves every row count's chain (and moe_finalize's): past Dynamo's recompile limit the
+            # rest would run in eager without a word, so that limit raises here.
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                attention = [rank_order_sum([m.attention(m.layers[i.index], x) for m in models]) for i in layers]
+                moe = [
+                    rank_order_sum([own_moe(i) if r == rank else received[r, i.index] for r in range(len(models))])
+                    for i in layers
+                ]
+                return chain(tokens, attention, moe)
 
         return call
 

@@ -197,20 +197,27 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(h, w, r) for h in args.step_hidden for w in args.step_tp for r in sorted(args.step_rows)]
     for k, (hidden, world, rows) in enumerate(plan):  # plain progress lines: the TileLang bundle may lack tqdm
         print(f"TileLang step {k + 1}/{len(plan)}: H {hidden}, TP {world}, {rows} rows", file=sys.stderr, flush=True)
-        if world == 1:
-            call = step_call(hidden, rows, boundaries, device, args.top_k)
-        else:
-            call = simulated_step_call(hidden, rows, boundaries, device, world, args.top_k)
-        us = timer.per_call_us([call])
-        rows_out.append({"H": hidden, "tp": world, "rows": rows, "boundaries": boundaries, "tilelang_step_us": us})
-    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows_out}, indent=1))
+        row: dict[str, Any] = {"H": hidden, "tp": world, "rows": rows, "boundaries": boundaries}
+        try:
+            if world == 1:
+                call = step_call(hidden, rows, boundaries, device, args.top_k)
+            else:
+                call = simulated_step_call(hidden, rows, boundaries, device, world, args.top_k)
+            row["tilelang_step_us"] = timer.per_call_us([call])
+        except Exception as exc:  # one shape's failure must not cost the others (or bench's own rows) their numbers
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            torch.cuda.synchronize(device)
+        rows_out.append(row)
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows_out}, indent=1))
     for r in rows_out:
         tp = f"TP {r['tp']}" + (" SIMULATED" if r["tp"] > 1 else "")
-        print(
-            f"H {r['H']:>5} {tp:<12} rows {r['rows']:>4}: {r['tilelang_step_us']:8.1f} us per step ({boundaries} boundaries)"
-        )
-    print(f"wrote {args.out}")
-    return 0
+        got = "FAILED " + r["error"][:300] if "error" in r else f"{r['tilelang_step_us']:8.1f} us per step"
+        print(f"H {r['H']:>5} {tp:<12} rows {r['rows']:>4}: {got}")
+    failed = sum("error" in r for r in rows_out)
+    print(
+        f"{len(rows_out) - failed} of {len(rows_out)} shapes measured ({boundaries} boundaries a step); wrote {args.out}"
+    )
+    return 1 if failed == len(rows_out) else 0
 
 
 if __name__ == "__main__":

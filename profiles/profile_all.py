@@ -53,7 +53,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "profiles"
 REPORTS = PROFILES / "reports"
-RUN_TIMEOUT_S = 1800  # one ncu run
+RUN_TIMEOUT_S = 1800  # one ncu run of the single-rank batch
+RANGE_TIMEOUT_S = 300  # one simulated item's range replay (a hang fails that item, not the whole profile)
 MARKER = "spin_kernel"  # in the name of torch.cuda._sleep's kernel, run_kernel.py --batch's marker
 
 NCU_COMMON = ("--clock-control", "none")
@@ -505,13 +506,15 @@ def ncu_command(ncu: str, stem: str, replay: Sequence[str], program: Sequence[st
     return [ncu, *NCU_COMMON, *replay, "-f", "-o", str(REPORTS / stem), sys.executable, *program]
 
 
-def profile_rows(ncu: str, stem: str, replay: Sequence[str], program: Sequence[str]) -> list[Row]:
+def profile_rows(
+    ncu: str, stem: str, replay: Sequence[str], program: Sequence[str], timeout_s: float = RUN_TIMEOUT_S
+) -> list[Row]:
     """Profile `program` (run_kernel.py and its arguments) into the report `stem` and read its rows back; the ncu
     output goes to <stem>.log where anything fails."""
     report, log = REPORTS / f"{stem}.ncu-rep", REPORTS / f"{stem}.log"
     command = ncu_command(ncu, stem, replay, program)
     report.unlink(missing_ok=True)  # an earlier run's report must not pass for this one's
-    status, out = run(command, RUN_TIMEOUT_S)
+    status, out = run(command, timeout_s)
     if status or not report.exists():
         log.write_text(f"$ {' '.join(command)}\n{out}")
         raise ProfileError(f"ncu exited with status {status}; its output is in {shown(log)}")
@@ -528,8 +531,8 @@ def profile_rows(ncu: str, stem: str, replay: Sequence[str], program: Sequence[s
 
 def profile_one(ncu: str, item: Item, gpu: str) -> tuple[list[Launch], str]:
     """Profile one item alone into its report: its launches, and where they are."""
-    replay = RANGE_REPLAY if item.kernel.simulated else KERNEL_REPLAY
-    rows = profile_rows(ncu, item.stem(gpu), replay, item.command())
+    replay, timeout_s = (RANGE_REPLAY, RANGE_TIMEOUT_S) if item.kernel.simulated else (KERNEL_REPLAY, RUN_TIMEOUT_S)
+    rows = profile_rows(ncu, item.stem(gpu), replay, item.command(), timeout_s)
     return [launch_of(row) for row in rows], f"{shown(REPORTS / item.stem(gpu))}.ncu-rep"
 
 
