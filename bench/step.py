@@ -59,11 +59,13 @@ def rank_order_sum(parts: list[Tensor]) -> Tensor:
     return acc.to(torch.bfloat16)
 
 
-def _finalized(model: ToyModel, layer: Any, x: Tensor) -> Tensor:
-    """A rank's MoE partial (its sublayer's output, finalized)."""
+def _finalized(
+    model: ToyModel, layer: Any, x: Tensor, finalize: Callable[..., Tensor] = reference.moe_finalize
+) -> Tensor:
+    """A rank's MoE partial (its sublayer's output, finalized by `finalize`)."""
     out = model.moe(model.layers[layer.index], x)
     routed = out.routed
-    return reference.moe_finalize(
+    return finalize(
         routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx, out.shared_output
     )
 
@@ -337,20 +339,18 @@ class CompiledChains:
         x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
         layers = models[0].layers
 
-        def own_moe(layer: Any) -> Tensor:
-            out = models[rank].moe(models[rank].layers[layer.index], x)
-            routed = out.routed
-            return self.finalize(
-                routed.gemm2_permuted, routed.expert_weights, routed.expanded_idx_to_permuted_idx, out.shared_output
-            )
-
         def call() -> object:
             # One code object serves every row count's chain (and moe_finalize's): past Dynamo's recompile limit the
             # rest would run in eager without a word, so that limit raises here.
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 attention = [rank_order_sum([m.attention(m.layers[i.index], x) for m in models]) for i in layers]
                 moe = [
-                    rank_order_sum([own_moe(i) if r == rank else received[r, i.index] for r in range(len(models))])
+                    rank_order_sum(
+                        [
+                            _finalized(m, i, x, self.finalize) if r == rank else received[r, i.index]
+                            for r, m in enumerate(models)
+                        ]
+                    )
                     for i in layers
                 ]
                 return chain(tokens, attention, moe)
