@@ -3,9 +3,9 @@ coefficients on side streams unless `--inline`, under a given CUDA_DEVICE_MAX_CO
 outputs (bench.step.boundaries_only) unless `--sublayers gemm` (the toy's GEMMs) or `--sublayers sleep` (a one-SM
 kernel of about a GEMM's time before each fixed output).
 
-The ranks' boundaries wait on one GPU until every peer's has started; with grids as large as fit (v23), steps stalled
-to the timeout (a late rank's kernels before its boundary need room beside the peers' waiting CTAs; at the shapes
-measured the smaller grids also made the calls staged, so the cause is not yet separated). `--shared-ctas-per-sm 4`
+The ranks' boundaries wait on one GPU until every peer's has started; with grids as large as fit (v23), and with 2
+CTAs per SM, steps stalled to the timeout, staged kernels and unstaged ones alike (v25: a late rank's kernels before
+its boundary need room beside the peers' waiting CTAs). `--shared-ctas-per-sm 4`
 sizes the grids as v23 did (4 CTAs per SM among all ranks; the negative control); by default they take the shipped
 budget (`SHARED_GPU_CTAS_PER_SM`).
 
