@@ -51,14 +51,6 @@ def boundaries_only(model: ToyModel, rows: int) -> ToyModel:
     return free
 
 
-def rank_order_sum(parts: list[Tensor]) -> Tensor:
-    """y = bf16(sum of the ranks' partials in fp32, in rank order): the exchange's arithmetic (CONTRACT §2)."""
-    acc = parts[0].to(torch.float32)
-    for part in parts[1:]:
-        acc = acc + part.to(torch.float32)
-    return acc.to(torch.bfloat16)
-
-
 def _finalized(
     model: ToyModel, layer: Any, x: Tensor, finalize: Callable[..., Tensor] = reference.moe_finalize
 ) -> Tensor:
@@ -90,11 +82,13 @@ def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyMode
     received = {} if rank is None else received_partials(models, rank)
 
     def attention(layer: Any, x: Tensor) -> Tensor:
-        return rank_order_sum([m.attention(m.layers[layer.index], x) for m in models])
+        return reference.rank_sum([m.attention(m.layers[layer.index], x) for m in models])
 
     def moe(layer: Any, x: Tensor) -> Tensor:
         parts = [received.get((r, layer.index)) for r in range(len(models))]
-        return rank_order_sum([p if p is not None else _finalized(models[r], layer, x) for r, p in enumerate(parts)])
+        return reference.rank_sum(
+            [p if p is not None else _finalized(models[r], layer, x) for r, p in enumerate(parts)]
+        )
 
     summed = copy.copy(models[0])
     summed.attention = attention  # type: ignore[method-assign]
@@ -343,9 +337,9 @@ class CompiledChains:
             # One code object serves every row count's chain (and moe_finalize's): past Dynamo's recompile limit the
             # rest would run in eager without a word, so that limit raises here.
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                attention = [rank_order_sum([m.attention(m.layers[i.index], x) for m in models]) for i in layers]
+                attention = [reference.rank_sum([m.attention(m.layers[i.index], x) for m in models]) for i in layers]
                 moe = [
-                    rank_order_sum(
+                    reference.rank_sum(
                         [
                             _finalized(m, i, x, self.finalize) if r == rank else received[r, i.index]
                             for r, m in enumerate(models)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.timing import GraphTimer
+from bench.timing import GraphTimer, on_streams
 
 HC = 4
 TOP_K = 4  # experts per token of the toy step (boundary.toy.ToyConfig.top_k)
@@ -71,7 +71,7 @@ def exchange(inp: dict[str, torch.Tensor], received: list[torch.Tensor], rank: i
     rank's own partial, after an attention sublayer, is inp["own"] (x is overwritten by the sum)."""
     own = finalize(inp) if "routed" in inp else inp["own"]
     parts = [*received[:rank], own, *received[rank:]]
-    acc = parts[0].to(torch.float32)
+    acc = parts[0].to(torch.float32)  # boundary.reference.rank_sum's arithmetic (not imported: it needs CuTe DSL)
     for part in parts[1:]:
         acc = acc + part.to(torch.float32)
     inp["x"][0].copy_(acc)
@@ -140,7 +140,6 @@ def simulated_step_call(
 ) -> Any:
     """W SIMULATED ranks' steps, each on its own stream of one GPU: per boundary the rank's exchange (exchange: the
     rank-order sum of its own partial and the W - 1 received ones), then TileLang's boundary; and the model code."""
-    from bench.timing import on_streams
 
     def rank_step(rank: int) -> Any:
         seeds = [(i * world + rank) for i in range(boundaries)]
