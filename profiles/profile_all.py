@@ -70,6 +70,16 @@ RANGE_REPLAY = (
     *("--section", "Occupancy", "--section", "WarpStateStats"),
 )
 
+TABLE_HEAD = "| kernel | H | rows | launch | time us | DRAM GB/s | % of copy | achieved occupancy % | top warp stalls |"
+TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|"
+# What a simulated item's numbers are of (measured v26: 315-610 us a range where the peer call takes a few us).
+RANGE_CAVEAT = (
+    "one range holds every rank's call, so its time runs from the first rank's launch to the last rank's end and "
+    "includes the host's issue of the W public calls (checks and launch, tens of us each) and the ranks' waits for "
+    "each other; DRAM bandwidth and occupancy are averages over that range. It is no kernel time: `make bench`'s "
+    "allreduce part times the call in CUDA graphs"
+)
+
 TIME = "gpu__time_duration.sum"
 DRAM = "dram__bytes.sum.per_second"
 DRAM_PARTS = ("dram__bytes_read.sum.per_second", "dram__bytes_write.sum.per_second")
@@ -418,7 +428,7 @@ def summary(item: Item, launches: Sequence[Launch], report: str, context: str, c
         f"command  python {' '.join(item.command())}",
     ]
     if item.kernel.simulated:
-        lines.append("SIMULATED: the ranks share one GPU's SMs and HBM, never NVLink; one range, every rank's launch")
+        lines.append(f"SIMULATED: the ranks share one GPU's SMs and HBM, never NVLink; {RANGE_CAVEAT}")
     for i, launch in enumerate(launches, 1):
         lines += ["", f"launch {i} of {len(launches)}: {launch.name}", *launch_lines(launch, copy_bps)]
     if len(launches) > 1:
@@ -454,11 +464,11 @@ def table(
         f"# Nsight Compute: every shipped kernel on the {gpu_name}",
         "",
         f"`make profile` (profiles/profile_all.py). {context}. Warp stalls: each reason's share of the warp states "
-        "(its cycles per issued instruction over their sum, or its PC samples). SIMULATED: W ranks on one GPU in one "
-        "range (every rank's launch together), never NVLink.",
+        "(its cycles per issued instruction over their sum, or its PC samples). SIMULATED: W ranks on one GPU, never "
+        f"NVLink; {RANGE_CAVEAT}.",
         "",
-        "| kernel | H | rows | launch | time us | DRAM GB/s | % of copy | achieved occupancy % | top warp stalls |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---|",
+        TABLE_HEAD,
+        TABLE_RULE,
     ]
     for item, launches in results:
         head = f"| {item.kernel.name} | {item.hidden} | {item.rows} |"
@@ -478,6 +488,35 @@ def table(
     for item, why in failures:
         lines.append(f"| {item.kernel.name} | {item.hidden} | {item.rows} | failed: {why} | | | | | |")
     return "\n".join(lines) + "\n"
+
+
+def kept_rows(previous: str, rerun: Sequence[Item]) -> list[str]:
+    """The table rows of an earlier summary (`previous`, with its own earlier rows) for items this run did not rerun,
+    each after its run's context line: a partial run (--only, other --rows) keeps the rest of the table."""
+    again = {(item.kernel.name, str(item.hidden), str(item.rows)) for item in rerun}
+    kept: list[str] = []
+    context, shown_context = "", None
+    for line in previous.splitlines():
+        if line.startswith("`make profile`") or line.startswith("Run of "):
+            context = line.split(". Warp stalls:")[0].removeprefix("`make profile` (profiles/profile_all.py). ")
+            context = context.removeprefix("Run of ").rstrip(":")
+            continue
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) < 5 or not cells[2].isdigit() or tuple(cells[1:4]) in again:
+            continue
+        if context != shown_context:
+            kept += ["", f"Run of {context}:", "", TABLE_HEAD, TABLE_RULE]
+            shown_context = context
+        kept.append(line)
+    return kept
+
+
+def merged_table(table_text: str, previous: str | None, rerun: Sequence[Item]) -> str:
+    """This run's table, then the earlier summary's rows for the items it did not rerun (under their runs' context)."""
+    kept = kept_rows(previous, rerun) if previous else []
+    if not kept:
+        return table_text
+    return table_text + "\n## Earlier runs (items this run did not profile)\n" + "\n".join(kept) + "\n"
 
 
 def run(command: Sequence[str], timeout_s: float) -> tuple[int, str]:
@@ -630,7 +669,9 @@ def profile_all(hidden: int, rows: Sequence[int], world: int, only: Sequence[str
     bar.close()
     results = [(item, done[item]) for item in items if item in done]  # the plan's order
     summary_md = PROFILES / f"{gpu}-summary.md"
-    summary_md.write_text(table(results, failures, gpu_name, context, copy_bps))
+    previous = summary_md.read_text() if summary_md.exists() else None
+    rerun = [item for item, _ in results] + [item for item, _ in failures]
+    summary_md.write_text(merged_table(table(results, failures, gpu_name, context, copy_bps), previous, rerun))
     print(f"\n{len(results)} of {len(items)} items profiled. Results:")
     print(f"  summaries  {shown(PROFILES / gpu)}-<kernel>-H{hidden}-rows<rows>.txt ({len(results)} files)")
     print(f"  table      {shown(summary_md)}")
@@ -735,6 +776,16 @@ def self_test() -> None:
     assert (
         md.count("\n| boundary-bf16 | 7168 | 512 |") == 3 and "| all | 12.50 |" in md and "failed: ncu exited" in md
     ), md
+    # A partial run keeps the earlier rows of the items it did not rerun, under their run's context, also when merged
+    # again; the rerun item's earlier (failed) row goes.
+    peer = table([(item, [first])], [], "GPU", "later context", 4.8e12)
+    once = merged_table(peer, md, [item])
+    assert once.startswith(peer) and "Run of context:" in once and "failed: ncu exited" not in once, once
+    assert once.count("\n| boundary-bf16 | 7168 | 512 |") == 3 and once.count("| peer-w4-twoshot-SIMULATED |") == 1
+    twice = merged_table(table([], [], "GPU", "third", 4.8e12), once, [])
+    assert twice.count("Run of later context:") == 1 and twice.count("Run of context:") == 1, twice
+    assert twice.count("\n| boundary-bf16 | 7168 | 512 |") == 3 and twice.count("| peer-w4-twoshot-SIMULATED |") == 1
+    assert merged_table(peer, None, [item]) == peer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
