@@ -17,10 +17,12 @@ device-to-device copy bandwidth measured at the start of the same run, the achie
 warp-stall reasons; then one table of every item, profiles/<gpu>-summary.md. Clocks are left alone, as in the benchmark.
 
 The multi-rank boundary is SIMULATED: W ranks of BoundaryAllReduce.simulated on one GPU, sharing its SMs and HBM
-(never NVLink). Kernel replay serialises launches, so a rank profiled alone would wait for peers that never run: these
-items take range replay, one ncu process each, and their numbers are those of the whole range, every rank's launch
-together. Range replay reruns the range in the process, its memory restored before each pass; application range
-replay, which reruns the whole program once per pass, took over 215 s for one item on the H200 (v25) and is not used.
+(never NVLink). Kernel replay of single launches serialises them, so a rank profiled alone would wait for peers that
+never run: each such item captures every rank's call in one CUDA graph (run_simulated: each rank on its own stream,
+forked from one stream and joined back) and ncu profiles that graph as one workload (`--graph-profiling graph`,
+one ncu process per item), its memory restored before each pass. Its numbers are the graph's: every rank's kernel
+together, on the GPU only. Range replay (v26) also timed the host's issue of the W calls (315-610 us a range), and
+application range replay, which reruns the whole program once per pass, took over 215 s an item (v25).
 
   python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
   python profiles/profile_all.py --only boundary final    the kernels whose names start so
@@ -54,30 +56,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "profiles"
 REPORTS = PROFILES / "reports"
 RUN_TIMEOUT_S = 1800  # one ncu run of the single-rank batch
-RANGE_TIMEOUT_S = 300  # one simulated item's range replay (a hang fails that item, not the whole profile)
+GRAPH_TIMEOUT_S = 300  # one simulated item's graph profile (a hang fails that item, not the whole profile)
 MARKER = "spin_kernel"  # in the name of torch.cuda._sleep's kernel, run_kernel.py --batch's marker
 
 NCU_COMMON = ("--clock-control", "none")
-# Kernel replay profiles only what lies between cudaProfilerStart and Stop; range replay takes those calls as its
-# range and refuses --profile-from-start.
+# Kernel replay profiles only what lies between cudaProfilerStart and Stop.
 KERNEL_REPLAY = ("--profile-from-start", "off", "--set", "full")
-# Range replay measures the range as a whole: the sections that hold the summary's metrics (launch statistics and
+# A CUDA graph profiled as one workload: the sections that hold the summary's metrics (launch statistics and
 # source-level sampling belong to single kernels).
-RANGE_REPLAY = (
-    "--replay-mode",
-    "range",
+GRAPH_REPLAY = (
+    "--profile-from-start",
+    "off",
+    *("--graph-profiling", "graph"),
     *("--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis"),
     *("--section", "Occupancy", "--section", "WarpStateStats"),
 )
 
 TABLE_HEAD = "| kernel | H | rows | launch | time us | DRAM GB/s | % of copy | achieved occupancy % | top warp stalls |"
 TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|"
-# What a simulated item's numbers are of (measured v26: 315-610 us a range where the peer call takes a few us).
-RANGE_CAVEAT = (
-    "one range holds every rank's call, so its time runs from the first rank's launch to the last rank's end and "
-    "includes the host's issue of the W public calls (checks and launch, tens of us each) and the ranks' waits for "
-    "each other; DRAM bandwidth and occupancy are averages over that range. It is no kernel time: `make bench`'s "
-    "allreduce part times the call in CUDA graphs"
+# What a simulated item's numbers are of.
+GRAPH_NOTE = (
+    "one CUDA graph holds every rank's call, each on its rank's stream, profiled as one workload: its time is the "
+    "graph's on the GPU, every rank's kernel together (their waits for each other included, no host issue), and its "
+    "DRAM bandwidth and occupancy are over that time"
 )
 
 TIME = "gpu__time_duration.sum"
@@ -179,7 +180,7 @@ def batch_stem(gpu: str, hidden: int, rows: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """The summary metrics of one profiled launch (or range); None where the report lacks one."""
+    """The summary metrics of one profiled launch (or graph); None where the report lacks one."""
 
     name: str
     time_s: float | None
@@ -210,7 +211,7 @@ def kernels(world: int) -> list[Kernel]:
         Kernel(
             f"peer-w{world}-{p}-SIMULATED",
             ("--kernel", "peer", "--world", str(world), "--protocol", p),
-            f"SIMULATED: {world} ranks on one GPU, the peer boundary forced {p}, every rank's launch in one range",
+            f"SIMULATED: {world} ranks on one GPU, the peer boundary forced {p}, every rank's call in one CUDA graph",
             simulated=True,
         )
         for p in PROTOCOLS
@@ -264,7 +265,7 @@ def unit_scale(unit: str) -> float:
 
 def parse_raw_csv(text: str) -> list[dict[str, tuple[str, str]]]:
     """The rows of `ncu --import R --csv --page raw`: a header of metric names, a units row, then one row per launch
-    (or range); each row as metric -> (value, unit). Lines ncu adds around the table (==PROF==, ==WARNING==) are
+    (or graph); each row as metric -> (value, unit). Lines ncu adds around the table (==PROF==, ==WARNING==) are
     skipped."""
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("==")]
     table = list(csv.reader(lines))
@@ -321,7 +322,7 @@ def stalls(row: dict[str, tuple[str, str]]) -> tuple[tuple[tuple[str, float], ..
 
 
 def row_name(row: dict[str, tuple[str, str]]) -> str:
-    """The kernel's (or range's) name in a row of the raw page."""
+    """The kernel's (or graph's) name in a row of the raw page."""
     return next((row[k][0] for k in ("Kernel Name", "Range Name", "Name") if row.get(k, ("", ""))[0]), "?")
 
 
@@ -428,7 +429,7 @@ def summary(item: Item, launches: Sequence[Launch], report: str, context: str, c
         f"command  python {' '.join(item.command())}",
     ]
     if item.kernel.simulated:
-        lines.append(f"SIMULATED: the ranks share one GPU's SMs and HBM, never NVLink; {RANGE_CAVEAT}")
+        lines.append(f"SIMULATED: the ranks share one GPU's SMs and HBM, never NVLink; {GRAPH_NOTE}")
     for i, launch in enumerate(launches, 1):
         lines += ["", f"launch {i} of {len(launches)}: {launch.name}", *launch_lines(launch, copy_bps)]
     if len(launches) > 1:
@@ -465,7 +466,7 @@ def table(
         "",
         f"`make profile` (profiles/profile_all.py). {context}. Warp stalls: each reason's share of the warp states "
         "(its cycles per issued instruction over their sum, or its PC samples). SIMULATED: W ranks on one GPU, never "
-        f"NVLink; {RANGE_CAVEAT}.",
+        f"NVLink; {GRAPH_NOTE}.",
         "",
         TABLE_HEAD,
         TABLE_RULE,
@@ -570,7 +571,7 @@ def profile_rows(
 
 def profile_one(ncu: str, item: Item, gpu: str) -> tuple[list[Launch], str]:
     """Profile one item alone into its report: its launches, and where they are."""
-    replay, timeout_s = (RANGE_REPLAY, RANGE_TIMEOUT_S) if item.kernel.simulated else (KERNEL_REPLAY, RUN_TIMEOUT_S)
+    replay, timeout_s = (GRAPH_REPLAY, GRAPH_TIMEOUT_S) if item.kernel.simulated else (KERNEL_REPLAY, RUN_TIMEOUT_S)
     rows = profile_rows(ncu, item.stem(gpu), replay, item.command(), timeout_s)
     return [launch_of(row) for row in rows], f"{shown(REPORTS / item.stem(gpu))}.ncu-rep"
 

@@ -9,8 +9,9 @@ python profiles/run_kernel.py --kernel coefficients --variant standard|inline|br
     [--knobs rows_per_tile=64 push_vec=True]   (CoefficientsConfig fields over the default config)
 python profiles/run_kernel.py --kernel layer_input --rows 16    (the layer-input-only kernel)
 python profiles/run_kernel.py --kernel peer --world 4 --protocol oneshot|twoshot --rows 16
-    (SIMULATED ranks: W BoundaryAllReduce ranks on one GPU, every rank's call in the profiled region; profile it
-    with ncu --replay-mode range, since kernel replay would run each rank alone and its exchange would wait)
+    (SIMULATED ranks: W BoundaryAllReduce ranks on one GPU, every rank's call in one CUDA graph, replayed in the
+    profiled region; profile it with ncu --graph-profiling graph, since kernel replay of single launches would run
+    each rank alone and its exchange would wait)
 python profiles/run_kernel.py --batch --kernel boundary --variant bf16 --rows 16 + --kernel final --rows 512 + ...
     (several single-rank items in one process, `+` between their arguments: every item is built, compiled and warmed
     up first; then each has a profiled range of its own that opens with one marker launch, torch.cuda._sleep(1),
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def parse_batch(argv: list[str]) -> list[argparse.Namespace]:
     """The items of `--batch ITEM + ITEM ...`, each parsed as a one-item command line; peer items are refused (they
-    take range replay, one process each)."""
+    take graph profiling, one process each)."""
     items: list[list[str]] = [[]]
     for arg in argv:
         if arg == SEPARATOR:
@@ -102,7 +103,7 @@ def parse_batch(argv: list[str]) -> list[argparse.Namespace]:
         raise SystemExit(f"run_kernel: {BATCH} needs one item's arguments before, between and after each {SEPARATOR!r}")
     parsed = [parse_args(item) for item in items]
     if any(args.kernel == "peer" for args in parsed):
-        raise SystemExit(f"run_kernel: --kernel peer takes range replay, one process each: not in {BATCH}")
+        raise SystemExit(f"run_kernel: --kernel peer takes graph profiling, one process each: not in {BATCH}")
     return parsed
 
 
@@ -202,7 +203,11 @@ def layer_input_call(rows: int, hidden: int, device: Any, arch: str) -> Call:
 
 def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, arch: str) -> tuple[Call, list]:
     """SIMULATED: W ranks of BoundaryAllReduce.simulated on this GPU, every call forced to `protocol`, each rank's
-    kernel compiled and loaded first; the call issues every rank's boundary (run_simulated). Also the ranks."""
+    kernel compiled and loaded first; the call replays one CUDA graph of every rank's boundary (run_simulated: each
+    on its rank's stream, forked from the capture stream and joined back), captured after one eager call. Also the
+    ranks."""
+    import torch
+
     from bench.kernels import boundary_inputs
     from boundary import BoundaryAllReduce
     from cute_kernels.boundary import api
@@ -225,7 +230,12 @@ def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, ar
         lambda ar, s=s: ar(s["x"], s["residual"], s["post"], s["comb"], s["pre"], s["norm_weight"], EPS, None)
         for s in sets
     ]
-    return lambda: BoundaryAllReduce.run_simulated(ranks, calls), ranks
+    BoundaryAllReduce.run_simulated(ranks, calls)  # eager first: what a first call allocates stays outside the graph
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        BoundaryAllReduce.run_simulated(ranks, calls)
+    return graph.replay, ranks
 
 
 def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]:

@@ -42,7 +42,7 @@ def test_the_summary_parser_reads_the_raw_csv_layout_and_splits_a_batch_at_its_m
 def test_a_batch_refuses_peer_items_and_empty_items() -> None:
     batch = ("--batch", "--kernel", "boundary", "--rows", "16", "+")
     out = _run(*batch, "--kernel", "peer", "--protocol", "oneshot", script="profiles/run_kernel.py")
-    assert out.returncode == 1 and "--kernel peer takes range replay" in out.stderr, out.stderr
+    assert out.returncode == 1 and "--kernel peer takes graph profiling" in out.stderr, out.stderr
     out = _run(*batch, script="profiles/run_kernel.py")
     assert out.returncode == 1 and "--batch needs one item's arguments" in out.stderr, out.stderr
     out = _run(*batch, "--kernel", "final", "--variant", "bf16", script="profiles/run_kernel.py")
@@ -56,14 +56,17 @@ def test_without_a_gpu_it_says_so_and_fails() -> None:
 
 
 def test_each_replay_mode_gets_only_the_options_ncu_takes_with_it() -> None:
-    """Range replay refuses --profile-from-start (ncu 2025.3: "not supported during range replay", v25's failed peer
-    items) and takes its range from cudaProfilerStart / Stop; kernel replay needs it off to profile only that range."""
+    """Both profile only what lies between cudaProfilerStart and Stop; the simulated items' CUDA graph is one workload
+    (ncu --graph-profiling graph), not its kernels one by one (a rank alone would wait for peers that never run), and
+    never range replay, which refuses --profile-from-start (v25) and timed the host's issue of the calls (v26)."""
     sys.path.insert(0, str(ROOT / "profiles"))
     try:
         import profile_all as pa
     finally:
         sys.path.pop(0)
-    peer = pa.ncu_command("ncu", "x", pa.RANGE_REPLAY, ["run_kernel.py"])
+    peer = pa.ncu_command("ncu", "x", pa.GRAPH_REPLAY, ["run_kernel.py"])
     single = pa.ncu_command("ncu", "x", pa.KERNEL_REPLAY, ["run_kernel.py"])
-    assert "--profile-from-start" not in peer and peer[peer.index("--replay-mode") + 1] == "range"
+    assert peer[peer.index("--graph-profiling") + 1] == "graph" and "--replay-mode" not in peer
+    assert peer[peer.index("--profile-from-start") + 1] == "off"
     assert single[single.index("--profile-from-start") + 1] == "off" and "--replay-mode" not in single
+    assert "--graph-profiling" not in single
