@@ -74,11 +74,13 @@ def received_partials(models: list[ToyModel], rank: int) -> dict[tuple[int, int]
     }
 
 
-def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyModel:
+def summed_sublayers(
+    models: list[ToyModel], rank: int | None = None, finalize: Callable[..., Tensor] = reference.moe_finalize
+) -> ToyModel:
     """A copy of rank 0's model whose sublayers return every rank's partial summed in rank order (the MoE partials
-    finalized first): the exchange, after which the reference chain runs at W = 1. With `rank` (boundaries-only
-    models) only that rank's MoE partial is finalized per call, as a real rank does; the others' stand for what it
-    receives (received_partials)."""
+    finalized first, by `finalize`): the exchange, after which the reference chain runs at W = 1. With `rank`
+    (boundaries-only models) only that rank's MoE partial is finalized per call, as a real rank does; the others'
+    stand for what it receives (received_partials)."""
     received = {} if rank is None else received_partials(models, rank)
 
     def attention(layer: Any, x: Tensor) -> Tensor:
@@ -87,7 +89,7 @@ def summed_sublayers(models: list[ToyModel], rank: int | None = None) -> ToyMode
     def moe(layer: Any, x: Tensor) -> Tensor:
         parts = [received.get((r, layer.index)) for r in range(len(models))]
         return reference.rank_sum(
-            [p if p is not None else _finalized(models[r], layer, x) for r, p in enumerate(parts)]
+            [p if p is not None else _finalized(models[r], layer, x, finalize) for r, p in enumerate(parts)]
         )
 
     summed = copy.copy(models[0])
@@ -329,7 +331,7 @@ class CompiledChains:
         """Rank `rank`'s step of boundaries-only `models`: its exchange in eager, then the shared compiled chain."""
         chain = self.chain(models[0], rows)
         tokens = random_tokens(models[0], rows, 0)
-        received = received_partials(models, rank)
+        exchange = summed_sublayers(models, rank, self.finalize)  # the eager baseline's exchange, own MoE compiled
         x = torch.zeros(1, device=models[0].device)  # unread: a boundaries-only model returns fixed outputs
         layers = models[0].layers
 
@@ -337,16 +339,8 @@ class CompiledChains:
             # One code object serves every row count's chain (and moe_finalize's): past Dynamo's recompile limit the
             # rest would run in eager without a word, so that limit raises here.
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                attention = [reference.rank_sum([m.attention(m.layers[i.index], x) for m in models]) for i in layers]
-                moe = [
-                    reference.rank_sum(
-                        [
-                            _finalized(m, i, x, self.finalize) if r == rank else received[r, i.index]
-                            for r, m in enumerate(models)
-                        ]
-                    )
-                    for i in layers
-                ]
+                attention = [exchange.attention(layer, x) for layer in layers]
+                moe = [exchange.moe(layer, x) for layer in layers]
                 return chain(tokens, attention, moe)
 
         return call
