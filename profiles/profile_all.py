@@ -20,8 +20,11 @@ The multi-rank boundary is SIMULATED: W ranks of BoundaryAllReduce.simulated on 
 (never NVLink). Kernel replay of single launches serialises them, so a rank profiled alone would wait for peers that
 never run: each such item captures every rank's call in one CUDA graph (run_simulated: each rank on its own stream,
 forked from one stream and joined back) and ncu profiles that graph as one workload (`--graph-profiling graph`,
-one ncu process per item), its memory restored before each pass. Its numbers are the graph's: every rank's kernel
-together, on the GPU only. Range replay (v26) also timed the host's issue of the W calls (315-610 us a range), and
+one ncu process per item), its memory restored before each pass. ncu stretches that graph: W 4 x H 7168 spans
+264-278 us at 16 rows under it and 16.7-20.7 us replayed without it (v27), so a second run of the same item without
+the profiler (`run_kernel.py --replay-time`) gives the time: the median of its graph's replays by CUDA events, every
+rank's kernel together, on the GPU only. The summary gives ncu's span beside it, ncu's DRAM bytes over it, and ncu's
+occupancy and stalls. Range replay (v26) also timed the host's issue of the W calls (315-610 us a range), and
 application range replay, which reruns the whole program once per pass, took over 215 s an item (v25).
 
   python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as dt
 import os
 import re
@@ -57,6 +61,8 @@ PROFILES = ROOT / "profiles"
 REPORTS = PROFILES / "reports"
 RUN_TIMEOUT_S = 1800  # one ncu run of the single-rank batch
 GRAPH_TIMEOUT_S = 300  # one simulated item's graph profile (a hang fails that item, not the whole profile)
+UNPROFILED_REPLAYS = 50  # replays of a simulated item's graph timed without the profiler
+UNPROFILED_LINE = re.compile(r"^replay time: median ([0-9.]+) us", re.M)  # run_kernel.py --replay-time's result
 MARKER = "spin_kernel"  # in the name of torch.cuda._sleep's kernel, run_kernel.py --batch's marker
 
 NCU_COMMON = ("--clock-control", "none")
@@ -76,9 +82,11 @@ TABLE_HEAD = "| kernel | H | rows | launch | time us | DRAM GB/s | % of copy | a
 TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|"
 # What a simulated item's numbers are of.
 GRAPH_NOTE = (
-    "one CUDA graph holds every rank's call, each on its rank's stream, profiled as one workload: its time is the "
-    "graph's on the GPU, every rank's kernel together (their waits for each other included, no host issue), and its "
-    "DRAM bandwidth and occupancy are over that time"
+    "one CUDA graph holds every rank's call, each on its rank's stream: its time is the graph's replay without the "
+    f"profiler (median of {UNPROFILED_REPLAYS} replays timed by CUDA events, every rank's kernel together, their waits for "
+    "each other and the graph's launch included, no host issue); ncu profiles the same graph as one workload, which it "
+    "stretches (its span is given beside), so its DRAM bytes are shown over the unprofiled time, and its occupancy and "
+    "stalls are over its span"
 )
 
 TIME = "gpu__time_duration.sum"
@@ -189,6 +197,17 @@ class Launch:
     theoretical_pct: float | None
     stalls: tuple[tuple[str, float], ...]  # (reason, share of every warp state), largest first
     stall_basis: str  # what the shares are of
+    unprofiled_s: float | None = None  # a simulated graph: its replay's median time without the profiler
+
+    def shown_time_s(self) -> float | None:
+        """The time the summary gives: the unprofiled replay's where there is one (ncu stretches a graph), else ncu's."""
+        return self.time_s if self.unprofiled_s is None else self.unprofiled_s
+
+    def shown_dram_bps(self) -> float | None:
+        """The DRAM bandwidth the summary gives: ncu's bytes over the shown time."""
+        if self.dram_bps is None or self.time_s is None or not self.shown_time_s():
+            return self.dram_bps
+        return self.dram_bps * self.time_s / self.shown_time_s()  # type: ignore[operator]
 
 
 Row = dict[str, tuple[str, str]]  # a row of the raw page: metric -> (value, unit)
@@ -371,11 +390,11 @@ def ids_text(rows: Sequence[Row]) -> str:
 
 def combined(launches: Sequence[Launch]) -> tuple[float | None, float | None]:
     """(time, DRAM bandwidth) of every launch together; None where a launch lacks the metric."""
-    times = [launch.time_s for launch in launches]
+    times = [launch.shown_time_s() for launch in launches]
     if not launches or None in times:
         return None, None
     total = sum(times)  # type: ignore[arg-type]
-    rates = [launch.dram_bps for launch in launches]
+    rates = [launch.shown_dram_bps() for launch in launches]
     if None in rates or total <= 0:
         return total, None
     return total, sum(r * t for r, t in zip(rates, times)) / total  # type: ignore[operator]
@@ -411,13 +430,19 @@ def launch_lines(launch: Launch, copy_bps: float) -> list[str]:
     if launch.theoretical_pct is not None:
         occupancy += f" (theoretical {launch.theoretical_pct:.1f} %)"
     basis = f" (shares of {launch.stall_basis})" if launch.stalls else ""
-    return [
-        f"  time                {fmt(launch.time_s, '.2f', 1e6)} us",
-        f"  DRAM                {fmt(launch.dram_bps, '.0f', 1e-9)} GB/s = "
-        f"{fmt(pct_of_copy(launch.dram_bps, copy_bps), '.1f')} % of the copy bandwidth",
+    dram = launch.shown_dram_bps()
+    lines = [
+        f"  time                {fmt(launch.shown_time_s(), '.2f', 1e6)} us",
+        f"  DRAM                {fmt(dram, '.0f', 1e-9)} GB/s = {fmt(pct_of_copy(dram, copy_bps), '.1f')} % of the copy "
+        "bandwidth",
         f"  achieved occupancy  {occupancy}",
         f"  top warp stalls     {stall_text(launch)}{basis}",
     ]
+    if launch.unprofiled_s is not None:
+        lines[0] += f" without the profiler (median of {UNPROFILED_REPLAYS} graph replays, CUDA events)"
+        lines[1] += " (ncu's bytes over that time)"
+        lines.insert(1, f"  ncu's span          {fmt(launch.time_s, '.2f', 1e6)} us (the graph under Nsight Compute)")
+    return lines
 
 
 def summary(item: Item, launches: Sequence[Launch], report: str, context: str, copy_bps: float) -> str:
@@ -445,7 +470,7 @@ def summary(item: Item, launches: Sequence[Launch], report: str, context: str, c
 def one_line(item: Item, launches: Sequence[Launch], copy_bps: float) -> str:
     """One run's result in a line (the progress output)."""
     time_s, bps = combined(launches)
-    busiest = max(launches, key=lambda launch: launch.time_s or 0.0)
+    busiest = max(launches, key=lambda launch: launch.shown_time_s() or 0.0)
     return (
         f"{item.kernel.name} rows {item.rows}: {len(launches)} launch(es) {fmt(time_s, '.2f', 1e6)} us, "
         f"{fmt(bps, '.0f', 1e-9)} GB/s ({fmt(pct_of_copy(bps, copy_bps), '.1f')} % of copy), "
@@ -475,9 +500,12 @@ def table(
         head = f"| {item.kernel.name} | {item.hidden} | {item.rows} |"
         for i, launch in enumerate(launches, 1):
             which = short_name(launch.name) if len(launches) == 1 else f"{i}/{len(launches)} {short_name(launch.name)}"
+            if launch.unprofiled_s is not None:
+                which += f" (ncu's span {fmt(launch.time_s, '.2f', 1e6)} us)"
+            dram = launch.shown_dram_bps()
             lines.append(
-                f"{head} {which} | {fmt(launch.time_s, '.2f', 1e6)} | {fmt(launch.dram_bps, '.0f', 1e-9)} | "
-                f"{fmt(pct_of_copy(launch.dram_bps, copy_bps), '.1f')} | {fmt(launch.occupancy_pct, '.1f')} | "
+                f"{head} {which} | {fmt(launch.shown_time_s(), '.2f', 1e6)} | {fmt(dram, '.0f', 1e-9)} | "
+                f"{fmt(pct_of_copy(dram, copy_bps), '.1f')} | {fmt(launch.occupancy_pct, '.1f')} | "
                 f"{stall_text(launch)} |"
             )
         if len(launches) > 1:
@@ -573,7 +601,21 @@ def profile_one(ncu: str, item: Item, gpu: str) -> tuple[list[Launch], str]:
     """Profile one item alone into its report: its launches, and where they are."""
     replay, timeout_s = (GRAPH_REPLAY, GRAPH_TIMEOUT_S) if item.kernel.simulated else (KERNEL_REPLAY, RUN_TIMEOUT_S)
     rows = profile_rows(ncu, item.stem(gpu), replay, item.command(), timeout_s)
-    return [launch_of(row) for row in rows], f"{shown(REPORTS / item.stem(gpu))}.ncu-rep"
+    launches = [launch_of(row) for row in rows]
+    if item.kernel.simulated:
+        (graph,) = launches
+        launches = [dataclasses.replace(graph, unprofiled_s=unprofiled_time_s(item))]
+    return launches, f"{shown(REPORTS / item.stem(gpu))}.ncu-rep"
+
+
+def unprofiled_time_s(item: Item) -> float:
+    """The median time of `item`'s call (a simulated item: its graph's replay) without the profiler, in seconds."""
+    command = [sys.executable, *item.command(), "--replay-time", str(UNPROFILED_REPLAYS)]
+    status, out = run(command, GRAPH_TIMEOUT_S)
+    match = UNPROFILED_LINE.search(out)
+    if status or not match:
+        raise ProfileError(f"timing the graph without ncu failed (status {status}): {out.strip()[-400:]}")
+    return float(match.group(1)) * 1e-6
 
 
 def profile_batch(ncu: str, items: Sequence[Item], gpu: str, stem: str) -> list[tuple[list[Launch], str]]:
@@ -757,6 +799,16 @@ def self_test() -> None:
     item = Item(kernels(4)[-1], 7168, 16)
     assert item.kernel.name == "peer-w4-twoshot-SIMULATED" and item.kernel.simulated
     assert "SIMULATED" in summary(item, [first], "the report", "context", 4.8e12)
+    # A graph: the unprofiled time shown, ncu's span beside it, ncu's bytes (2.4 TB/s x 10 us) over the shown time.
+    graph = dataclasses.replace(first, unprofiled_s=2e-6)
+    text = summary(item, [graph], "the report", "context", 4.8e12)
+    for want in ("time                2.00 us without the profiler", "ncu's span          10.00 us", "12000 GB/s"):
+        assert want in text, (want, text)
+    assert "| graph-less (ncu's span 10.00 us) | 2.00 | 12000 |" in table(
+        [(item, [dataclasses.replace(graph, name="graph-less")])], [], "GPU", "context", 4.8e12
+    )
+    found = UNPROFILED_LINE.search("noise\nreplay time: median 16.70 us, min 15.01, max 33.40 over 50 calls: peer\n")
+    assert found and float(found.group(1)) == 16.7, found
     batch = parse_raw_csv(SAMPLE_BATCH_CSV)
     rows_a, rows_b = split_at_markers(list(reversed(batch)), 2)  # ID order, not row order
     assert [row_name(r) for r in rows_a] == ["kernel_a"] and ids_text(rows_a) == "ID 1", rows_a

@@ -12,6 +12,9 @@ python profiles/run_kernel.py --kernel peer --world 4 --protocol oneshot|twoshot
     (SIMULATED ranks: W BoundaryAllReduce ranks on one GPU, every rank's call in one CUDA graph, replayed in the
     profiled region; profile it with ncu --graph-profiling graph, since kernel replay of single launches would run
     each rank alone and its exchange would wait)
+python profiles/run_kernel.py --kernel peer --world 4 --protocol oneshot --rows 16 --replay-time 50
+    (no profiler: the median of 50 calls timed by CUDA events; profile_all gives a graph this time, which ncu
+    stretches)
 python profiles/run_kernel.py --batch --kernel boundary --variant bf16 --rows 16 + --kernel final --rows 512 + ...
     (several single-rank items in one process, `+` between their arguments: every item is built, compiled and warmed
     up first; then each has a profiled range of its own that opens with one marker launch, torch.cuda._sleep(1),
@@ -71,7 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--knobs", type=knob, nargs="*", default=[], help="coefficients: config fields, e.g. push_vec=True")
     p.add_argument("--world", type=int, choices=PEER_WORLD_SIZES, help="peer: simulated ranks (W), 4 unless given")
     p.add_argument("--protocol", choices=PROTOCOLS, help="peer: the exchange every call is forced to take")
+    p.add_argument(
+        "--replay-time",
+        type=int,
+        metavar="N",
+        help="no profiler range: time N calls (peer: N replays of its graph) by CUDA events and print their median",
+    )
     args = p.parse_args(argv)
+    if args.replay_time is not None and args.replay_time < 1:
+        p.error(f"--replay-time needs at least 1 call, got {args.replay_time}")
     if args.kernel in VARIANTS:
         args.variant = args.variant or VARIANTS[args.kernel][0]
         if args.variant not in VARIANTS[args.kernel]:
@@ -104,6 +115,8 @@ def parse_batch(argv: list[str]) -> list[argparse.Namespace]:
     parsed = [parse_args(item) for item in items]
     if any(args.kernel == "peer" for args in parsed):
         raise SystemExit(f"run_kernel: --kernel peer takes graph profiling, one process each: not in {BATCH}")
+    if any(args.replay_time for args in parsed):
+        raise SystemExit(f"run_kernel: --replay-time times one item alone: not in {BATCH}")
     return parsed
 
 
@@ -238,6 +251,18 @@ def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, ar
     return graph.replay, ranks
 
 
+def event_time_us(call: Call) -> float:
+    """One call's GPU time in us, by CUDA events recorded around it on the current stream."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000
+
+
 def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]:
     """The closure of the profiled call, and the simulated ranks (none unless --kernel peer)."""
     if args.kernel == "boundary":
@@ -304,6 +329,15 @@ def profile_one(args: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     for ar in ranks:
         ar.check()  # raises if a warm-up exchange timed out
+    if args.replay_time:
+        times_us = sorted(event_time_us(call) for _ in range(args.replay_time))
+        for ar in ranks:
+            ar.check()  # a timed-out exchange would have timed a spin
+        print(
+            f"replay time: median {times_us[len(times_us) // 2]:.2f} us, min {times_us[0]:.2f}, max {times_us[-1]:.2f} "
+            f"over {len(times_us)} calls: {label(args)}"
+        )
+        return
     torch.cuda.profiler.start()
     call()
     torch.cuda.synchronize()
