@@ -1,7 +1,7 @@
 """`make profile`'s driver on the CPU: its plan covers every shipped kernel at a small and a large row count in one ncu
 run for the single-rank items (plus one per SIMULATED item), its summary parser reads ncu's raw CSV layout (an embedded
 sample) into time, bandwidth, occupancy and stall shares, and splits a batch report at its markers (or fails loudly);
-run_kernel.py's --batch refuses what it cannot profile in one process."""
+run_kernel.py's --batch refuses what it cannot profile in one process, and --replay-time what it cannot time."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def test_a_batch_refuses_peer_items_and_empty_items() -> None:
     assert out.returncode == 1 and "--batch needs one item's arguments" in out.stderr, out.stderr
     out = _run(*batch, "--kernel", "final", "--variant", "bf16", script="profiles/run_kernel.py")
     assert out.returncode == 2 and "--variant applies to --kernel" in out.stderr, out.stderr
+
+
+def test_replay_time_times_one_item_alone_and_at_least_once() -> None:
+    """run_kernel.py --replay-time (a simulated item's unprofiled time, which ncu's graph span is not: v27) takes at
+    least one call and never a batch, whose items share one profiled process."""
+    peer = ("--kernel", "peer", "--protocol", "oneshot")
+    out = _run(*peer, "--replay-time", "0", script="profiles/run_kernel.py")
+    assert out.returncode == 2 and "--replay-time needs at least 1 call, got 0" in out.stderr, out.stderr
+    out = _run("--batch", "--kernel", "final", "--replay-time", "3", script="profiles/run_kernel.py")
+    assert out.returncode == 1 and "--replay-time times one item alone: not in --batch" in out.stderr, out.stderr
 
 
 def test_without_a_gpu_it_says_so_and_fails() -> None:
