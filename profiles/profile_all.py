@@ -22,9 +22,9 @@ never run: each such item captures every rank's call in one CUDA graph (run_simu
 forked from one stream and joined back) and ncu profiles that graph as one workload (`--graph-profiling graph`,
 one ncu process per item), its memory restored before each pass. ncu stretches that graph: W 4 x H 7168 spans
 264-278 us at 16 rows under it and 16.7-20.7 us replayed without it (v27), so a second run of the same item without
-the profiler (`run_kernel.py --replay-time`) gives the time: the median of its graph's replays by CUDA events, every
-rank's kernel together, on the GPU only. The summary gives ncu's span beside it, ncu's DRAM bytes over it, and ncu's
-occupancy and stalls. Range replay (v26) also timed the host's issue of the W calls (315-610 us a range), and
+the profiler (`run_kernel.py --replay-time`) gives the time: the median of its graph's replays by CUDA events, each
+after an L2 flush, every rank's kernel together, on the GPU only. The summary gives ncu's span beside it, ncu's DRAM
+bytes over the unprofiled time, and ncu's occupancy and stalls. Range replay (v26) also timed the host's issue of the W calls (315-610 us a range), and
 application range replay, which reruns the whole program once per pass, took over 215 s an item (v25).
 
   python profiles/profile_all.py [--hidden 7168] [--rows 16 512] [--world 4]
@@ -83,10 +83,10 @@ TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|"
 # What a simulated item's numbers are of.
 GRAPH_NOTE = (
     "one CUDA graph holds every rank's call, each on its rank's stream: its time is the graph's replay without the "
-    f"profiler (median of {UNPROFILED_REPLAYS} replays timed by CUDA events, every rank's kernel together, their waits for "
-    "each other and the graph's launch included, no host issue); ncu profiles the same graph as one workload, which it "
-    "stretches (its span is given beside), so its DRAM bytes are shown over the unprofiled time, and its occupancy and "
-    "stalls are over its span"
+    f"profiler (median of {UNPROFILED_REPLAYS} replays timed by CUDA events after an L2 flush, every rank's kernel "
+    "together, their waits for each other and the graph's launch included, no host issue); ncu profiles the same graph "
+    "as one workload, which it stretches (its span is given beside), so its DRAM bytes are shown over the unprofiled "
+    "time, and its occupancy and stalls are over its span"
 )
 
 TIME = "gpu__time_duration.sum"

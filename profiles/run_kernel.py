@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--replay-time",
         type=int,
         metavar="N",
-        help="no profiler range: time N calls (peer: N replays of its graph) by CUDA events and print their median",
+        help="no profiler range: time N calls (peer: N replays of its graph) by CUDA events, each after an L2 flush, and "
+        "print their median",
     )
     args = p.parse_args(argv)
     if args.replay_time is not None and args.replay_time < 1:
@@ -251,11 +252,13 @@ def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, ar
     return graph.replay, ranks
 
 
-def event_time_us(call: Call) -> float:
-    """One call's GPU time in us, by CUDA events recorded around it on the current stream."""
+def event_time_us(call: Call, flush: Any) -> float:
+    """One call's GPU time in us, by CUDA events recorded around it on the current stream, after zeroing `flush` (L2
+    flushed, as bench's GraphTimer and ncu's cache control do)."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.zero_()
     start.record()
     call()
     end.record()
@@ -330,7 +333,10 @@ def profile_one(args: argparse.Namespace) -> None:
     for ar in ranks:
         ar.check()  # raises if a warm-up exchange timed out
     if args.replay_time:
-        times_us = sorted(event_time_us(call) for _ in range(args.replay_time))
+        from bench.timing import L2_FLUSH_BYTES
+
+        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+        times_us = sorted(event_time_us(call, flush) for _ in range(args.replay_time))
         for ar in ranks:
             ar.check()  # a timed-out exchange would have timed a spin
         print(
