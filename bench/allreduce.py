@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.timing import GraphTimer, marginal_us, on_streams
+from bench.timing import GraphTimer, event_us, marginal_us, on_streams
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
 from cute_kernels.allreduce.protocol import PROTOCOLS
@@ -432,15 +432,10 @@ def _slowest_rank_us(call: Any, device: torch.device, calls: int, samples: int =
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(calls):
             call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     per_sample = []
     for _ in range(samples):
         dist.barrier()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        t = torch.tensor([start.elapsed_time(end) * 1e3 / calls], device=device)
+        t = torch.tensor([event_us(graph.replay) / calls], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         per_sample.append(float(t))
     return statistics.median(per_sample[1:])

@@ -17,6 +17,19 @@ def marginal_us(t_short: float, short: int, t_long: float, long: int) -> float:
     return (t_long * long - t_short * short) / (long - short)
 
 
+def event_us(call: Callable[[], object], flush: torch.Tensor | None = None) -> float:
+    """GPU time of `call` on the current stream in us, by CUDA events recorded around it; `flush` zeroed first (an L2
+    flush) where given."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if flush is not None:
+        flush.zero_()
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 class GraphTimer:
     """Times closures as GPU time per call: one graph of back-to-back calls, replayed after an L2 flush."""
 
@@ -37,15 +50,7 @@ class GraphTimer:
         with torch.cuda.graph(graph, stream=self.stream):
             for call in calls:
                 call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        samples = []
-        for _ in range(self.replays + 1):
-            self.flush.zero_()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / (len(calls) * calls_each))
+        samples = [event_us(graph.replay, self.flush) / (len(calls) * calls_each) for _ in range(self.replays + 1)]
         del graph
         return statistics.median(samples[1:])
 
@@ -64,14 +69,7 @@ class GraphTimer:
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=self.device).random_()
         dst = torch.empty_like(src)
         dst.copy_(src)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        samples = []
-        for _ in range(10):
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e-3)
+        samples = [event_us(lambda: dst.copy_(src)) * 1e-6 for _ in range(10)]
         return nbytes / statistics.median(samples)
 
 

@@ -252,20 +252,6 @@ def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, ar
     return graph.replay, ranks
 
 
-def event_time_us(call: Call, flush: Any) -> float:
-    """One call's GPU time in us, by CUDA events recorded around it on the current stream, after zeroing `flush` (L2
-    flushed, as bench's GraphTimer and ncu's cache control do)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush.zero_()
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000
-
-
 def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]:
     """The closure of the profiled call, and the simulated ranks (none unless --kernel peer)."""
     if args.kernel == "boundary":
@@ -333,10 +319,11 @@ def profile_one(args: argparse.Namespace) -> None:
     for ar in ranks:
         ar.check()  # raises if a warm-up exchange timed out
     if args.replay_time:
-        from bench.timing import L2_FLUSH_BYTES
+        from bench.timing import L2_FLUSH_BYTES, event_us
 
+        # L2 flushed before each call, as bench's GraphTimer and ncu's cache control do
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-        times_us = sorted(event_time_us(call, flush) for _ in range(args.replay_time))
+        times_us = sorted(event_us(call, flush) for _ in range(args.replay_time))
         for ar in ranks:
             ar.check()  # a timed-out exchange would have timed a spin
         print(
