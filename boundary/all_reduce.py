@@ -335,10 +335,10 @@ class BoundaryAllReduce:
         """
         residual = self._check_residual(residual)
         rows = residual.shape[0]
-        a16 = self.arch is not None
-        checks.tensor("x", x, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align16=a16)
+        a16 = self._align(16)
+        checks.tensor("x", x, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align=a16)
         checks.optional_tensor(
-            "shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align16=a16
+            "shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align=a16
         )
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in FUSED_PATHS:
@@ -366,8 +366,8 @@ class BoundaryAllReduce:
         """The boundary on an unfinalized MoE output: the top-k combine + shared add, then as __call__."""
         residual = self._check_residual(residual)
         rows = residual.shape[0]
-        dev, hidden, a16 = self.device, self.hidden_size, self.arch is not None
-        checks.tensor("gemm2_permuted", gemm2_permuted, dtype=BF16, shape=(None, hidden), device=dev, align16=a16)
+        dev, hidden, a16 = self.device, self.hidden_size, self._align(16)
+        checks.tensor("gemm2_permuted", gemm2_permuted, dtype=BF16, shape=(None, hidden), device=dev, align=a16)
         checks.tensor("expert_weights", expert_weights, dtype=F32, shape=(rows, None), device=dev)
         top_k = expert_weights.shape[1]
         checks.tensor(
@@ -377,9 +377,7 @@ class BoundaryAllReduce:
             shape=(rows, top_k),
             device=dev,
         )
-        checks.optional_tensor(
-            "shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev, align16=a16
-        )
+        checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev, align=a16)
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self.path in FUSED_PATHS:
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
@@ -469,6 +467,10 @@ class BoundaryAllReduce:
         if self.group is not None:
             dist.barrier(self.group)  # every rank is re-armed before any rank's next push
 
+    def _align(self, nbytes: int) -> int:
+        """The byte boundary a buffer the kernel accesses `nbytes` at a time must start on: 1 on the torch path."""
+        return nbytes if self.arch is not None else 1
+
     def _check_rows(self, rows: int) -> None:
         checks.positive_int("rows", rows)
         if rows > self.max_rows:
@@ -481,7 +483,7 @@ class BoundaryAllReduce:
             dtype=BF16,
             shape=(None, self.hc_mult, self.hidden_size),
             device=self.device,
-            align16=self.arch is not None,
+            align=self._align(16),
         )
         self._check_rows(residual.shape[0])
         return residual
@@ -507,7 +509,7 @@ class BoundaryAllReduce:
         Tensor | None,
         Fp8GroupActivation | None,
     ]:
-        dev, hidden, a16 = self.device, self.hidden_size, self.arch is not None
+        dev, hidden, a16 = self.device, self.hidden_size, self._align(16)
         post, comb, pre = checks.coefficients(rows, self.hc_mult, dev, post, comb, pre)
         if pre is None:
             if norm_weight is not None or mxfp8_out is not None or fp8_out is not None:
@@ -515,7 +517,7 @@ class BoundaryAllReduce:
                     "the residual-only boundary (pre=None) takes no norm_weight, no mxfp8_out and no fp8_out"
                 )
         else:
-            checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev, align16=a16)
+            checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev, align=a16)
         norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
         if mxfp8_out is not None:
             if not isinstance(mxfp8_out, QuantizedActivation):
@@ -526,11 +528,14 @@ class BoundaryAllReduce:
                 dtype=torch.float8_e4m3fn,
                 shape=(rows, hidden),
                 device=dev,
-                align16=a16,
+                align=a16,
             )
             nbytes = reference.mxfp8_scale_bytes(rows, hidden)
-            checks.tensor("mxfp8_out.scale", mxfp8_out.scale, dtype=torch.uint8, shape=(nbytes,), device=dev)
-        checks.optional_tensor("aux_out", aux_out, dtype=BF16, shape=(rows, hidden), device=dev, align16=a16)
+            scale = mxfp8_out.scale  # the kernel writes it a 4-byte word at a time
+            checks.tensor(
+                "mxfp8_out.scale", scale, dtype=torch.uint8, shape=(nbytes,), device=dev, align=self._align(4)
+            )
+        checks.optional_tensor("aux_out", aux_out, dtype=BF16, shape=(rows, hidden), device=dev, align=a16)
         if fp8_out is not None:
             self._check_fp8_out(rows, fp8_out)
         return post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out  # type: ignore[return-value]
@@ -544,7 +549,7 @@ class BoundaryAllReduce:
             dtype=torch.float8_e4m3fn,
             shape=(rows, self.hidden_size),
             device=self.device,
-            align16=self.arch is not None,
+            align=self._align(16),
         )
         checks.tensor(
             "fp8_out.scale",
@@ -552,6 +557,7 @@ class BoundaryAllReduce:
             dtype=F32,
             shape=(self.hidden_size // reference.FP8_GROUP, reference.fp8_group_scale_rows(rows)),
             device=self.device,
+            align=self._align(16),  # TMA-aligned columns; the last row's scale and padding go as one 16-byte store
         )
         checks.flag("fp8_out.ue8m0", fp8_out.ue8m0)
 

@@ -66,9 +66,10 @@ def tensor(
     shape: Sequence[Dim] | None = None,
     device: torch.device | None = None,
     contiguous: bool = True,
-    align16: bool = False,
+    align: int = 1,
 ) -> Tensor:
-    """Check one tensor argument and return it; the message names the argument and the expectation."""
+    """Check one tensor argument and return it; the message names the argument and the expectation. `align`: the
+    byte boundary its data must start on (a kernel's vector accesses; the torch path takes any address)."""
     # The common case in one pass of cheap attribute reads: boundaries run ~100 times per step.
     if (
         isinstance(value, Tensor)
@@ -76,7 +77,7 @@ def tensor(
         and (shape is None or _shape_ok(value.shape, shape))
         and (device is None or _on(value, device))
         and (not contiguous or value.is_contiguous())
-        and (not align16 or value.data_ptr() % 16 == 0)
+        and (align == 1 or value.data_ptr() % align == 0)
     ):
         return value
     if not isinstance(value, Tensor):
@@ -93,8 +94,8 @@ def tensor(
         raise _error(ValueError, name, f"must be on {device}, got {value.device}")
     if contiguous and not value.is_contiguous():
         raise _error(ValueError, name, "must be contiguous")
-    if align16 and value.data_ptr() % 16:
-        raise _error(ValueError, name, f"must start on a 16-byte boundary (got address {value.data_ptr():#x})")
+    if align > 1 and value.data_ptr() % align:
+        raise _error(ValueError, name, f"must start on a {align}-byte boundary (got address {value.data_ptr():#x})")
     return value
 
 

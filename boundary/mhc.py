@@ -325,8 +325,8 @@ def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
     if arch is None:
         return reference.mhc_post(x, residual, post, comb)
     _check_kernel_shape(hc, hidden)
-    checks.tensor("residual", residual, align16=True)
-    checks.tensor("x", x, align16=True)
+    checks.tensor("residual", residual, align=16)
+    checks.tensor("x", x, align=16)
     new = torch.empty_like(residual)
     fused_boundary(
         residual=residual,
@@ -375,10 +375,10 @@ def _check_kernel_args(
     clusters = coefficients.grid_clusters(hidden, broadcast, mode, rows, arch=arch)
     if clusters > MAX_GRID_Y:
         raise ValueError(f"{rows} rows at H={hidden} need {clusters} clusters, more than the {MAX_GRID_Y} of a launch")
-    checks.tensor("x" if broadcast else "residual", x if broadcast else residual, align16=True)
-    checks.tensor("fn", fn, align16=True)
+    checks.tensor("x" if broadcast else "residual", x if broadcast else residual, align=16)
+    checks.tensor("fn", fn, align=16)
     if layer_input_kernel:
         if norm_weight is not None:
-            checks.tensor("norm_weight", norm_weight, align16=True)
+            checks.tensor("norm_weight", norm_weight, align=16)
         if pre_mix is not None and not broadcast:  # the first layer's layer input ignores pre_mix
-            checks.tensor("pre_mix", pre_mix, align16=True)
+            checks.tensor("pre_mix", pre_mix, align=16)

@@ -273,7 +273,7 @@ def test_exported_kernel_accepts_the_call_tuple(variant: api.BoundaryVariant, tm
 def test_the_public_edge_checks_the_16_byte_alignment_the_kernel_relies_on() -> None:
     x = torch.zeros(3 * 256 + 1, dtype=torch.bfloat16)[1:].view(3, 256)
     with pytest.raises(ValueError, match="x must start on a 16-byte boundary"):
-        checks.tensor("x", x, dtype=torch.bfloat16, shape=(3, 256), align16=True)
+        checks.tensor("x", x, dtype=torch.bfloat16, shape=(3, 256), align=16)
     assert checks.tensor("x", x, dtype=torch.bfloat16, shape=(3, 256)) is x  # the torch path takes any address
 
 

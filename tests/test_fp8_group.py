@@ -3,6 +3,7 @@ special groups, both scale modes, the layout, and the boundary and scheduler tha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -222,6 +223,38 @@ def test_the_boundary_writes_it_beside_mxfp8(ue8m0: bool) -> None:
             None,
             fp8_out=Fp8GroupActivation(fp8.data, fp8.scale[:, :3].contiguous(), BF16, fp8.orig_shape, fp8.quant_key),
         )
+
+
+def offset_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A contiguous tensor with t's shape and dtype whose data starts `nbytes` past a 16-byte boundary."""
+    raw = torch.zeros(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    return raw[nbytes : nbytes + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+def test_the_kernel_path_refuses_scale_buffers_its_stores_would_fault_on() -> None:
+    """The kernel writes the FP8 1x128 scales with 16-byte stores and the MXFP8 scale bytes a 4-byte word at a time:
+    on the kernel path a buffer starting off those boundaries is a ValueError naming it, before any launch (a misaligned
+    store would end the CUDA context); the torch path takes any address."""
+    rows, hidden = 3, 512
+    inp = boundary_inputs(rows, hidden)
+    args = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
+    fp8 = empty_fp8_group_layer_input(rows, hidden, "cpu")
+    mx = empty_quantized_layer_input(rows, hidden, "cpu")
+    fp8_off = Fp8GroupActivation(fp8.data, offset_view(fp8.scale, 4), BF16, fp8.orig_shape, fp8.quant_key)
+    mx_off = dataclasses.replace(mx, scale=offset_view(mx.scale, 1))
+    ar = BoundaryAllReduce(hidden, max_rows=4, device="cpu")
+    _, x = ar(inp["x"], *args, mx_off, fp8_out=fp8_off)  # the torch path
+    data, scale = ref.fp8_group_quantize(x, ue8m0=False)
+    assert bitwise_equal(fp8_off.scale, scale) and bitwise_equal(mx_off.scale, ref.mxfp8_quantize(x)[1])
+    ar.arch = "sm_90a"  # the kernel path's checks (the kernel itself needs a GPU)
+    with pytest.raises(ValueError, match=r"fp8_out.scale must start on a 16-byte boundary \(got address 0x"):
+        ar(inp["x"], *args, None, fp8_out=fp8_off)
+    with pytest.raises(ValueError, match=r"mxfp8_out.scale must start on a 4-byte boundary"):
+        ar(inp["x"], *args, mx_off)
+    # What the stores need, no more: a 4-byte offset suits the MXFP8 words, a 16-byte one the FP8 scales.
+    mx_word = dataclasses.replace(mx, scale=offset_view(mx.scale, 4))
+    fp8_16 = Fp8GroupActivation(fp8.data, offset_view(fp8.scale, 16), BF16, fp8.orig_shape, fp8.quant_key)
+    ar._check_epilogue(rows, *args[1:], mx_word, None, fp8_16)
 
 
 @pytest.mark.parametrize("quantize", ["fp8_1x128", "fp8_1x128_ue8m0"])

@@ -96,6 +96,35 @@ def test_one_rank_writes_the_reference_bytes(form: str, hidden: int, rows: int) 
     assert bitwise_equal(mx.scale, scale) and torch.equal(mx.data.view(torch.uint8), data.view(torch.uint8))
 
 
+def test_a_misaligned_scale_buffer_is_refused_before_any_launch() -> None:
+    """The scales go out in 16-byte stores: a buffer off that boundary is a ValueError at the public call, and at the
+    kernel entry TVM-FFI's alignment check (the kernel is compiled for 16-byte aligned scales), never a misaligned
+    store, which would end the CUDA context; the next calls on the same GPU are exact."""
+    rows, hidden = 5, 4096
+    ar = BoundaryAllReduce(hidden, max_rows=8, device="cuda")
+    inp = inputs(rows, hidden, seed=3)
+    q = poisoned_fp8(rows, hidden, False)
+    raw = torch.zeros(q.scale.numel() + 4, device="cuda")
+    off = Fp8GroupActivation(q.data, raw[1 : 1 + q.scale.numel()].view(q.scale.shape), BF16, q.orig_shape, q.quant_key)
+    with pytest.raises(ValueError, match="fp8_out.scale must start on a 16-byte boundary"):
+        call(ar, inp, off)
+    new = torch.empty(rows, 4, hidden, dtype=BF16, device="cuda")
+    out = torch.empty(rows, hidden, dtype=BF16, device="cuda")
+    entry = dict(residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"], norm_weight=inp["w"])
+    entry |= dict(norm_eps=EPS, x=inp["x"], new_residual=new, out=out, fp8_data=q.data, fp8_form="fp8_1x128")
+    arch = arch_for_device(torch.device("cuda"))
+    with pytest.raises(ValueError, match="Misaligned Tensor data"):
+        api.fused_boundary(**entry, fp8_scale=off.scale, arch=arch)
+    api.fused_boundary(**entry, fp8_scale=q.scale, arch=arch)
+    torch.cuda.synchronize()
+    assert_fp8_bytes(q, out)
+    assert bool((raw == 0).all()), "the refused call wrote to the misaligned buffer"
+    q2 = poisoned_fp8(rows, hidden, False)
+    _, out2 = call(ar, inp, q2)
+    assert bitwise_equal(out2, out)
+    assert_fp8_bytes(q2, out2)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_zero_nan_inf_and_tiny_groups(form: str) -> None:
     """A group of zeros (scale 1e-4/448, data 0), a NaN (the group's scale and data NaN), an Inf (scale Inf, the

@@ -104,7 +104,8 @@ def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
         fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
         fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
         fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if fp8 else None,
-        fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=1) if fp8 else None,  # [H/128, T_pad]
+        # [H/128, T_pad], 16-byte aligned: the last row's scale and padding go as one 16-byte store
+        fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=4) if fp8 else None,
         bf16((T, H)) if aux else None,
         bf16((GENERATIONS, world_size + 1, cute.sym_int(), H)) if peers else None,  # receive slots
         fake_tensor(Int64, (world_size,), divisibility=1) if peers else None,  # peer slot addresses
