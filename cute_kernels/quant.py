@@ -165,10 +165,10 @@ class Fp8GroupWriter:
         scale_addr = mScale.iterator.toint() + (Int64(vcol // FP8_GROUP_LANES) * Int64(padded) + Int64(row)) * 4
         lane = cute.arch.lane_idx()
         if const_expr(valid is None):
-            self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows, padded)
+            self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows)
         else:
             if valid:
-                self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows, padded)
+                self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows)
 
     @cute.jit
     def group_amax(self, words: list) -> Uint32:
@@ -218,11 +218,10 @@ class Fp8GroupWriter:
         lane: Int32,
         row: Int32,
         rows: Int32,
-        padded: Int32,
     ):
         """The 8 e4m3 bytes of a vector, then the group's scale."""
         self.store_data(q_addr, q_lo, q_hi)
-        self.store_scale(scale_addr, sf_bits, lane, row, rows, padded)
+        self.store_scale(scale_addr, sf_bits, lane, row, rows)
 
     @cute.jit
     def store_data(self, q_addr: Int64, q_lo: Uint32, q_hi: Uint32):
@@ -230,18 +229,24 @@ class Fp8GroupWriter:
         ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
 
     @cute.jit
-    def store_scale(self, scale_addr: Int64, sf_bits: Uint32, lane: Int32, row: Int32, rows: Int32, padded: Int32):
-        """From the group's first lane its scale and, after the last row, the zeros of the padding rows T..T_pad-1 of
-        its column (docs/PERF.md decisions: Fp8GroupWriter.store): in one 16-byte store where the last row starts the
-        column's last chunk of 4 (T_pad is a multiple of 4, so that chunk is 16-byte aligned)."""
+    def store_scale(self, scale_addr: Int64, sf_bits: Uint32, lane: Int32, row: Int32, rows: Int32):
+        """From the group's first lane its scale and, on the last row, the zeros of the padding rows T..T_pad-1 of its
+        column (docs/PERF.md decisions: Fp8GroupWriter.store). T_pad rounds T up to 4 and the buffer starts 16-byte
+        aligned (the public edge checks both), so the padding follows the last row in its 16-byte chunk of 4: the
+        scale and the zeros go as one 16-byte store where the row starts the chunk, one 8-byte store where it is
+        third, a 4-byte and an 8-byte one where it is second; no loop."""
         if lane % FP8_GROUP_LANES == 0:
-            if row == rows - 1 and row % 4 == 0 and padded == row + 4:
-                ptx.st_global_v4_b32(scale_addr, sf_bits, Uint32(0), Uint32(0), Uint32(0))
+            zero = Uint32(0)
+            at = row % 4
+            if row == rows - 1 and at == 0:
+                ptx.st_global_v4_b32(scale_addr, sf_bits, zero, zero, zero)
+            elif row == rows - 1 and at == 1:
+                ptx.st_global_b32(scale_addr, sf_bits)
+                ptx.st_global_v2_b32(scale_addr + 4, zero, zero)
+            elif row == rows - 1 and at == 2:
+                ptx.st_global_v2_b32(scale_addr, sf_bits, zero)
             else:
                 ptx.st_global_b32(scale_addr, sf_bits)
-                if row == rows - 1:
-                    for p in cutlass.range(rows, padded):
-                        ptx.st_global_b32(scale_addr + Int64(p - row) * 4, Uint32(0))
 
 
 def amax_over_e4m3_max(a: Float32, non_finite: cutlass.Boolean) -> Float32:

@@ -76,10 +76,24 @@ def call(ar: BoundaryAllReduce, inp: dict, q: Fp8GroupActivation | None, mxfp8=N
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(
     ("hidden", "rows"),
-    [(4096, 1), (4096, 3), (4096, 16), (4096, 512), (7168, 1), (7168, 17), (7168, 128), (4352, 5), (2560, 64)],
+    [
+        (4096, 1),
+        (4096, 2),
+        (4096, 3),
+        (4096, 16),
+        (4096, 512),
+        (7168, 1),
+        (7168, 6),
+        (7168, 17),
+        (7168, 128),
+        (4352, 5),
+        (2560, 64),
+    ],
 )
 def test_one_rank_writes_the_reference_bytes(form: str, hidden: int, rows: int) -> None:
-    """At one rank, alone and beside MXFP8; the bf16 layer input is the same bits with or without it."""
+    """At one rank, alone and beside MXFP8; the bf16 layer input is the same bits with or without it. The rows put
+    the last one at each place of its chunk of 4 scales (1, 5, 17: first; 2, 6: second; 3: third; 16, 64: last), which
+    decides how its padding is written."""
     ar = BoundaryAllReduce(hidden, max_rows=512, device="cuda")
     inp = inputs(rows, hidden, seed=rows + hidden)
     q = poisoned_fp8(rows, hidden, FORMS[form])
