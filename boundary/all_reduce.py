@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from boundary import checks, mhc, reference
-from boundary.types import Fp8GroupActivation, QuantizedActivation
+from boundary.types import FP8_GROUP_QUANT_KEY, FP8_GROUP_UE8M0_QUANT_KEY, Fp8GroupActivation, QuantizedActivation
 from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
 from cute_kernels.allreduce.protocol import (
     ERROR_MISSING,
@@ -560,6 +560,11 @@ class BoundaryAllReduce:
             align=self._align(16),  # TMA-aligned columns; the last row's scale and padding go as one 16-byte store
         )
         checks.flag("fp8_out.ue8m0", fp8_out.ue8m0)
+        key = FP8_GROUP_UE8M0_QUANT_KEY if fp8_out.ue8m0 else FP8_GROUP_QUANT_KEY
+        if fp8_out.quant_key != key:  # a GEMM reads the scales by the key, the kernel writes them by ue8m0
+            raise ValueError(
+                f"fp8_out.quant_key is {fp8_out.quant_key!r} but fp8_out.ue8m0 is {fp8_out.ue8m0}, whose key is {key!r}"
+            )
 
     def _kernel(
         self,

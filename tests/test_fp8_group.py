@@ -216,6 +216,11 @@ def test_the_boundary_writes_it_beside_mxfp8(ue8m0: bool) -> None:
         ar(inp["x"], inp["residual"], inp["post"], inp["comb"], None, None, 0.0, None, fp8_out=fp8)
     with pytest.raises(TypeError, match="fp8_out must be an Fp8GroupActivation or None, got QuantizedActivation"):
         ar(inp["x"], *args, None, fp8_out=mx)
+    with pytest.raises(
+        ValueError, match=r"fp8_out.quant_key is 'fp8_e4m3_ue8m0_1x128_colmajor' but fp8_out.ue8m0 is Fals"
+    ):
+        ue8m0_key = "fp8_e4m3_ue8m0_1x128_colmajor"  # a GEMM would read the plain scales as powers of two
+        ar(inp["x"], *args, None, fp8_out=Fp8GroupActivation(fp8.data, fp8.scale, BF16, fp8.orig_shape, ue8m0_key))
     with pytest.raises(ValueError, match=r"fp8_out.scale must have shape \[4, 4\]"):
         ar(
             inp["x"],
