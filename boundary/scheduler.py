@@ -246,11 +246,12 @@ class Boundaries:
         else:
             quantized = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
-        try:  # the mixes' arguments before the boundary consumes state.pending: nothing launches on a bad layer
-            mhc.check_mixes(state.residual, _params(values), backend=self.backend)
-        except (TypeError, ValueError) as exc:
-            checks.rename(exc, _layer_names(reads), converted_at_load=True)
-            raise
+        if not torch.compiler.is_compiling():  # a compiled loop's ops check their arguments when they run
+            try:  # the mixes' arguments before the boundary consumes state.pending: nothing launches on a bad layer
+                mhc.check_mixes(state.residual, _params(values), backend=self.backend)
+            except (TypeError, ValueError) as exc:
+                checks.rename(exc, _layer_names(reads), converted_at_load=True)
+                raise
         try:
             residual, layer_input = self._reduce(state, state.pre, values[3], values[4], quantized, aux)
         except (TypeError, ValueError) as exc:
