@@ -253,20 +253,11 @@ def mixes(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """post, comb and next_pre alone (no layer input), on the current stream: one launch on the kernels.
     `workspace_owner`: see prepare_workspace."""
-    params, arch = check_mixes(residual, params, x, backend=backend)
-    return _coefficients(residual, x, params, arch, workspace_owner)
-
-
-def check_mixes(
-    residual: Tensor, params: MHCParams, x: Tensor | None = None, *, backend: str = "auto"
-) -> tuple[MHCParams, str | None]:
-    """What `mixes` checks, launching nothing: (the checked params, the kernel arch or None for the torch path). A
-    caller that launches something else first checks here, so that a bad argument stops it before any launch."""
     params, _ = checks.pre_delayed(residual, params, None, x, None, 0.0)
     arch = kernel_arch(residual.device, backend)
     if arch is not None:
         _check_kernel_args(residual, x, params.fn, None, None, arch, inline=False, layer_input_kernel=False)
-    return params, arch
+    return _coefficients(residual, x, params, arch, workspace_owner)
 
 
 def _coefficients(

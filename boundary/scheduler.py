@@ -135,12 +135,6 @@ def _layer_names(reads: _Reads) -> dict[str, str]:
     }
 
 
-def _params(values: tuple[Any, ...]) -> MHCParams:
-    """The mHC parameters among a layer's values (`_Reads.get`): one eps for the pre and the Sinkhorn eps."""
-    fn, scale, base, _, _, rms_eps, hc_eps, alpha, iters, _ = values
-    return MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
-
-
 def _state_names(state: BoundaryState) -> dict[str, str]:
     """The boundary arguments that a state fills, each mapped to the state field (for messages)."""
     names = {"residual": "state.residual", "post": "state.post", "comb": "state.comb", "pre": "state.pre"}
@@ -246,12 +240,6 @@ class Boundaries:
         else:
             quantized = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
-        if not torch.compiler.is_compiling():  # a compiled loop's ops check their arguments when they run
-            try:  # the mixes' arguments before the boundary consumes state.pending: nothing launches on a bad layer
-                mhc.check_mixes(state.residual, _params(values), backend=self.backend)
-            except (TypeError, ValueError) as exc:
-                checks.rename(exc, _layer_names(reads), converted_at_load=True)
-                raise
         try:
             residual, layer_input = self._reduce(state, state.pre, values[3], values[4], quantized, aux)
         except (TypeError, ValueError) as exc:
@@ -358,7 +346,8 @@ class Boundaries:
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """post, comb, layer input, next pre: on the side stream for small steps, inline otherwise. Without
         `layer_input` the layer input is computed here, with the sublayer's norm."""
-        params, weight, eps = _params(values), values[3], values[4]
+        fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
+        params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
         norm_weight, norm_eps = (weight, eps) if layer_input is None else (None, 1e-6)
         try:
             if self.custom_ops:

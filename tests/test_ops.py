@@ -330,27 +330,6 @@ def test_the_compiled_decode_loop_has_no_graph_break_and_gives_the_direct_paths_
         assert compare(got, decode_step(model, direct_b, tokens, step))["bitwise"], index
 
 
-def test_the_compiled_loop_leaves_sublayers_early_check_to_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sublayer checks the layer's mHC arguments before its boundary in eager code; a compiled loop leaves that to the
-    ops, which check when they run. On the GPU that check reads a data pointer (the alignment of fn), which Dynamo
-    cannot trace: a stand-in that does the same must not reach the traced graph (it broke fullgraph on the H200)."""
-    torch._dynamo.reset()
-    checked = []
-
-    def reads_a_data_pointer(residual, params, x=None, *, backend="auto"):
-        checked.append(params.fn.data_ptr() % 16)
-        return params, None
-
-    monkeypatch.setattr(mhc, "check_mixes", reads_a_data_pointer)
-    model = ToyModel(SMALL)
-    ar = BoundaryAllReduce(H, max_rows=8, device="cpu")
-    step, tokens = DecodeStep.for_rows(2), random_tokens(model, 2, 0)
-    eager = decode_step(model, Boundaries(ar), tokens, step)
-    assert checked, "the eager sublayer checks the layer first"
-    compiled = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
-    assert compare(compiled(model, Boundaries(ar, custom_ops=True), tokens, step), eager)["bitwise"]
-
-
 def test_inductor_compiles_the_whole_decode_step_with_an_engram_seam() -> None:
     """post_only (the Engram seam) mutates nothing, so Inductor compiles the whole step (while it declared aux_out
     mutated and the call passed None, Inductor failed on "getitem is not an OpOverload"), with the direct path's bits
