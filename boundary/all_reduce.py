@@ -394,6 +394,7 @@ class BoundaryAllReduce:
         *,
         quantize: Sequence[str] | None = tuple(boundary_api.QUANTIZE_FORMS),
         unnormed_layer_input: bool = False,
+        sinkhorn_repeat: int = 20,
         progress: bool = True,
     ) -> None:
         """Compile every kernel variant this boundary (and the scheduler's mHC ops) will launch, and load it.
@@ -402,6 +403,8 @@ class BoundaryAllReduce:
         values; every form by default; None or () for bf16 only): an engine that writes one form warms up
         that one only, in about two thirds of the time. `unnormed_layer_input`: the coefficients' layer input
         without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it).
+        `sinkhorn_repeat`: the layers' Sinkhorn iterations (`hc_sinkhorn_iters`, compiled into the coefficients
+        kernels; 20 in the V4 models).
         Call it before CUDA-graph capture: nothing can compile or allocate a workspace inside a capture.
         Compiled kernels are cached on disk, so later processes only load them.
         """
@@ -409,6 +412,7 @@ class BoundaryAllReduce:
         self._check_rows(rows)
         quantize = () if quantize is None else quantize
         checks.flag("unnormed_layer_input", unnormed_layer_input)
+        sinkhorn_repeat = checks.positive_int("sinkhorn_repeat", sinkhorn_repeat)
         if not isinstance(quantize, (tuple, list)) or not all(q in boundary_api.QUANTIZE_FORMS for q in quantize):
             raise ValueError(
                 f"quantize must be a sequence of {tuple(boundary_api.QUANTIZE_FORMS)} (the forms written beside bf16), "
@@ -426,7 +430,9 @@ class BoundaryAllReduce:
             ranks_per_device=self.workspace.ranks_per_device,
             variants=boundary_api.engine_variants(tuple(quantize)),
             protocols=protocols,
-        ) + mhc.warmup_jobs(self.hidden_size, self.arch, rows, unnormed=unnormed_layer_input)
+        ) + mhc.warmup_jobs(
+            self.hidden_size, self.arch, rows, sinkhorn_repeat=sinkhorn_repeat, unnormed=unnormed_layer_input
+        )
         mhc.prepare_workspace(self.hidden_size, rows, self.device, self.rank if self.simulated_ranks else None)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
 

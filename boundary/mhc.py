@@ -68,13 +68,17 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int |
     return ws
 
 
-def warmup_jobs(hidden: int, arch: str, max_rows: int, *, unnormed: bool = False) -> list[WarmupJob]:
-    """The compiles every mHC coefficients call of hidden size H and up to `max_rows` rows can need (`unnormed`:
-    the layer input without a norm weight too)."""
+def warmup_jobs(
+    hidden: int, arch: str, max_rows: int, *, sinkhorn_repeat: int = 20, unnormed: bool = False
+) -> list[WarmupJob]:
+    """The compiles every mHC coefficients call of hidden size H, up to `max_rows` rows and `sinkhorn_repeat`
+    Sinkhorn iterations (a compile-time constant) can need (`unnormed`: the layer input without a norm weight too)."""
     _check_kernel_shape(4, hidden)
     if max_rows > kernel_row_limit(hidden):
         raise ValueError(_too_many_rows(max_rows, hidden))
-    return coefficients.warmup_jobs(hidden, arch=arch, max_rows=max_rows, unnormed=unnormed)
+    return coefficients.warmup_jobs(
+        hidden, arch=arch, max_rows=max_rows, sinkhorn_repeat=sinkhorn_repeat, unnormed=unnormed
+    )
 
 
 def kernel_row_limit(hidden: int) -> int:

@@ -102,6 +102,15 @@ def test_every_call_finds_its_default_among_the_warmup_jobs(H: int) -> None:
                 assert (variant, mode, default(H, variant, rows, mode != "none")) in compiled, (variant, mode, rows)
 
 
+def test_the_warmup_compiles_for_the_layers_sinkhorn_count() -> None:
+    """The Sinkhorn count is compiled into the coefficients kernels: warmup compiles the one it is given (the
+    models' 20 unless told), so a model with another count loads nothing at its first call."""
+    default = [job.args[3] for job in mhc.warmup_jobs(7168, "sm_90a", 64) if job.compile_fn is api.compile_coefficients]
+    other = mhc.warmup_jobs(7168, "sm_90a", 64, sinkhorn_repeat=7)
+    assert set(default) == {20} and {job.args[3] for job in other if job.compile_fn is api.compile_coefficients} == {7}
+    assert len(default) == sum(job.compile_fn is api.compile_coefficients for job in other)
+
+
 def test_warmup_jobs_cover_every_call_path() -> None:
     jobs = api.warmup_jobs(7168, arch="sm_90a", max_rows=512, unnormed=True)
     # Without `unnormed` (the scheduler's warmup) the unnormed layer-input modes are left out, nothing else.

@@ -319,6 +319,15 @@ def test_warmup_unnormed_layer_input_is_a_bool() -> None:
         BoundaryAllReduce(512, max_rows=4, device="cpu").warmup(unnormed_layer_input=1)
 
 
+@pytest.mark.parametrize(
+    "repeat,error,match",
+    [(0, ValueError, "must be a positive int, got 0"), (2.0, TypeError, "must be an int, got float 2.0")],
+)
+def test_warmup_sinkhorn_repeat_is_a_positive_int(repeat: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=f"^sinkhorn_repeat {match}"):
+        BoundaryAllReduce(512, max_rows=4, device="cpu").warmup(sinkhorn_repeat=repeat)
+
+
 @pytest.mark.parametrize("quantize", ["fp8_1x128", ("fp8",), (None,), ("mxfp8", "MXFP8"), 5, {"mxfp8"}])
 def test_warmup_quantize_takes_a_sequence_of_named_forms(quantize: Any) -> None:
     ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
