@@ -147,6 +147,33 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
     assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["w"], 1e-20)) <= 1
 
 
+def test_a_warmup_for_the_layers_sinkhorn_count_leaves_their_calls_nothing_to_load() -> None:
+    """The Sinkhorn count is compiled into the coefficients kernels: after warmup(sinkhorn_repeat=7) a model with 7
+    Sinkhorn iterations compiles and loads nothing at its calls (inline and on a side stream, 1-16 rows); the
+    control, a count no warmup saw, does."""
+    from cute_kernels import compile as cc
+
+    BoundaryAllReduce(H, max_rows=16, device="cuda").warmup(quantize=(), sinkhorn_repeat=7, progress=False)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    fn = torch.randn(24, 4 * H, generator=g, device="cuda") * 1e-2
+    scale, base = torch.full((3,), 0.5, device="cuda"), torch.randn(24, generator=g, device="cuda") * 0.5
+    side = torch.cuda.Stream()
+
+    def loads(repeat: int) -> int:
+        """The compiles and disk loads of the coefficients calls of a model with `repeat` Sinkhorn iterations."""
+        before = cc.STATS.compiles + cc.STATS.disk_hits
+        for rows in (1, 5, 16):
+            inp = inputs(rows)
+            args = (inp["residual"], fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, repeat)
+            mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20)
+            mhc_pre_delayed_overlap(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20, stream=side)
+        torch.cuda.synchronize()
+        return cc.STATS.compiles + cc.STATS.disk_hits - before
+
+    assert loads(7) == 0
+    assert loads(9) > 0, "the control loaded nothing: the count is not what picks the kernel"
+
+
 def _kernels_launched(call) -> list[str]:
     """The CUDA kernels `call()` launches, by name (torch's profiler)."""
     torch.cuda.synchronize()
