@@ -1,18 +1,18 @@
 """The FP8 1x128 writer with a predicted group amax, against the shipped one, in one run: `python -m bench.experiments.fp8_spec_ab`.
 
 The shipped writer reduces each group's amax over its 16 lanes (two `redux.sync`) after `inv` arrives, then derives
-the scale and its reciprocal, one step after the other: that chain is what the FP8 form adds at few rows (perf-log
-v28). Candidates, each exact (same bytes as the shipped writer):
+the scale and its reciprocal, one step after the other, then stores: perf-log v28 took that chain for what the FP8
+form adds at few rows. Forms:
 
-- `spec`: while the RMS sums cross the cluster, each group reduces max |c*w| (fp32, exact for bf16 c and w), so that
-  after `inv` the predicted amax is bf16(max|c*w| * inv), one multiply. It is checked, not trusted: every lane votes
-  whether its own max |out| is <= the prediction and whether it equals it; where every lane agrees and some lane of
-  each group equals it, the prediction is the group's amax; otherwise (near a bf16 rounding boundary, NaN, Inf,
-  eps = 0) the warp reduces as the shipped writer does. The scale of the prediction runs beside the votes.
-- `prcp`: 1/sf from rcp.approx(a * RN(1/448)) (the quotient's first step) and one Newton FMA against sf, so that the
-  MUFU does not wait for the quotient's correction.
-- `spec+prcp`: both. `spec miss`: `spec` whose every prediction is off by one, so that every group takes the
-  reduction: the fallback's bytes and cost.
+- `spec` (exact): while the RMS sums cross the cluster, each group reduces max |c*w| (fp32, exact for bf16 c and w),
+  so that after `inv` the predicted amax is bf16(max|c*w| * inv), one multiply; its scale (the reciprocal's MUFU on
+  the quotient's first step, beside its correction) and bytes are stored at once. Then every lane votes whether its
+  own max |out| is <= the prediction and whether it equals it; where every lane agrees and some lane of each group
+  equals it, the prediction was the group's amax; otherwise (near a bf16 rounding boundary, NaN, Inf, eps = 0) the
+  group reduces as the shipped writer does and stores again (a thread's later store to an address wins).
+- `spec miss` (exact): `spec` whose every prediction is off by one: the fallback's bytes and cost.
+- ablations (wrong bytes, timed only): `floor` no amax and no scale (1 / sf = 1), `noscale` no scale store,
+  `nodata` no data store.
 
 Each candidate's bytes are checked against the shipped writer's first (data, every scale, the padding, over a
 poisoned buffer, with a NaN, an Inf, an all-zero group), then bf16 only, the shipped writer and the candidates are
@@ -40,19 +40,21 @@ from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import arch_for_device
 from cute_kernels.quant import FP8_GROUP_AMAX_FLOOR, FP8_GROUP_LANES, Fp8GroupWriter, amax_over_e4m3_max
 
-CANDIDATES = ("spec", "prcp", "spec+prcp", "spec miss")
-FORMS = ("bf16", "fp8", *CANDIDATES)
+CANDIDATES = ("spec", "spec miss")  # exact: their bytes are checked
+ABLATIONS = ("floor", "noscale", "nodata")  # not exact: timed only
+FORMS = ("bf16", "fp8", *ABLATIONS, *CANDIDATES)
 SETS = 20  # input sets per graph, as bench/timing.py
 
 
 class CandidateWriter(Fp8GroupWriter):
     """The FP8 1x128 writer with a predicted amax (`spec`), a parallel reciprocal (`prcp`), or both."""
 
-    def __init__(self, H: int, *, spec: bool, prcp: bool, miss: bool = False) -> None:
+    def __init__(self, H: int, *, spec: bool, prcp: bool, miss: bool = False, ablate: str | None = None) -> None:
         super().__init__(H, ue8m0=False)
         self.spec = spec
         self.prcp = prcp
         self.miss = miss
+        self.ablate = ablate
 
     @cute.jit
     def hint(self, c: list, w: list) -> Uint32:
@@ -92,11 +94,14 @@ class CandidateWriter(Fp8GroupWriter):
         vcol: Int32,
         valid: cutlass.Boolean | None,
     ):
-        """quantize_vector with the amax predicted from `hint` and checked by two votes."""
+        """quantize_vector with the amax predicted from `hint`, stored at once, then checked by two votes: where they
+        disagree the group stores again from its reduced amax (a thread's later store to an address wins)."""
         pred = ptx.cvt_bf16x2(ptx.mul_rn(ptx.f32_from_bits(hint), inv), Float32(0.0)) & Uint32(0x7FFF)
         if const_expr(self.miss):
             pred = pred + Uint32(1)
         sf, inverse = self.scale(pred)
+        q_lo, q_hi = self.encode(words, inverse)
+        self.write(q_lo, q_hi, sf, mQ, mScale, row, rows, vcol, valid)
         local = Uint32(0)
         for i in cutlass.range_constexpr(4):
             local = cutlass.max(local, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
@@ -110,15 +115,37 @@ class CandidateWriter(Fp8GroupWriter):
         fast = every_below & ((hits & Uint32(0xFFFF)) != Uint32(0)) & ((hits >> 16) != Uint32(0))
         if not fast:
             sf2, inverse2 = self.scale(self.group_amax(words))
-            sf = sf2
-            inverse = inverse2
+            q_lo2, q_hi2 = self.encode(words, inverse2)
+            self.write(q_lo2, q_hi2, sf2, mQ, mScale, row, rows, vcol, valid)
+
+    @cute.jit
+    def encode(self, words: list, inverse: Float32) -> tuple:
+        """The 8 e4m3 bytes of a vector at 1 / sf = `inverse`, as two words."""
         q = []
         for i in cutlass.range_constexpr(8):
             x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
             q.append(ptx.mul_rn(x, inverse))
-        q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
-        q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
-        self.write(q_lo, q_hi, sf, mQ, mScale, row, rows, vcol, valid)
+        return ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3]), ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
+
+    @cute.jit
+    def quantize_vector(self, words: list, mQ, mScale, row: Int32, rows: Int32, vcol: Int32, valid):
+        """The shipped writer, or one of the ablations (`ablate`: "floor" no amax and no scale, sf = 1 / sf = 1;
+        "noscale" no scale store; "nodata" no data store)."""
+        if const_expr(self.ablate is None):
+            Fp8GroupWriter.quantize_vector(self, words, mQ, mScale, row, rows, vcol, valid)
+        else:
+            sf, inverse = Float32(1.0), Float32(1.0)
+            if const_expr(self.ablate != "floor"):
+                sf, inverse = self.scale(self.group_amax(words))
+            q_lo, q_hi = self.encode(words, inverse)
+            self.write(q_lo, q_hi, sf, mQ, mScale, row, rows, vcol, valid)
+
+    @cute.jit
+    def store(self, q_addr, q_lo, q_hi, scale_addr, sf_bits, lane, row, rows):
+        if const_expr(self.ablate != "nodata"):
+            self.store_data(q_addr, q_lo, q_hi)
+        if const_expr(self.ablate != "noscale"):
+            self.store_scale(scale_addr, sf_bits, lane, row, rows)
 
     @cute.jit
     def write(self, q_lo, q_hi, sf, mQ, mScale, row, rows, vcol, valid):
@@ -174,7 +201,8 @@ def compiled(H: int, arch: str, form: str) -> object:
         kernel.epilogue = CandidateEpilogue(
             H, config.cluster_n, config.threads, kernel.vpt, pre=True, mxfp8=False, aux=False, fp8="fp8_1x128"
         )
-    kernel.epilogue.fp8 = CandidateWriter(H, spec=spec, prcp="prcp" in form, miss=form.endswith("miss"))
+    ablate = form if form in ABLATIONS else None
+    kernel.epilogue.fp8 = CandidateWriter(H, spec=spec, prcp=spec, miss=form.endswith("miss"), ablate=ablate)
     return api.compile_boundary_kernel(kernel, H, v, 1, arch=arch)
 
 
