@@ -198,22 +198,26 @@ def ld_global_v4_pred(addr: Int64, pred: cutlass.Boolean, *, loc=None, ip=None) 
 
 
 @dsl_user_op
-def st_global_b32(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
-    """Store one 32-bit word to a global address."""
+def st_global_b32(addr: Int64, val: Uint32, pred: cutlass.Boolean | None = None, *, loc=None, ip=None) -> None:
+    """Store one 32-bit word to a global address when `pred` (None: always)."""
     cute.arch.inline_ptx(
         "st.global.b32 [{$r0}], {$r1};",
         read_only_args=[Int64(addr), Uint32(val)],
+        predicate=None if pred is None else cutlass.Boolean(pred),
         loc=loc,
         ip=ip,
     )
 
 
 @dsl_user_op
-def st_global_v2_b32(addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=None) -> None:
-    """Store two 32-bit words (8 bytes, 8-byte aligned) to a global address."""
+def st_global_v2_b32(
+    addr: Int64, lo: Uint32, hi: Uint32, pred: cutlass.Boolean | None = None, *, loc=None, ip=None
+) -> None:
+    """Store two 32-bit words (8 bytes, 8-byte aligned) to a global address when `pred` (None: always)."""
     cute.arch.inline_ptx(
         "st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};",
         read_only_args=[Int64(addr), Uint32(lo), Uint32(hi)],
+        predicate=None if pred is None else cutlass.Boolean(pred),
         loc=loc,
         ip=ip,
     )

@@ -139,17 +139,30 @@ class Fp8GroupWriter:
         self.ue8m0 = ue8m0
 
     @cute.jit
-    def quantize_vector(
-        self,
-        words: list,
-        mQ: cute.Tensor,
-        mScale: cute.Tensor,
-        row: Int32,
-        rows: Int32,
-        vcol: Int32,
-        valid: cutlass.Boolean | None,
-    ):
-        """FP8 1x128 of one 8-element vector (4 packed bf16 words) of column vector `vcol` of `row` (of `rows`):
+    def place(self, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, rows: Int32, vcol: Int32) -> tuple:
+        """Where the FP8 1x128 form of column vector `vcol` of `row` (of `rows`) goes, made before its values (the
+        epilogue makes it while the RMS sums cross the cluster: after the values, its parameter loads and integer
+        steps sat on the row's tail, docs/PERF.md decisions: Fp8GroupWriter.place): the data address, the scale
+        address, and the predicates of the group's first lane's scale stores. T_pad rounds T up to 4 and the buffer
+        starts 16-byte aligned (the public edge checks both), so the zeros of the padding rows T..T_pad-1 follow the
+        last row's scale in its 16-byte chunk of 4: that row stores its scale and the zeros in one store of 16 bytes
+        where it starts the chunk (`wide`), of 8 where it is third (`pair`), of 4 and 8 where it is second (`word`,
+        `pad`); every other row stores its scale alone (`word`)."""
+        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * VEC))
+        padded = mScale.shape[1]  # T_pad
+        scale_addr = mScale.iterator.toint() + (Int64(vcol // FP8_GROUP_LANES) * Int64(padded) + Int64(row)) * 4
+        first = cute.arch.lane_idx() % FP8_GROUP_LANES == 0
+        last = row == rows - 1
+        at = row % 4
+        wide = cutlass.Boolean(first & last & (at == 0))
+        word = cutlass.Boolean(first & ((~last) | (at == 1) | (at == 3)))
+        pad = cutlass.Boolean(first & last & (at == 1))
+        pair = cutlass.Boolean(first & last & (at == 2))
+        return q_addr, scale_addr, wide, word, pad, pair
+
+    @cute.jit
+    def quantize_vector(self, words: list, place: tuple, valid: cutlass.Boolean | None):
+        """FP8 1x128 of one 8-element vector (4 packed bf16 words) at `place` (Fp8GroupWriter.place):
         sf = max(amax, 1e-4) / 448 (IEEE division; NaN stays NaN), q = e4m3(x * (1 / sf)). Idle tail lanes come in
         whole groups (a chunk is a multiple of 128 columns): they only skip the stores."""
         amax = self.group_amax(words)
@@ -160,15 +173,11 @@ class Fp8GroupWriter:
             q.append(ptx.mul_rn(x, inverse))
         q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
         q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
-        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * VEC))
-        padded = mScale.shape[1]  # T_pad
-        scale_addr = mScale.iterator.toint() + (Int64(vcol // FP8_GROUP_LANES) * Int64(padded) + Int64(row)) * 4
-        lane = cute.arch.lane_idx()
         if const_expr(valid is None):
-            self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows)
+            self.store(place, q_lo, q_hi, ptx.f32_bits(sf))
         else:
             if valid:
-                self.store(q_addr, q_lo, q_hi, scale_addr, ptx.f32_bits(sf), lane, row, rows)
+                self.store(place, q_lo, q_hi, ptx.f32_bits(sf))
 
     @cute.jit
     def group_amax(self, words: list) -> Uint32:
@@ -208,45 +217,15 @@ class Fp8GroupWriter:
         return sf, inverse
 
     @cute.jit
-    def store(
-        self,
-        q_addr: Int64,
-        q_lo: Uint32,
-        q_hi: Uint32,
-        scale_addr: Int64,
-        sf_bits: Uint32,
-        lane: Int32,
-        row: Int32,
-        rows: Int32,
-    ):
-        """The 8 e4m3 bytes of a vector, then the group's scale."""
-        self.store_data(q_addr, q_lo, q_hi)
-        self.store_scale(scale_addr, sf_bits, lane, row, rows)
-
-    @cute.jit
-    def store_data(self, q_addr: Int64, q_lo: Uint32, q_hi: Uint32):
-        """The 8 e4m3 bytes of a vector."""
+    def store(self, place: tuple, q_lo: Uint32, q_hi: Uint32, sf_bits: Uint32):
+        """The 8 e4m3 bytes of a vector, then the group's scale stores under their predicates (no branch)."""
+        q_addr, scale_addr, wide, word, pad, pair = place
+        zero = Uint32(0)
         ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
-
-    @cute.jit
-    def store_scale(self, scale_addr: Int64, sf_bits: Uint32, lane: Int32, row: Int32, rows: Int32):
-        """From the group's first lane its scale and, on the last row, the zeros of the padding rows T..T_pad-1 of its
-        column (docs/PERF.md decisions: Fp8GroupWriter.store). T_pad rounds T up to 4 and the buffer starts 16-byte
-        aligned (the public edge checks both), so the padding follows the last row in its 16-byte chunk of 4: the
-        scale and the zeros go as one 16-byte store where the row starts the chunk, one 8-byte store where it is
-        third, a 4-byte and an 8-byte one where it is second; no loop."""
-        if lane % FP8_GROUP_LANES == 0:
-            zero = Uint32(0)
-            at = row % 4
-            if row == rows - 1 and at == 0:
-                ptx.st_global_v4_b32(scale_addr, sf_bits, zero, zero, zero)
-            elif row == rows - 1 and at == 1:
-                ptx.st_global_b32(scale_addr, sf_bits)
-                ptx.st_global_v2_b32(scale_addr + 4, zero, zero)
-            elif row == rows - 1 and at == 2:
-                ptx.st_global_v2_b32(scale_addr, sf_bits, zero)
-            else:
-                ptx.st_global_b32(scale_addr, sf_bits)
+        ptx.st_global_v4_pred(scale_addr, sf_bits, zero, zero, zero, wide)
+        ptx.st_global_b32(scale_addr, sf_bits, word)
+        ptx.st_global_v2_b32(scale_addr + 4, zero, zero, pad)
+        ptx.st_global_v2_b32(scale_addr, sf_bits, zero, pair)
 
 
 def amax_over_e4m3_max(a: Float32, non_finite: cutlass.Boolean) -> Float32:

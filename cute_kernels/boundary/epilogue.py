@@ -145,9 +145,20 @@ class Epilogue:
 
     @cute.jit
     def finish_row(self, ctx: Ctx, row: Int32, rC: cute.Tensor, sumsq: Float32, stage: int, phase: Int32):
-        """The row's RMS over the cluster, then out (and its MXFP8 and FP8 1x128 forms)."""
+        """The row's RMS over the cluster (the sum of squares of every thread of the row's CTAs, in a fixed order, on
+        every thread), then out (and its MXFP8 and FP8 1x128 forms).
+
+        Rows alternate two exchange stages by parity. A peer can only write a stage again two rows
+        later, after this CTA's every warp has sent the row in between, which each warp does after
+        reading the stage.
+        """
         vpt = const_expr(self.vpt)
-        total = self.row_sum(sumsq, ctx.sRed, ctx.mbar, ctx.cta, stage, phase)
+        self.send_warp_sum(sumsq, ctx.sRed, ctx.mbar, ctx.cta, stage)
+        places = []
+        if const_expr(self.fp8 is not None):
+            for v in cutlass.range_constexpr(vpt):
+                places.append(self.fp8.place(ctx.mQ8, ctx.mScale8, row, ctx.rows, ctx.vcols[v]))
+        total = self.gather_sum(ctx.sRed, ctx.mbar, stage, phase)
         inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + ctx.eps)
         for v in cutlass.range_constexpr(vpt):
             # Unpacked per row: fp32 copies hoisted out of the row loop would hold twice the registers.
@@ -159,20 +170,7 @@ class Epilogue:
             if const_expr(self.mxfp8):
                 self.quant.quantize_vector(words, ctx.mQ, ctx.mScale, row, ctx.vcols[v], ctx.valid[v])
             if const_expr(self.fp8 is not None):
-                self.fp8.quantize_vector(words, ctx.mQ8, ctx.mScale8, row, ctx.rows, ctx.vcols[v], ctx.valid[v])
-
-    @cute.jit
-    def row_sum(
-        self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32, stage: int, phase: Int32
-    ) -> Float32:
-        """The sum of `val` over every thread of the row's CTAs, in a fixed order, on every thread.
-
-        Rows alternate two exchange stages by parity. A peer can only write a stage again two rows
-        later, after this CTA's every warp has sent the row in between, which each warp does after
-        reading the stage.
-        """
-        self.send_warp_sum(val, sRed, mbar, cta, stage)
-        return self.gather_sum(sRed, mbar, stage, phase)
+                self.fp8.quantize_vector(words, places[v], ctx.valid[v])
 
     @cute.jit
     def send_warp_sum(self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32, stage: int):
