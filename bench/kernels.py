@@ -143,12 +143,22 @@ def fused_call(inp: dict[str, torch.Tensor], arch: str, quant: str | None):
 
 def public_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], quant: str | None):
     """A closure running the public BoundaryAllReduce call (what an engine calls) on one input set, writing the
-    layer input in the form `quant` too."""
+    layer input in the form `quant` too. The call's outputs are kept in the set until the next call on it, so that
+    the calls of one graph write memory of their own, as the kernel entry's preallocated outputs and a quantized
+    form's buffers are: released at once, they would take the same memory call after call and be written hot in L2
+    (at H 4096 x 512 rows 1.1 us less than the kernel entry, which made the quantized forms look dearer)."""
     shape = inp["x"].shape
     mx = QuantizedActivation(inp["mxfp8_data"], inp["mxfp8_scale"], torch.bfloat16, shape, MXFP8_QUANT_KEY)
     fp8 = Fp8GroupActivation(inp["fp8_data"], inp["fp8_scale"], torch.bfloat16, shape, FP8_GROUP_QUANT_KEY, False)
     args = (inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20)
-    return lambda: ar(*args, mx if quant == "mxfp8" else None, fp8_out=fp8 if quant == "fp8_1x128" else None)
+
+    def call() -> None:
+        inp["public_outputs"] = None
+        inp["public_outputs"] = ar(
+            *args, mx if quant == "mxfp8" else None, fp8_out=fp8 if quant == "fp8_1x128" else None
+        )
+
+    return call
 
 
 def post_only_then_norm_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]):
