@@ -141,7 +141,7 @@ def fused_call(inp: dict[str, torch.Tensor], arch: str, quant: str | None):
     return call
 
 
-def public_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], quant: str | None):
+def public_call(ar: BoundaryAllReduce, inp: dict[str, Any], quant: str | None):
     """A closure running the public BoundaryAllReduce call (what an engine calls) on one input set, writing the
     layer input in the form `quant` too. The call's outputs are kept in the set until the next call on it, so that
     the calls of one graph write memory of their own, as the kernel entry's preallocated outputs and a quantized
@@ -161,13 +161,16 @@ def public_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], quant: str 
     return call
 
 
-def post_only_then_norm_call(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]):
+def post_only_then_norm_call(ar: BoundaryAllReduce, inp: dict[str, Any]):
     """A closure running what `Boundaries.final` replaces (CONTRACT §4c): the residual-only boundary (public call),
     then the collapse and the final RMSNorm as torch ops."""
 
     def call() -> torch.Tensor:
+        inp["chain_outputs"] = None  # kept until the set's next call, as public_call keeps its outputs
         new, _ = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], None, None, 0.0, None)
-        return reference.rms_norm(reference.collapse(new, inp["pre"]), inp["norm_weight"], 1e-20)
+        h = reference.rms_norm(reference.collapse(new, inp["pre"]), inp["norm_weight"], 1e-20)
+        inp["chain_outputs"] = new, h
+        return h
 
     return call
 

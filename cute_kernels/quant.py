@@ -27,10 +27,17 @@ class Mxfp8Writer:
         self.scale_cols = H // MXFP8_BLOCK  # Kp: H is a multiple of 128, so no padded columns
 
     @cute.jit
-    def quantize_vector(
-        self, words: list, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, vcol: Int32, valid: cutlass.Boolean | None
-    ):
-        """MXFP8 of one 8-element vector (4 packed bf16 words) of column vector `vcol` of `row`.
+    def place(self, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, vcol: Int32) -> tuple:
+        """Where the MXFP8 form of column vector `vcol` of `row` goes, made before its values (the epilogue makes it
+        while the RMS sums cross the cluster, docs/PERF.md decisions: Fp8GroupWriter.place): the data address, the
+        scale word's address, and whether this lane stores that word (the first of each 16)."""
+        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * 8))
+        scale_addr = mScale.iterator.toint() + self.scale_offset(row, vcol * 8 // MXFP8_BLOCK)
+        return q_addr, scale_addr, cutlass.Boolean(cute.arch.lane_idx() % 16 == 0)
+
+    @cute.jit
+    def quantize_vector(self, words: list, place: tuple, valid: cutlass.Boolean | None):
+        """MXFP8 of one 8-element vector (4 packed bf16 words) at `place` (Mxfp8Writer.place).
 
         Idle tail lanes come in whole groups of 16 (a chunk is a multiple of 128 columns), so they
         never mix into a real block; they only skip the stores.
@@ -63,25 +70,23 @@ class Mxfp8Writer:
         nan_block = e == 255
         q_lo = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_lo))
         q_hi = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_hi))
-        q_addr = mQ.iterator.toint() + (Int64(row) * self.H + Int64(vcol * 8))
         # The 4 scale bytes of 128 columns form one word: gather them from lanes +0, +4, +8, +12.
         lane = cute.arch.lane_idx()
         word = Uint32(e) << Uint32(8 * ((lane >> 2) & 3))
         word = word | cute.arch.shuffle_sync_bfly(word, offset=4)
         word = word | cute.arch.shuffle_sync_bfly(word, offset=8)
-        scale_addr = mScale.iterator.toint() + self.scale_offset(row, vcol * 8 // MXFP8_BLOCK)
         if const_expr(valid is None):
-            self.store_quantized(q_addr, q_lo, q_hi, scale_addr, word, lane)
+            self.store(place, q_lo, q_hi, word)
         else:
             if valid:
-                self.store_quantized(q_addr, q_lo, q_hi, scale_addr, word, lane)
+                self.store(place, q_lo, q_hi, word)
 
     @cute.jit
-    def store_quantized(self, q_addr: Int64, q_lo: Uint32, q_hi: Uint32, scale_addr: Int64, word: Uint32, lane: Int32):
-        """The 8 e4m3 bytes of a vector, and the scale word from the first lane of each 16."""
+    def store(self, place: tuple, q_lo: Uint32, q_hi: Uint32, word: Uint32):
+        """The 8 e4m3 bytes of a vector, and the scale word from the first lane of each 16 (predicated, no branch)."""
+        q_addr, scale_addr, first = place
         ptx.st_global_v2_b32(q_addr, q_lo, q_hi)
-        if lane % 16 == 0:
-            ptx.st_global_b32(scale_addr, word)
+        ptx.st_global_b32(scale_addr, word, first)
 
     @cute.jit
     def scale_offset(self, m: Int32, k: Int32) -> Int64:

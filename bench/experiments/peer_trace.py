@@ -84,7 +84,7 @@ class Stamps:
         self.at_wait = None  # the times taken right before it
         self.gen = None  # W > 1: the times the call's generation was known
         self.begun = False  # trace time: whether the kernel's first row load has been traced
-        self.rank = None  # trace time: the rank of the row being finished (row_sum takes no ctx)
+        self.rank = None  # trace time: the rank of the row being finished (the row's sum takes no ctx)
 
     @cute.jit
     def cta(self) -> Int64:
@@ -293,14 +293,23 @@ def traced_kernel(
                 stamps.stamp_latest(stamps.rank, "all sent")  # every warp's sum pushed into the cluster
 
         @cute.jit
-        def row_sum(self, val, sRed, mbar, cta, stage: int, phase, *more):
-            total = Epilogue.row_sum(self, val, sRed, mbar, cta, stage, phase, *more)
+        def gather_sum(self, sRed, mbar, stage: int, phase, *more):
+            total = Epilogue.gather_sum(self, sRed, mbar, stage, phase, *more)
             if const_expr(warp_stamps is not None):
                 warp_stamps.stamp(stamps.rank, "waited", total)
             stamps.stamp(stamps.rank, "summed")  # the cluster's sum of squares in (and fenced)
             return total
 
     config = default_config(hidden, arch, world, world)
+    for traced, shipped in (
+        (TracedLoads, RowLoads),
+        (TracedPeer, PeerReduce),
+        (TracedKernel, FusedBoundaryKernel),
+        (TracedEpilogue, Epilogue),
+    ):
+        stale = [name for name in vars(traced) if not name.startswith("__") and not hasattr(shipped, name)]
+        if stale:  # a hook the shipped role no longer calls would stamp nothing
+            raise TypeError(f"{traced.__name__} overrides {stale}, which {shipped.__name__} no longer has")
     kernel = TracedKernel(hidden, config, world_size=world, protocol=protocol, staged=staged)
     kernel.loads = TracedLoads(hidden, kernel.vpt, y_source="x", shared=False, pre=True)
     kernel.epilogue = TracedEpilogue(

@@ -154,10 +154,13 @@ class Epilogue:
         """
         vpt = const_expr(self.vpt)
         self.send_warp_sum(sumsq, ctx.sRed, ctx.mbar, ctx.cta, stage)
-        places = []
-        if const_expr(self.fp8 is not None):
-            for v in cutlass.range_constexpr(vpt):
-                places.append(self.fp8.place(ctx.mQ8, ctx.mScale8, row, ctx.rows, ctx.vcols[v]))
+        # Where the quantized forms go, while the sums cross the cluster (docs/PERF.md decisions: Fp8GroupWriter.place).
+        mx_places, fp8_places = [], []
+        for v in cutlass.range_constexpr(vpt):
+            if const_expr(self.mxfp8):
+                mx_places.append(self.quant.place(ctx.mQ, ctx.mScale, row, ctx.vcols[v]))
+            if const_expr(self.fp8 is not None):
+                fp8_places.append(self.fp8.place(ctx.mQ8, ctx.mScale8, row, ctx.rows, ctx.vcols[v]))
         total = self.gather_sum(ctx.sRed, ctx.mbar, stage, phase)
         inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + ctx.eps)
         for v in cutlass.range_constexpr(vpt):
@@ -168,9 +171,9 @@ class Epilogue:
             words = [ptx.cvt_bf16x2(rC[v, e] * inv * wf[e], rC[v, e + 1] * inv * wf[e + 1]) for e in range(0, VEC, 2)]
             self.store_words(words, cute.local_tile(ctx.mOut[row, None], (VEC,), (ctx.vcols[v],)), ctx.valid[v])
             if const_expr(self.mxfp8):
-                self.quant.quantize_vector(words, ctx.mQ, ctx.mScale, row, ctx.vcols[v], ctx.valid[v])
+                self.quant.quantize_vector(words, mx_places[v], ctx.valid[v])
             if const_expr(self.fp8 is not None):
-                self.fp8.quantize_vector(words, places[v], ctx.valid[v])
+                self.fp8.quantize_vector(words, fp8_places[v], ctx.valid[v])
 
     @cute.jit
     def send_warp_sum(self, val: Float32, sRed: cute.Tensor, mbar: cute.Pointer | None, cta: Int32, stage: int):
