@@ -165,14 +165,18 @@ def flag(name: str, value: object) -> bool:
     return value  # type: ignore[return-value]
 
 
-def choice(name: str, value: object, allowed: tuple[str, ...]) -> str | None:
-    """None or one of the names `allowed` (a bool is refused: these are named values, not a flag)."""
-    if value is None or (type(value) is str and value in allowed):
-        return value  # type: ignore[return-value]
-    names = ", ".join(repr(a) for a in allowed)
+def quantize_form(name: str, value: object, forms: tuple[str, ...]) -> str | None:
+    """The layer-input form a `quantize=` argument names: the module's bool (True: MXFP8, False: none), None (none)
+    or one of the named `forms`; any other value is refused."""
+    if value is True:
+        return "mxfp8"
+    if value is False or value is None or (type(value) is str and value in forms):
+        return value or None  # type: ignore[return-value]
+    names = ", ".join(repr(a) for a in forms)
+    what = f"must be True (MXFP8), False or None (bf16 only) or one of {names}, got"
     if not isinstance(value, str):
-        raise _error(TypeError, name, f"must be None or one of {names}, got {type(value).__name__} {value!r}")
-    raise _error(ValueError, name, f"must be None or one of {names}, got {value!r}")
+        raise _error(TypeError, name, f"{what} {type(value).__name__} {value!r}")
+    raise _error(ValueError, name, f"{what} {value!r}")
 
 
 def device(name: str, value: object) -> torch.device:

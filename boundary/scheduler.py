@@ -16,6 +16,7 @@ from boundary.types import (
     Fp8GroupActivation,
     MHCLayer,
     MoEOutput,
+    Norm,
     QuantizedActivation,
     UnfinalizedMoEOutput,
     empty_fp8_group,
@@ -34,7 +35,8 @@ MHC_OVERLAP_MAX_ROWS: int = MEASURED_OVERLAP_MAX_ROWS if _OVERLAP_ENV is None el
 """Steps of at most this many rows compute the coefficients on the layers' side streams."""
 
 QUANTIZE = tuple(boundary_api.QUANTIZE_FORMS)
-"""The named forms `sublayer(quantize=)` writes the layer input in beside bf16 (CONTRACT §4, §4b); None: bf16 only."""
+"""The named forms `sublayer(quantize=)` writes the layer input in beside bf16 (CONTRACT §4, §4b); True is "mxfp8"
+(the module's flag), False or None bf16 only."""
 
 
 @dataclass
@@ -214,26 +216,26 @@ class Boundaries:
         state: BoundaryState,
         step: DecodeStep,
         *,
-        quantize: str | None = None,
+        quantize: bool | str | None = False,
         capture_aux: bool = False,
     ) -> tuple[BoundaryState, Tensor, QuantizedActivation | Fp8GroupActivation | None, Tensor | None]:
         """The fused boundary on state.pending (which it consumes), then the mixes of the sublayer it prepares.
 
-        Returns the new state, the bf16 layer input, its `quantize` form ("mxfp8": a QuantizedActivation;
-        "fp8_1x128" / "fp8_1x128_ue8m0": an Fp8GroupActivation, the reference path only for now; None: none) and,
-        with `capture_aux`, the mean of the new streams.
+        Returns the new state, the bf16 layer input, its `quantize` form (True or "mxfp8": a QuantizedActivation;
+        "fp8_1x128" / "fp8_1x128_ue8m0": an Fp8GroupActivation; False or None: none) and, with `capture_aux`, the
+        mean of the new streams.
         """
         self._check_step(step)
         if not (type(ffn) is type(capture_aux) is bool):  # one test when both are bools
             checks.flag("ffn", ffn)
             checks.flag("capture_aux", capture_aux)
-        if quantize is not None:
-            checks.choice("quantize", quantize, QUANTIZE)
+        if quantize is not False:
+            quantize = checks.quantize_form("quantize", quantize, QUANTIZE)
         self._check_state(state, step, pending=True)
         reads = FFN if ffn else ATTN
         values = self._layer(layer, reads)
         rows, hidden, dev = step.rows, self.all_reduce.hidden_size, self.all_reduce.device
-        if quantize is None:
+        if not quantize:
             quantized = None
         elif quantize == "mxfp8":
             quantized = empty_quantized(rows, hidden, dev)
@@ -263,10 +265,23 @@ class Boundaries:
         state.pending = None
         return residual
 
-    def final(self, state: BoundaryState, norm_weight: Tensor, eps: float) -> Tensor:
-        """The last boundary (CONTRACT §4c) on state.pending (which it consumes): RMSNorm(collapse(streams, pre))."""
+    def final(self, state: BoundaryState, norm: Norm | Tensor, eps: float | None = None) -> Tensor:
+        """The last boundary (CONTRACT §4c) on state.pending (which it consumes): RMSNorm(collapse(streams, pre)).
+
+        `final(state, norm)` takes the model's final norm (its `.weight` and `.variance_epsilon`), as the module
+        spells it; `final(state, norm_weight, eps)` the same two values.
+        """
         if not isinstance(state, BoundaryState):
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
+        norm_weight = norm
+        if eps is None and not isinstance(norm, Tensor):
+            try:
+                norm_weight, eps = norm.weight, norm.variance_epsilon
+            except AttributeError:
+                raise TypeError(
+                    f"norm must be the final norm (with .weight and .variance_epsilon) or its weight tensor "
+                    f"followed by eps, got {type(norm).__name__}"
+                ) from None
         self._check_state(state, None, pending=True)
         # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
         # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).

@@ -8,8 +8,8 @@ FP8_GROUP = 128  # columns sharing one fp32 scale in the FP8 1x128 form (CONTRAC
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 
-def mxfp8_scale_bytes(rows: int, H: int) -> int:
-    """Bytes of the swizzled 128x4 E8M0 scale buffer of a [rows, H] MXFP8 tensor (CONTRACT §4): rows padded to 128,
-    H/32 scale columns (rounded up) padded to 4."""
-    cols = -(-H // MXFP8_BLOCK)
-    return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
+def mxfp8_scale_bytes(num_tokens: int, hidden_size: int) -> int:
+    """Bytes of the swizzled 128x4 E8M0 scale buffer of a [num_tokens, hidden_size] MXFP8 tensor (CONTRACT §4): rows
+    padded to 128, H/32 scale columns (rounded up) padded to 4."""
+    cols = -(-hidden_size // MXFP8_BLOCK)
+    return -(-num_tokens // 128) * 128 * (-(-cols // 4) * 4)

@@ -294,21 +294,22 @@ def test_sublayer_flags_must_be_bools(model: ToyModel, flag: str, value: Any) ->
 @pytest.mark.parametrize(
     "value,error,match",
     [
-        (True, TypeError, "got bool True"),
-        (False, TypeError, "got bool False"),
         (1, TypeError, "got int 1"),
+        (0, TypeError, "got int 0"),
+        (1.5, TypeError, "got float 1.5"),
         ("no", ValueError, "got 'no'"),
         ("MXFP8", ValueError, "got 'MXFP8'"),
+        ("", ValueError, "got ''"),
     ],
 )
-def test_quantize_takes_a_named_form_not_a_flag(model: ToyModel, value: Any, error: type, match: str) -> None:
+def test_quantize_takes_the_modules_flag_or_a_named_form(model: ToyModel, value: Any, error: type, match: str) -> None:
     b, step = boundaries(), DecodeStep.for_rows(ROWS)
     state, x = b.first(model.layers[0], model.embed[:ROWS], step)
     state.pending = model.attention(model.layers[0], x)
     with pytest.raises(
         error,
-        match=rf"^quantize must be None or one of 'mxfp8', 'fp8_1x128', 'fp8_1x128_ue8m0', "
-        rf"{match}",
+        match=rf"^quantize must be True \(MXFP8\), False or None \(bf16 only\) or one of 'mxfp8', 'fp8_1x128', "
+        rf"'fp8_1x128_ue8m0', {match}",
     ):
         b.sublayer(model.layers[0], True, state, step, quantize=value)
     assert state.pending is not None, "nothing was consumed"
