@@ -102,25 +102,24 @@ def source_fingerprint() -> str:
 
 
 class _FileLock:
-    """An advisory flock on a lock file next to a cache entry."""
+    """An advisory flock on a lock file: the kernel drops it when its holder exits, killed or not, so a lock is never
+    stale. Blocking; `waiting(holder)` is called once if another process holds it (its pid, read from the file)."""
 
-    def __init__(self, path: Path, exclusive: bool, timeout: float = 300.0) -> None:
-        self.path, self.exclusive, self.timeout = path, exclusive, timeout
+    def __init__(self, path: Path, waiting: Callable[[str], None] | None = None) -> None:
+        self.path, self.waiting = path, waiting
         self.fd = -1
 
     def __enter__(self) -> _FileLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        mode = fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
-                return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    os.close(self.fd)
-                    raise TimeoutError(f"timed out waiting for the compile lock {self.path}") from None
-                time.sleep(0.05)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            if self.waiting is not None:
+                self.waiting(os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?")
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -134,9 +133,12 @@ class CacheStats:
     memory_hits: int = 0
     disk_hits: int = 0
     compiles: int = 0
+    compile_processes: int = 0  # started by this process's warmups
 
 
 STATS = CacheStats()
+# A compile process of a warmup (_worker_main) only fills the disk cache: it loads nothing it compiles.
+_EXPORT_ONLY = False
 
 
 def _load(path: Path) -> Callable[..., Any]:
@@ -175,9 +177,12 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
         obj, digest = object_path(key)
         folder = obj.parent
         folder.mkdir(parents=True, exist_ok=True)
-        with _FileLock(folder / f"{digest}.lock", exclusive=True):
+        # One compile per key on the host: a process that finds the lock held waits for the object, then loads it.
+        with _FileLock(folder / f"{digest}.lock"):
             compiled = None
             if obj.exists():
+                if _EXPORT_ONLY:
+                    return None  # type: ignore[return-value]
                 try:
                     compiled = _load(obj)
                     STATS.disk_hits += 1
@@ -189,6 +194,8 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
                 tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
                 compiled.export_to_c(object_file_path=str(tmp), function_name=EXPORT_NAME)
                 os.replace(tmp, obj)
+                if _EXPORT_ONLY:
+                    return None  # type: ignore[return-value]
                 # Serve the loaded object, not the in-process JIT result, so that a cache hit
                 # and a miss run the very same code path.
                 compiled = _load(obj)
@@ -265,17 +272,36 @@ def warmup(
     """Compile or load every job, with a progress bar on stderr; returns how many ran.
 
     The jobs not yet in the disk cache compile in `workers` spawned processes (default: the cores available),
-    which leave their objects in the cache; this process then loads them. With `device`, every kernel then
-    launches once on scratch buffers, so that CUDA has loaded every module before any boundary spins.
+    which leave their objects in the cache; this process then loads them. One process on the host compiles at a
+    time (a lock on the cache folder, dropped by the kernel if its holder dies): the ranks of a TP group that warm
+    up together compile each kernel once, with the cores used once, and the others load what it left. With
+    `device`, every kernel then launches once on scratch buffers, so that CUDA has loaded every module before any
+    boundary spins.
     """
     jobs = list(jobs)
     workers = default_workers() if workers is None else workers
-    # Only a jit_cache compile leaves its object where this process finds it.
-    missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
     start = time.perf_counter()
-    parallel = workers > 1 and len(missing) > 1 and disk_cache_enabled()
-    if parallel:
-        _compile_in_processes(missing, min(workers, len(missing)), progress, desc)
+    missing: list[WarmupJob] = []
+    where = "here, while loading"
+    if disk_cache_enabled():
+        folder = cache_dir() / source_fingerprint()
+        folder.mkdir(parents=True, exist_ok=True)
+
+        def waiting(holder: str) -> None:
+            log.info("%s: process %s is compiling into %s; waiting to load what it leaves", desc, holder, folder)
+            if progress:
+                print(f"{desc}: process {holder} is compiling into {folder}; waiting for it", file=sys.stderr)
+
+        with _FileLock(folder / "warmup.lock", waiting):
+            # Only a jit_cache compile leaves its object where this process finds it; what another process compiled
+            # while this one waited is ready now.
+            missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
+            if workers > 1 and len(missing) > 1:
+                _compile_in_processes(missing, min(workers, len(missing)), progress, desc)
+                where = f"in {min(workers, len(missing))} processes: {time.perf_counter() - start:.1f} s"
+            elif missing:
+                _progress(missing, progress, desc + " (compiling)", lambda job: job.run())
+                where = f"here: {time.perf_counter() - start:.1f} s"
     compiled = time.perf_counter()
     if device is None:
         _progress(jobs, progress, desc, lambda job: job.run())
@@ -285,9 +311,6 @@ def warmup(
         with torch.cuda.device(device):
             _progress(jobs, progress, desc + " (loading onto the GPU)", lambda job: _load_onto(job, device))
             torch.cuda.synchronize(device)
-    where = (
-        f"in {min(workers, len(missing))} processes: {compiled - start:.1f} s" if parallel else "here, while loading"
-    )
     loaded = "loaded and launched once on the GPU" if device is not None else "loaded"
     log.info(
         "%s: %d jobs, %d compiled %s; %s: %.1f s",
@@ -314,6 +337,7 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
         PYTHONPATH=os.pathsep.join(p for p in (str(_KERNEL_DIR.parent), os.environ.get("PYTHONPATH", "")) if p),
     )
     logs = [tempfile.TemporaryFile() for _ in range(workers)]
+    STATS.compile_processes += workers
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", "import cute_kernels.compile as c; c._worker_main()"],
@@ -381,14 +405,19 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
 
 def _worker_main() -> None:
     """A compile process of `_compile_in_processes`: reads the pickled job list, then compiles the job of each index
-    it is sent (-1 ends), writing a line to stdout after each."""
+    it is sent (-1, or its parent gone, ends), writing a line to stdout after each. It loads nothing."""
     import struct
 
+    global _EXPORT_ONLY
+    _EXPORT_ONLY = True
     stdin = sys.stdin.buffer
     (size,) = struct.unpack("<q", stdin.read(8))
     jobs = pickle.loads(stdin.read(size))
     while True:
-        (index,) = struct.unpack("<i", stdin.read(4))
+        data = stdin.read(4)
+        if len(data) < 4:  # the warmup that started this process died: its lock is free, another process goes on
+            return
+        (index,) = struct.unpack("<i", data)
         if index < 0:
             return
         jobs[index].run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import os
 import re
 from pathlib import Path
@@ -123,3 +124,93 @@ def test_a_compile_that_fails_in_a_worker_is_reported_with_its_log(tmp_path) -> 
     assert "raised: 1 of 2 compile processes failed" in stdout, stdout
     assert "log names the arch: True" in stdout, stdout
     assert len(list((tmp_path / "cache").rglob("*.o"))) == 3
+
+
+GROUP_SCRIPT = (
+    "import os, sys, time\n"
+    "import cute_kernels.compile as cc\n"
+    "from tests.tiny_kernel import compile_tiny\n"
+    "start = sys.argv[1]\n"
+    "while not os.path.exists(start):\n"  # every process waits here, then all warm up at the same moment
+    "    time.sleep(0.01)\n"
+    "jobs = [cc.WarmupJob(f'tiny {n}', compile_tiny, (n,), (('arch', 'sm_90a'),)) for n in (384, 640, 896, 1152)]\n"
+    "cc.warmup(jobs, workers=int(os.environ.get('WORKERS', '2')), progress=False)\n"
+    "kernels = [job.run() for job in jobs]\n"
+    "print('kernels:', sum(hasattr(k, '__call__') for k in kernels), 'compile processes:', cc.STATS.compile_processes)\n"
+)
+
+
+def _start_group(tmp_path: Path, count: int, **env: str) -> tuple[list, Path, Path]:
+    """`count` processes of GROUP_SCRIPT on one cache folder, each waiting for the start file; (procs, start, log)."""
+    import subprocess
+    import sys
+
+    script, start, log = tmp_path / "group.py", tmp_path / "start", tmp_path / "compiles.log"
+    script.write_text(GROUP_SCRIPT)
+    env = dict(os.environ, MHC_BOUNDARY_CACHE_DIR=str(tmp_path / "cache"), TINY_COMPILE_LOG=str(log), **env)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(start)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(count)
+    ]
+    return procs, start, log
+
+
+def _compiles(log: Path) -> dict[str, list[str]]:
+    """The compile log's lines by kind ("start" / "done"), each as its width and pids."""
+    lines: dict[str, list[str]] = {"start": [], "done": []}
+    for line in log.read_text().splitlines() if log.exists() else ():
+        kind, rest = line.split(" ", 1)
+        lines[kind].append(rest)
+    return lines
+
+
+def test_a_group_warming_up_together_compiles_each_kernel_once(tmp_path) -> None:
+    """Three processes start warmup(workers=2) on the same cold cache at the same moment: one of them compiles each
+    kernel once, in two compile processes, and the others wait for its objects and load them (the cores are used
+    once, not three times), and every process gets every kernel. The control: a fourth process with the disk cache
+    off compiles all four again, so the log does count compiles."""
+    import subprocess
+    import sys
+
+    procs, start, log = _start_group(tmp_path, 3)
+    start.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err.decode()[-3000:]
+        assert out.decode().startswith("kernels: 4"), out.decode()
+    started = sorted(int(out.decode().split()[-1]) for out, _ in outs)
+    assert started == [0, 0, 2], started  # compile processes per group process
+    done = sorted(int(rest.split()[0]) for rest in _compiles(log)["done"])
+    assert done == [384, 640, 896, 1152], done  # once each, not once per process
+    env = dict(os.environ, MHC_BOUNDARY_DISK_CACHE="0", TINY_COMPILE_LOG=str(log))
+    control = subprocess.run([sys.executable, str(tmp_path / "group.py"), str(start)], cwd=ROOT, env=env, timeout=300)
+    assert control.returncode == 0
+    assert len(_compiles(log)["done"]) == 8
+
+
+def test_a_process_killed_while_it_compiles_blocks_the_others_only_while_it_lives(tmp_path) -> None:
+    """The process that compiles for the group is stopped in the middle of a compile: the others wait (the negative
+    control: a live holder does block them). Once it is killed, they take over, finish, and get every kernel."""
+    import signal
+
+    procs, start, log = _start_group(tmp_path, 3, TINY_COMPILE_SLEEP="2", WORKERS="1")  # compiles in the process
+    start.touch()
+    deadline = time.monotonic() + 120
+    while not _compiles(log)["start"]:
+        assert time.monotonic() < deadline, "no compile started"
+        time.sleep(0.05)
+    _, compiler, _ = _compiles(log)["start"][0].split()
+    victim = next(p for p in procs if p.pid == int(compiler))  # the group's compiling process
+    os.kill(victim.pid, signal.SIGSTOP)
+    time.sleep(6)  # three compiles' worth: with the holder alive, nobody else may have finished
+    others = [p for p in procs if p is not victim]
+    assert all(p.poll() is None for p in others), "a process finished while the compiling one held the lock"
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    for proc in others:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        assert out.decode().startswith("kernels: 4"), out.decode()
+    assert sorted({int(rest.split()[0]) for rest in _compiles(log)["done"]}) == [384, 640, 896, 1152]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
@@ -27,11 +30,22 @@ class AddScalar:
             y[row, i] = (x[row, i].to(Float32) + s).to(BFloat16)
 
 
+def _note(line: str) -> None:
+    """Append a line to $TINY_COMPILE_LOG (the compile-cache tests count compiles across processes by it)."""
+    path = os.environ.get("TINY_COMPILE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 @jit_cache
 def compile_tiny(n: int, *, arch: str):
-    """The compiled AddScalar for width n."""
+    """The compiled AddScalar for width n (each real compile noted in $TINY_COMPILE_LOG, and stretched by
+    $TINY_COMPILE_SLEEP seconds, so that a test can kill a process in the middle of one)."""
+    _note(f"start {n} {os.getpid()} {os.getppid()}")
+    time.sleep(float(os.environ.get("TINY_COMPILE_SLEEP", "0")))
     rows = cute.sym_int()
-    return compile_kernel(
+    compiled = compile_kernel(
         AddScalar(n),
         fake_tensor(BFloat16, (rows, n)),
         fake_tensor(BFloat16, (rows, n)),
@@ -39,3 +53,5 @@ def compile_tiny(n: int, *, arch: str):
         fake_stream(),
         arch=arch,
     )
+    _note(f"done {n} {os.getpid()}")
+    return compiled
