@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/python -m pip install -q -e ".[test,bench,lint]"
 	@touch $@
 
+# The CPU suite on every core (pytest-xdist, where installed: the test extra has it); GPU tests stay on one worker.
+XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n auto --dist loadgroup")
+
 test: $(DEPS)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(XDIST)
 
 # Without a CUDA GPU every GPU test would skip, which reads as a pass: refuse instead, saying so.
 gpu-test: $(DEPS)

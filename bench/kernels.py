@@ -31,11 +31,42 @@ CALLS_PER_GRAPH = 20
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# What `make bench` measures by default (a few minutes on a fresh H200, compiles included) and what --full adds: every
+# part is in both; --full widens the shapes. An option given on the command line wins over either.
+DEFAULTS = dict(
+    hidden=[4096, 7168],
+    rows=[1, 16, 128, 512],
+    world=[2, 4, 8],
+    step_rows=[1, 16, 128],
+    step_hidden=[7168],
+    step_tp=[1, 2],
+    step_compile_rows=[1, 16],
+    step_compile_tp=[1],
+)
+FULL = dict(
+    hidden=[4096, 5120, 7168],
+    rows=[1, 4, 16, 64, 128, 256, 512],
+    world=[2, 4, 8],
+    step_rows=[1, 4, 16, 64, 128, 512],
+    step_hidden=[5120, 7168],
+    step_tp=[1, 2, 4, 8],
+    step_compile_rows=None,  # every step row
+    step_compile_tp=None,  # every step TP
+)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120, 7168])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full sweep (3 H x 7 row counts, the step at 6 row counts, H 5120 and 7168, TP 1-8, the compile "
+        "baseline at every step shape): about 20-30 minutes on an H200, most of it torch.compile; the default is a few "
+        "representative shapes of every part",
+    )
+    p.add_argument("--hidden", type=int, nargs="+", help=f"default {DEFAULTS['hidden']}, --full {FULL['hidden']}")
+    p.add_argument("--rows", type=int, nargs="+", help=f"default {DEFAULTS['rows']}, --full {FULL['rows']}")
     p.add_argument(
         "--parts",
         nargs="+",
@@ -43,9 +74,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["boundary", "host", "allreduce", "coefficients", "step"],
         help="what to measure",
     )
-    p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8], help="world sizes of the allreduce part")
-    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
-    p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168], help="hidden sizes of the decode step")
+    p.add_argument("--world", type=int, nargs="+", help="world sizes of the allreduce part")
+    p.add_argument(
+        "--step-rows", type=int, nargs="+", help=f"default {DEFAULTS['step_rows']}, --full {FULL['step_rows']}"
+    )
+    p.add_argument(
+        "--step-hidden",
+        type=int,
+        nargs="+",
+        help=f"hidden sizes of the decode step: default {DEFAULTS['step_hidden']}, --full {FULL['step_hidden']}",
+    )
     p.add_argument("--step-layers", type=int, default=4, help="layers of the toy decode step (Engram on layer 1)")
     p.add_argument(
         "--tilelang-json",
@@ -60,12 +98,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "bench.tilelang_step there in its own process first and adds its column (default: $MHC_TILELANG_PATH)",
     )
     p.add_argument(
-        "--step-tp", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8], help="TP sizes of the step"
+        "--step-tp",
+        type=int,
+        nargs="+",
+        choices=[1, 2, 4, 8],
+        help=f"TP sizes of the step: default {DEFAULTS['step_tp']}, --full {FULL['step_tp']}",
+    )
+    p.add_argument(
+        "--step-compile-rows",
+        type=int,
+        nargs="+",
+        help="the step rows whose static torch.compile baseline is measured (37-73 s of compile each on an H200): "
+        f"default {DEFAULTS['step_compile_rows']}, --full every step row",
+    )
+    p.add_argument(
+        "--step-compile-tp",
+        type=int,
+        nargs="+",
+        help=f"the step TP sizes that get the compile baseline: default {DEFAULTS['step_compile_tp']}, --full every one",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    for name, value in (FULL if args.full else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.step_compile_rows is None:
+        args.step_compile_rows = list(args.step_rows)
+    if args.step_compile_tp is None:
+        args.step_compile_tp = list(args.step_tp)
     if args.tilelang_path is not None and args.tilelang_json is not None:
         p.error("give --tilelang-path (measure TileLang now) or --tilelang-json (rows measured before), not both")
     if args.tilelang_path is not None and not (args.tilelang_path / "tile_kernels").is_dir():
@@ -408,11 +470,29 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> None:
+    """Compile (in parallel, once per host) and load the one-rank kernels the parts launch, before any is timed: the
+    boundary with bf16, MXFP8 and FP8 1x128 layer inputs and the coefficients, at every hidden size of the run."""
+    from boundary import mhc
+    from cute_kernels.compile import warmup
+
+    hiddens = set(args.hidden) if set(args.parts) - {"step"} else set()
+    hiddens |= set(args.step_hidden) if "step" in args.parts else set()
+    rows = max(args.rows + args.step_rows)
+    variants = boundary_api.engine_variants(("mxfp8", "fp8_1x128"))
+    jobs = []
+    for hidden in sorted(hiddens):
+        jobs += boundary_api.warmup_jobs(hidden, arch=arch, variants=variants)
+        jobs += mhc.warmup_jobs(hidden, arch, min(rows, mhc.kernel_row_limit(hidden)))
+    warmup(jobs, desc=f"bench kernels H={sorted(hiddens)} {arch}", device=device)
+
+
 def run_parts(
     args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float, results: dict[str, Any], stem: str
 ) -> None:
     """Measure the selected parts into `results`, printing each part's table when it is done (the step's: by main)."""
     device = timer.device
+    warm_kernels(args, arch, device)
     if "boundary" in args.parts:
         results["boundary"] = bench_boundary(args, arch, timer, copy_bw)
         print_boundary(results["boundary"], copy_bw)

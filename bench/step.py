@@ -157,6 +157,11 @@ def run_tilelang(args: argparse.Namespace) -> list[dict]:
         return json.loads(out.read_text())["rows"]
 
 
+def step_compiles(args: argparse.Namespace, tp: int, rows: int) -> bool:
+    """Whether the step part measures the static torch.compile baseline at this TP size and row count."""
+    return not args.no_compile and tp in args.step_compile_tp and rows in args.step_compile_rows
+
+
 def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | None = None) -> list[dict]:
     """µs per step at TP 1, then on simulated TP ranks, for every hidden size and row count of the step part; each row
     is appended to `out` as it is measured (an interrupted run keeps what it has, with its TileLang column)."""
@@ -196,7 +201,7 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
         row["inline_us"] = timer.per_call_us([_step_call(free, ours_b, rows, False)])
         row["ours_us"] = min(row["overlap_us"], row["inline_us"])
         row["eager_us"] = timer.per_call_us([_step_call(free, ref_b, rows, False)])
-        if not args.no_compile:
+        if step_compiles(args, 1, rows):
             row["compile_us"] = timer.per_call_us([_compiled_call(free, ref_b, rows)])
         # The step's model code that is no boundary (embedding broadcast, Engram injection), timed alone (its graph's
         # launch spread over GLUE_CALLS calls: the step's own launch stays with the boundaries): the shares count the
@@ -222,10 +227,11 @@ def bench_step_tp(args: argparse.Namespace, timer: GraphTimer, out: list[dict]) 
     simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
     compiled: CompiledChains | None = None
     for hidden, world in tqdm(simulated, desc="decode step (simulated TP)", unit="W", disable=not simulated):
-        if not args.no_compile and (compiled is None or compiled.ref.all_reduce.hidden_size != hidden):
+        wanted = any(step_compiles(args, world, rows) for rows in args.step_rows)
+        if wanted and (compiled is None or compiled.ref.all_reduce.hidden_size != hidden):
             ref = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device, backend="reference")
             compiled = CompiledChains(Boundaries(ref))
-        bench_step_simulated(args, timer, hidden, world, out, compiled)
+        bench_step_simulated(args, timer, hidden, world, out, compiled if wanted else None)
 
 
 class SimulatedStep:
@@ -360,7 +366,7 @@ def bench_step_simulated(
     sim = SimulatedStep(args, timer.device, hidden, world)
     for rows in sorted(args.step_rows):
         try:
-            out.append(sim.row(timer, rows, compiled))
+            out.append(sim.row(timer, rows, compiled if step_compiles(args, world, rows) else None))
         except RuntimeError as exc:
             if "gave up waiting" not in str(exc):
                 raise

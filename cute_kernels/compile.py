@@ -372,9 +372,10 @@ def _compile_in_processes(jobs: list[WarmupJob], workers: int, progress: bool, d
         try:
             proc.stdin.write(struct.pack("<q", len(payload)) + payload)
             send_next(proc)
-            for _ in proc.stdout:  # one line per compiled job: hand it the next
+            for line in proc.stdout:  # one line per compiled job (its name): hand it the next
                 if bar is not None:
                     with lock:
+                        bar.set_postfix_str(line.decode(errors="replace").strip(), refresh=False)
                         bar.update(1)
                 send_next(proc)
         except (BrokenPipeError, OSError):  # the worker died: its log says why

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # Simulated ranks share one CUDA context: every kernel (torch's and cuBLAS's too) must load before a boundary spins,
@@ -23,8 +25,28 @@ if str(ROOT) not in sys.path:
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # One kernel cache for the whole run, fresh, shared by every xdist worker (they inherit the environment): each
+    # kernel variant compiles once however many tests use it, and nothing from an earlier run or another version is
+    # served (the cache tests use folders of their own). $MHC_BOUNDARY_CACHE_DIR set by the caller wins.
+    if not hasattr(config, "workerinput") and "MHC_BOUNDARY_CACHE_DIR" not in os.environ:
+        config._mhc_cache = tempfile.mkdtemp(prefix="mhc-test-kernels-")
+        os.environ["MHC_BOUNDARY_CACHE_DIR"] = config._mhc_cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    cache = getattr(config, "_mhc_cache", None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
+        # Under xdist (--dist loadgroup) the GPU tests all run on one worker, one after another: simulated ranks spin
+        # on the GPU and must not share it with another test's kernels.
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group("gpu"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

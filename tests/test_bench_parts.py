@@ -42,6 +42,23 @@ def test_the_host_part_times_every_calling_form() -> None:
     host.print_host([row])
 
 
+def test_the_default_bench_is_a_few_shapes_of_every_part_and_full_is_the_sweep() -> None:
+    from bench.kernels import DEFAULTS, FULL
+
+    quick, full = parse_args([]), parse_args(["--full"])
+    assert quick.parts == full.parts == ["boundary", "host", "allreduce", "coefficients", "step"]
+    for name in DEFAULTS:
+        if FULL[name] is not None:
+            assert getattr(full, name) == FULL[name] and set(getattr(quick, name)) <= set(FULL[name]), name
+    assert full.step_compile_rows == full.step_rows and full.step_compile_tp == full.step_tp
+    # The compile baseline (37-73 s of torch.compile per shape on the H200): TP 1 at 1 and 16 rows by default.
+    compiled = [(tp, r) for tp in quick.step_tp for r in quick.step_rows if step.step_compiles(quick, tp, r)]
+    assert compiled == [(1, 1), (1, 16)]
+    assert len([1 for tp in full.step_tp for r in full.step_rows if step.step_compiles(full, tp, r)]) == 24
+    assert not step.step_compiles(parse_args(["--no-compile"]), 1, 1)
+    assert parse_args(["--full", "--hidden", "4096"]).hidden == [4096]  # a shape given wins over either set
+
+
 def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     argv = ["--step-hidden", "512", "--step-rows", "1", "3", "--step-layers", "2", "--step-tp", "1"]
     args: argparse.Namespace = parse_args(argv)
@@ -223,7 +240,7 @@ def test_the_tilelang_process_gets_the_step_parts_shapes(tmp_path) -> None:
     assert cmd[1:3] == ["-m", "bench.tilelang_step"]
     text = " ".join(cmd)
     assert (
-        "--step-hidden 512 --step-rows 1 4 --step-tp 1 2 4 8 --step-layers 4 --top-k 4" in text
+        "--step-hidden 512 --step-rows 1 4 --step-tp 1 2 --step-layers 4 --top-k 4" in text
         and f"--out {tmp_path / 't.json'}" in text
     )
 

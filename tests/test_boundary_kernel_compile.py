@@ -20,8 +20,7 @@ MAIN_H = (256, 2560, 4096, 5120, 7168)
 
 
 @pytest.fixture(autouse=True)
-def _no_disk_cache(monkeypatch) -> None:
-    monkeypatch.setenv("MHC_BOUNDARY_DISK_CACHE", "0")
+def _shipped_sm_count(monkeypatch) -> None:
     monkeypatch.delenv(hardware.SM_COUNT_ENV, raising=False)
 
 
