@@ -39,10 +39,11 @@ gpu-test: $(DEPS)
 	@$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-test: no CUDA GPU here, so no GPU test ran (make test runs the CPU suite)')"
 	$(PYTHON) -m pytest -q -m gpu -rs
 
-# TILELANG=DIR (or $$MHC_TILELANG_PATH): a folder holding tile_kernels (../shared/device/pack-tilelang's bundle,
-# unpacked): the step table then gains DeepSeek's TileLang kernels, measured in a process of their own.
+# A few representative shapes of every part by default; FULL=1 (python -m bench --full) the whole sweep.
+# TILELANG=DIR (or $$MHC_TILELANG_PATH): a folder holding tile_kernels (the pack-tilelang bundle, unpacked): the step
+# table then gains DeepSeek's TileLang kernels, measured in a process of their own.
 bench: $(DEPS)
-	$(PYTHON) -m bench $(if $(TILELANG),--tilelang-path $(TILELANG))
+	$(PYTHON) -m bench $(if $(FULL),--full) $(if $(TILELANG),--tilelang-path $(TILELANG))
 
 # Nsight Compute on every shipped kernel (profiles/profile_all.py; needs ncu and a CUDA GPU), at H=7168 and rows
 # 16 and 512 unless given, e.g. make profile H=5120 ROWS="1 64" ONLY="boundary final" (kernel-name prefixes);
