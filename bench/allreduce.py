@@ -26,6 +26,7 @@ from tqdm import tqdm
 from bench.timing import GraphTimer, event_us, marginal_us, on_streams
 from boundary import BoundaryAllReduce
 from boundary import reference as ref
+from boundary.demo import file_rendezvous
 from cute_kernels.allreduce.protocol import PROTOCOLS
 from cute_kernels.allreduce.tuning import protocol_for
 
@@ -344,17 +345,17 @@ def run_multi_gpu(args: argparse.Namespace) -> list[dict]:
     manager = mp.get_context("spawn").Manager()
     results = manager.list()
     for world in sorted(w for w in args.world if 2 <= w <= torch.cuda.device_count()):
-        port = 29500 + (os.getpid() + world) % 1000
-        mp.spawn(_multi_gpu_worker, args=(world, port, args, results), nprocs=world, join=True)
+        with file_rendezvous() as rendezvous:
+            mp.spawn(_multi_gpu_worker, args=(world, rendezvous, args, results), nprocs=world, join=True)
     return list(results)
 
 
-def _multi_gpu_worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+def _multi_gpu_worker(rank: int, world: int, rendezvous: str, args: argparse.Namespace, results: Any) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=rendezvous, rank=rank, world_size=world)
     for hidden in args.hidden:
         _multi_gpu_hidden(rank, world, hidden, args, device, results)
         torch.cuda.empty_cache()

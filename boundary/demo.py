@@ -7,10 +7,13 @@ implementations agree and how long a step took, and exits non-zero when they do 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,17 +148,17 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
     return ok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def file_rendezvous() -> Iterator[str]:
+    """A fresh `file://` rendezvous for the process group of ranks spawned here (a free TCP port chosen first can be
+    taken by someone else before the group binds it)."""
+    with tempfile.TemporaryDirectory(prefix="mhc-rendezvous-") as folder:
+        yield f"file://{Path(folder) / 'rendezvous'}"
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+def _worker(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
     use_nccl = args.device == "cuda"
-    dist.init_process_group(
-        "nccl" if use_nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp
-    )
+    dist.init_process_group("nccl" if use_nccl else "gloo", init_method=rendezvous, rank=rank, world_size=args.tp)
     try:
         ok = run(args, rank, dist.group.WORLD)
     finally:
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     try:
-        mp.spawn(_worker, args=(args, _free_port()), nprocs=args.tp, join=True)
+        with file_rendezvous() as rendezvous:
+            mp.spawn(_worker, args=(args, rendezvous), nprocs=args.tp, join=True)
     except mp.ProcessExitedException as exc:
         print(f"a rank failed: {exc}", file=sys.stderr)
         return 1

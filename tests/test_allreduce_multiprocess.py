@@ -12,12 +12,13 @@ off in every process.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+
+from boundary.demo import file_rendezvous
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,13 +26,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 MODES = ("partial", "shared", "moe", "residual-only", "mxfp8", "aux", "mailbox")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, scenario: str, failures, one_gpu: bool) -> None:
+def _worker(rank: int, world: int, rendezvous: str, scenario: str, failures, one_gpu: bool) -> None:
     os.environ.update(NO_MULTICAST)
     try:
         import torch.distributed as dist
@@ -42,7 +37,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, failures, one_gpu: 
 
         torch.cuda.set_device(0 if one_gpu else rank)
         backend = "gloo" if one_gpu else "nccl"  # NCCL refuses two ranks on one GPU
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world)
         hidden = 4096
         ar = BoundaryAllReduce(hidden, group=dist.group.WORLD, max_rows=512, device="cuda", timeout_us=3_000_000)
         assert ar.path == "peer", f"expected the peer path, got {ar.path}"
@@ -148,9 +143,14 @@ def _spawn(placement: tuple[int, bool], scenario: str) -> None:
     _compile_first(world, one_gpu)
     ctx = mp.get_context("spawn")
     failures = ctx.Manager().list()
-    mp.start_processes(
-        _worker, args=(world, _free_port(), scenario, failures, one_gpu), nprocs=world, join=True, start_method="spawn"
-    )
+    with file_rendezvous() as rendezvous:
+        mp.start_processes(
+            _worker,
+            args=(world, rendezvous, scenario, failures, one_gpu),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
     assert not failures, "\n".join(failures)
 
 

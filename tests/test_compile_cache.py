@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import time
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest

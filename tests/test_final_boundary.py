@@ -3,7 +3,6 @@ final RMSNorm, against the reference at W = 1 and on gloo ranks, for every form 
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from boundary import Boundaries, BoundaryAllReduce, BoundaryState, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
+from boundary.demo import file_rendezvous
 from tests.bf16 import bitwise_equal
 
 BF16 = torch.bfloat16
@@ -90,14 +90,8 @@ def test_final_checks_its_input() -> None:
         b.final(state, final_norm(), 1e-6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank: int, world: int, port: int, results: Any) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _rank_worker(rank: int, world: int, rendezvous: str, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         b = Boundaries(BoundaryAllReduce(HIDDEN, group=dist.group.WORLD, max_rows=8, device="cpu"))
         weight, eps = final_norm(), 1e-6
@@ -120,10 +114,10 @@ def _rank_worker(rank: int, world: int, port: int, results: Any) -> None:
 def test_final_on_gloo_ranks_matches_the_rank_order_reference_on_every_rank() -> None:
     world = 2
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
+    with ctx.Manager() as manager, file_rendezvous() as rendezvous:
         results = manager.dict()
         mp.start_processes(
-            _rank_worker, args=(world, _free_port(), results), nprocs=world, join=True, start_method="spawn"
+            _rank_worker, args=(world, rendezvous, results), nprocs=world, join=True, start_method="spawn"
         )
         results = dict(results)
     assert sorted(results) == list(range(world))

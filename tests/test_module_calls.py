@@ -64,12 +64,12 @@ def module_step(model: ToyModel, boundaries: Boundaries, all_reduce: BoundaryAll
         boundaries.join(layer, step)
     # SPEC §4c's one launch, `final(state, norm)`, on a copy of the state built by keyword; and the layer loop's own
     # ending: post_only, then the model's final norm of the collapse with state.pre.
-    copy = BoundaryState(residual=state.residual, post=state.post, comb=state.comb, pre=state.pre, pending=state.pending)
+    copy = BoundaryState(
+        residual=state.residual, post=state.post, comb=state.comb, pre=state.pre, pending=state.pending
+    )
     kept["final"] = boundaries.final(copy, model.final_norm)
     streams = boundaries.post_only(state)
-    kept["hidden"] = ref.final_collapse(
-        streams, state.pre, model.final_norm.weight, model.final_norm.variance_epsilon
-    )
+    kept["hidden"] = ref.final_collapse(streams, state.pre, model.final_norm.weight, model.final_norm.variance_epsilon)
     return kept
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from boundary import (
     mhc_pre_delayed_overlap,
 )
 from boundary import reference as ref
+from boundary.demo import file_rendezvous
 from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
 from tests.bf16 import bitwise_equal
 
@@ -224,14 +224,8 @@ def test_scheduler_matches_at_real_hidden_size() -> None:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank: int, world: int, port: int, results: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _rank_worker(rank: int, world: int, rendezvous: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         model = ToyModel(SMALL, rank=rank, world_size=world)
         ar = BoundaryAllReduce(SMALL.hidden_size, group=dist.group.WORLD, max_rows=8, device="cpu")
@@ -248,10 +242,10 @@ def _rank_worker(rank: int, world: int, port: int, results: dict) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_multi_rank_gloo_matches_plain_and_every_rank_agrees(world: int) -> None:
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
+    with ctx.Manager() as manager, file_rendezvous() as rendezvous:
         results = manager.dict()
         mp.start_processes(
-            _rank_worker, args=(world, _free_port(), results), nprocs=world, join=True, start_method="spawn"
+            _rank_worker, args=(world, rendezvous, results), nprocs=world, join=True, start_method="spawn"
         )
         results = dict(results)
     assert sorted(results) == list(range(world))
