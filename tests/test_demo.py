@@ -12,6 +12,19 @@ def demo(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "boundary.demo", *args], capture_output=True, text=True, timeout=600)
 
 
+def demo_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`python -m boundary.demo ARGS` run in this process (its main, as the module's entry calls it): (exit code,
+    stdout, stderr). The test above runs it as a module once; the rest need no interpreter of their own."""
+    from boundary import demo as module
+
+    try:
+        code = module.main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def test_demo_one_rank_agrees() -> None:
     out = demo("--device", "cpu", "--hidden", "1024", "--layers", "3", "--steps", "1")
     assert out.returncode == 0, out.stderr
@@ -29,6 +42,6 @@ def test_demo_two_ranks_agree() -> None:
 @pytest.mark.parametrize(
     "args,message", [(["--hidden", "1000"], "multiple of 256"), (["--rows", "0"], "must be positive")]
 )
-def test_demo_rejects_bad_arguments(args: list[str], message: str) -> None:
-    out = demo(*args)
-    assert out.returncode == 2 and message in out.stderr
+def test_demo_rejects_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    code, _, err = demo_here(capsys, *args)
+    assert code == 2 and message in err

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -446,30 +444,36 @@ def test_a_missing_layer_attribute_is_named_with_the_contract(model: ToyModel, e
 # --- the demo and the bench entry point ----------------------------------------------------------
 
 
-def run_module(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+def run_main(main: Any, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """A command's main run in this process on `args`, as `python -m` runs it: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("tp", ["3", "64"])
-def test_demo_checks_tp_before_spawning(tp: str) -> None:
-    out = run_module("boundary.demo", "--tp", tp, timeout=60)
-    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith(
+def test_demo_checks_tp_before_spawning(tp: str, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_main(demo.main, capsys, "--tp", tp)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
         "python -m boundary.demo: error: --tp must be one of 1, 2, 4, 8, 16, 32 (a divisor of the toy's "
-    ) and out.stderr.rstrip().endswith(f"got {tp}")
+    ) and err.rstrip().endswith(f"got {tp}")
 
 
 @NO_GPU
-def test_demo_backend_kernel_on_the_cpu_is_one_line() -> None:
-    out = run_module("boundary.demo", "--backend", "kernel", timeout=60)
-    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("python -m boundary.demo: error: --backend kernel needs a")
+def test_demo_backend_kernel_on_the_cpu_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_main(demo.main, capsys, "--backend", "kernel")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("python -m boundary.demo: error: --backend kernel needs a")
 
 
-def test_demo_with_one_layer_has_no_engram_layer() -> None:
-    out = run_module("boundary.demo", "--device", "cpu", "--layers", "1", "--hidden", "512", "--steps", "1")
-    assert out.returncode == 0, out.stderr
-    assert "1 layer (no Engram layer)" in out.stdout and "Engram at" not in out.stdout
+def test_demo_with_one_layer_has_no_engram_layer(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_main(demo.main, capsys, "--device", "cpu", "--layers", "1", "--hidden", "512", "--steps", "1")
+    assert code == 0, err
+    assert "1 layer (no Engram layer)" in out and "Engram at" not in out
 
 
 def test_demo_reports_a_rank_that_raised_in_one_line(
@@ -486,7 +490,9 @@ def test_demo_reports_a_rank_that_raised_in_one_line(
     assert capsys.readouterr().err == "rank 1 failed: ValueError: boom\n"
 
 
-def test_bench_help_prints_help() -> None:
-    out = run_module("bench", "--help")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: python -m bench") and "toy DeepSeek" not in out.stdout
+def test_bench_help_prints_help(capsys: pytest.CaptureFixture) -> None:
+    from bench.__main__ import main
+
+    code, out, err = run_main(main, capsys, "--help")
+    assert code == 0, err
+    assert out.startswith("usage: python -m bench") and "toy DeepSeek" not in out
