@@ -177,17 +177,23 @@ def test_decode_step_for_rows() -> None:
     assert DecodeStep.for_rows(1, overlap_max_rows=0).side_stream is False
 
 
-def test_overlap_threshold_comes_from_the_environment() -> None:
+def test_overlap_threshold_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$MHC_OVERLAP_MAX_ROWS is read when boundary is imported (a fresh interpreter shows it), through the one reader
+    of integer environment variables, which refuses a value that is not an int (checked here, in this process)."""
     import subprocess
     import sys
+
+    from boundary import scheduler
+    from cute_kernels.hardware import env_int
 
     code = "import boundary; print(boundary.MHC_OVERLAP_MAX_ROWS)"
     env = dict(os.environ, MHC_OVERLAP_MAX_ROWS="48")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "48"
-    env["MHC_OVERLAP_MAX_ROWS"] = "many"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "MHC_OVERLAP_MAX_ROWS must be an int" in bad.stderr
+    assert scheduler._OVERLAP_ENV == env_int("MHC_OVERLAP_MAX_ROWS", 0)  # the import's reader
+    monkeypatch.setenv("MHC_OVERLAP_MAX_ROWS", "many")
+    with pytest.raises(ValueError, match="MHC_OVERLAP_MAX_ROWS must be an int"):
+        env_int("MHC_OVERLAP_MAX_ROWS", 0)
 
 
 # --- the toy model end to end ------------------------------------------------------------------
