@@ -68,10 +68,6 @@ class BoundaryPath(str, enum.Enum):
         return format(self.value, spec)
 
 
-# The paths whose boundary is the fused kernel's single launch (the all-reduce inside it, or none).
-FUSED_PATHS = frozenset((BoundaryPath.KERNEL, BoundaryPath.PEER))
-
-
 def multi_rank_path(world_size: int, peers_map: Callable[[], tuple[bool, str]]) -> tuple[BoundaryPath, str]:
     """The path of a W > 1 rank on a supported GPU, and why it is not "peer": "peer" where the peer protocol serves
     W and every rank maps every other's memory (`peers_map()`: whether, and why not; a collective, so it runs only
@@ -181,6 +177,8 @@ class BoundaryAllReduce:
         self.timeout_us = timeout_us
         self.simulated_ranks = False
         self._peer_args: boundary_api.PeerArgs | None = None
+        # The one-rank kernel of each variant this boundary has launched, by its flags: looked up once, not per call.
+        self._launches: dict[tuple, Callable[..., Any]] = {}
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
@@ -337,11 +335,17 @@ class BoundaryAllReduce:
         rows = residual.shape[0]
         a16 = self._align(16)
         checks.tensor("x", x, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align=a16)
-        checks.optional_tensor(
-            "shared_output", shared_output, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align=a16
-        )
+        if shared_output is not None:
+            checks.tensor(
+                "shared_output",
+                shared_output,
+                dtype=BF16,
+                shape=(rows, self.hidden_size),
+                device=self.device,
+                align=a16,
+            )
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
-        if self.path in FUSED_PATHS:
+        if self._fused:
             return self._kernel(residual, *args, x=x, shared=shared_output)
         y = self._reduce(reference.add_shared(x, shared_output))
         return self._epilogue(y, residual, *args)
@@ -379,7 +383,7 @@ class BoundaryAllReduce:
         )
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev, align=a16)
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
-        if self.path in FUSED_PATHS:
+        if self._fused:
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
             return self._kernel(residual, *args, moe=moe, shared=shared_output)
         partial = reference.moe_finalize(
@@ -472,6 +476,11 @@ class BoundaryAllReduce:
             torch.cuda.synchronize(self.device)
         if self.group is not None:
             dist.barrier(self.group)  # every rank is re-armed before any rank's next push
+
+    @property
+    def _fused(self) -> bool:
+        """Whether this boundary's calls are the fused kernel's single launch (the "kernel" and "peer" paths)."""
+        return self.path is BoundaryPath.KERNEL or self.path is BoundaryPath.PEER
 
     def _align(self, nbytes: int) -> int:
         """The byte boundary a buffer the kernel accesses `nbytes` at a time must start on: 1 on the torch path."""
@@ -592,8 +601,24 @@ class BoundaryAllReduce:
         rows = residual.shape[0]
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
-        peer = None
-        if self.path == BoundaryPath.PEER:
+        fp8_form = None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128")
+        peer = compiled = None
+        if self.path is not BoundaryPath.PEER:
+            flags = (
+                moe is None,
+                shared is not None,
+                pre is not None,
+                mxfp8_out is not None,
+                aux_out is not None,
+                fp8_form,
+            )
+            compiled = self._launches.get(flags)
+            if compiled is None:
+                variant = boundary_api.BoundaryVariant("x" if moe is None else "moe", *flags[1:])
+                compiled = self._launches[flags] = boundary_api.compiled_boundary(
+                    self.hidden_size, variant, arch=self.arch
+                )
+        else:
             peer = self._peer_args
             if peer is None:  # made once: this runs ~100 times per decode step
                 ws = self.workspace
@@ -622,10 +647,11 @@ class BoundaryAllReduce:
             mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale,
             fp8_data=None if fp8_out is None else fp8_out.data,
             fp8_scale=None if fp8_out is None else fp8_out.scale,
-            fp8_form=None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
+            fp8_form=fp8_form,
             aux=aux_out,
             error=self.workspace.error,
             peer=peer,
+            compiled=compiled,
             arch=self.arch,
         )
         return new_residual, out

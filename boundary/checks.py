@@ -54,7 +54,7 @@ def _shape_ok(actual: torch.Size, shape: Sequence[Dim]) -> bool:
 
 def _on(value: Tensor, device: torch.device) -> bool:
     if device.type == "cuda":
-        return value.is_cuda and value.get_device() == device.index
+        return value.get_device() == device.index  # -1 for a tensor on the CPU; a CUDA device here has its index
     return value.device == device
 
 
@@ -74,7 +74,7 @@ def tensor(
     if (
         isinstance(value, Tensor)
         and (dtype is None or value.dtype is dtype or (isinstance(dtype, tuple) and value.dtype in dtype))
-        and (shape is None or _shape_ok(value.shape, shape))
+        and (shape is None or value.shape == shape or _shape_ok(value.shape, shape))  # the first: one C compare
         and (device is None or _on(value, device))
         and (not contiguous or value.is_contiguous())
         and (align == 1 or value.data_ptr() % align == 0)

@@ -375,6 +375,7 @@ def fused_boundary(
     aux: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
     peer: PeerArgs | None = None,
+    compiled: Callable[..., Any] | None = None,
     arch: str,
 ) -> None:
     """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, FP8 1x128 in the
@@ -383,50 +384,22 @@ def fused_boundary(
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
     combine (plus `shared`, the shared-expert output); with `peer`, the rank-order sum of that partial
     over every rank. pre=None is the residual-only boundary. `post` may be [T, 4] or [T, 4, 1].
-    `error` (int32 [4]) takes the device error word (needed with `moe` or `peer`).
+    `error` (int32 [4]) takes the device error word (needed with `moe` or `peer`). `compiled`: the one-rank kernel of
+    this call's variant, where the caller has it already (BoundaryAllReduce keeps one per variant it launched).
     """
     rows, _, H = residual.shape
     if rows == 0:
         return
-    variant = BoundaryVariant(
-        "x" if moe is None else "moe",
-        shared is not None,
-        pre is not None,
-        mxfp8_data is not None,
-        aux is not None,
-        None if fp8_data is None else fp8_form,
-    )
     g, ew, idx = moe if moe is not None else (None, None, None)
-    if peer is None:
-        fn = compiled_boundary(H, variant, arch=arch)
-        slots = peers = state = None
+    if compiled is not None and peer is None:
+        fn, slots, peers, state = compiled, None, None, None
     else:
-        protocol = call_protocol(peer.world_size, H, rows, peer.protocol)
-        fn = compiled_boundary(
-            H,
-            variant,
-            arch=arch,
-            world_size=peer.world_size,
-            protocol=protocol,
-            ranks_per_device=peer.ranks_per_device,
-            rows=rows,
+        fn, slots, peers, state = _resolve(
+            H, rows, moe is not None, shared, pre, mxfp8_data, aux, fp8_data, fp8_form, peer, arch
         )
-        slots, peers, state = peer.slots, peer.peers, peer.state
-        if not launched(fn):
-            if peer.shared_context:
-                # The ranks share this context: loading the module here could wait for a peer spinning on this
-                # very launch, until its timeout.
-                config = default_config(H, arch, peer.ranks_per_device, peer.world_size)
-                staged = " staged" if staged_call(variant, config, rows) else ""
-                raise NotLoadedError(
-                    f"the peer boundary kernel for H={H} {variant_name(variant)} W={peer.world_size} {protocol}{staged}"
-                    " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
-                    "(with the max_rows, protocol and quantize forms of these calls) before the first boundary"
-                )
-            mark_launched(fn)  # a rank of its own GPU: this first launch loads it, which only delays this rank
     fn(
         residual,
-        post.view(rows, HC),
+        post if post.dim() == 2 else post.view(rows, HC),
         comb,
         pre,
         norm_weight if pre is not None else None,
@@ -448,3 +421,53 @@ def fused_boundary(
         error if moe is not None or peer else None,
         float(norm_eps),
     )
+
+
+def _resolve(
+    H: int,
+    rows: int,
+    moe: bool,
+    shared: Any,
+    pre: Any,
+    mxfp8_data: Any,
+    aux: Any,
+    fp8_data: Any,
+    fp8_form: str | None,
+    peer: PeerArgs | None,
+    arch: str,
+) -> tuple[Callable[..., Any], Any, Any, Any]:
+    """The compiled kernel of a fused_boundary call, and its peer tensors (slots, peers, state; None at W = 1)."""
+    variant = BoundaryVariant(
+        "moe" if moe else "x",
+        shared is not None,
+        pre is not None,
+        mxfp8_data is not None,
+        aux is not None,
+        None if fp8_data is None else fp8_form,
+    )
+    if peer is None:
+        return compiled_boundary(H, variant, arch=arch), None, None, None
+    protocol = call_protocol(peer.world_size, H, rows, peer.protocol)
+    fn = compiled_boundary(
+        H,
+        variant,
+        arch=arch,
+        world_size=peer.world_size,
+        protocol=protocol,
+        ranks_per_device=peer.ranks_per_device,
+        rows=rows,
+    )
+    slots, peers, state = peer.slots, peer.peers, peer.state
+    if not launched(fn):
+        if peer.shared_context:
+            # The ranks share this context: loading the module here could wait for a peer spinning on this
+            # very launch, until its timeout.
+            config = default_config(H, arch, peer.ranks_per_device, peer.world_size)
+            staged = " staged" if staged_call(variant, config, rows) else ""
+            raise NotLoadedError(
+                f"the peer boundary kernel for H={H} {variant_name(variant)} W={peer.world_size} {protocol}{staged}"
+                " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
+                "(with the max_rows, protocol and quantize forms of these calls) before the first boundary"
+            )
+        mark_launched(fn)  # a rank of its own GPU: this first launch loads it, which only delays this rank
+    return fn, slots, peers, state
