@@ -14,9 +14,17 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 # ... and maps their streams onto this many hardware queues: with fewer queues than streams, a rank's kernel can queue
 # behind a peer's spinning boundary (CONTRACT §7). 32 is the driver's most; $CUDA_DEVICE_MAX_CONNECTIONS wins.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# Under pytest-xdist each worker takes one core: torch's CPU ops, Inductor's compile pool and the processes a test
+# spawns stay on one thread each, so that the workers do not spin on each other's cores (OpenMP threads busy-wait).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
