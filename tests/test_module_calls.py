@@ -20,7 +20,7 @@ from boundary import (
     empty_quantized_layer_input,
 )
 from boundary import reference as ref
-from boundary.toy import ToyConfig, ToyModel, decode_step, decode_step_plain, random_tokens
+from boundary.toy import StepOutput, ToyConfig, ToyModel, decode_step, decode_step_plain, random_tokens
 from tests.bf16 import bitwise_equal
 
 CONFIG = ToyConfig(hidden_size=512, num_layers=3, vocab=64)  # an Engram seam at layer 1, as the real models have
@@ -78,6 +78,17 @@ def assert_same_mxfp8(a: QuantizedActivation, b: QuantizedActivation) -> None:
     assert torch.equal(a.scale, b.scale)
 
 
+def assert_same_step(kept: dict, want: StepOutput) -> None:
+    """The module's step (module_step's) holds `want`'s bits: the final hidden state, aux and the last MXFP8 input,
+    and its direct BoundaryAllReduce call gives the sublayer's bits."""
+    assert bitwise_equal(kept["final"], want.hidden)
+    assert bitwise_equal(kept["aux"], want.aux)
+    assert_same_mxfp8(kept["moe_input"], want.moe_input_mxfp8)
+    residual, out, buffer = kept["direct"]
+    assert bitwise_equal(residual, kept["sublayer"][0]) and bitwise_equal(out, kept["sublayer"][1])
+    assert_same_mxfp8(buffer, want.moe_input_mxfp8)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_modules_call_sequence_gives_the_plain_steps_bits(rows: int) -> None:
     model = ToyModel(CONFIG)
@@ -87,13 +98,8 @@ def test_the_modules_call_sequence_gives_the_plain_steps_bits(rows: int) -> None
         tokens = random_tokens(model, rows, index)
         kept = module_step(model, boundaries, all_reduce, tokens)
         plain = decode_step_plain(model, tokens)
-        assert bitwise_equal(kept["hidden"], plain.hidden)
-        assert bitwise_equal(kept["final"], plain.hidden)
-        assert bitwise_equal(kept["aux"], plain.aux)
-        assert_same_mxfp8(kept["moe_input"], plain.moe_input_mxfp8)
-        residual, out, buffer = kept["direct"]
-        assert bitwise_equal(residual, kept["sublayer"][0]) and bitwise_equal(out, kept["sublayer"][1])
-        assert_same_mxfp8(buffer, plain.moe_input_mxfp8)
+        assert bitwise_equal(kept["hidden"], plain.hidden)  # the layer loop's own ending: post_only, then the norm
+        assert_same_step(kept, plain)
 
 
 @pytest.mark.gpu
@@ -107,9 +113,4 @@ def test_the_modules_call_sequence_on_the_kernels_gives_the_schedulers_bits(rows
     kept = module_step(model, boundaries, all_reduce, tokens)
     ours = decode_step(model, boundaries, tokens, DecodeStep.for_rows(rows))
     torch.cuda.synchronize()
-    assert bitwise_equal(kept["final"], ours.hidden)
-    assert bitwise_equal(kept["aux"], ours.aux)
-    assert_same_mxfp8(kept["moe_input"], ours.moe_input_mxfp8)
-    residual, out, buffer = kept["direct"]
-    assert bitwise_equal(residual, kept["sublayer"][0]) and bitwise_equal(out, kept["sublayer"][1])
-    assert_same_mxfp8(buffer, ours.moe_input_mxfp8)
+    assert_same_step(kept, ours)

@@ -17,7 +17,7 @@ import pstats
 import torch
 
 from bench.host import _op
-from bench.kernels import boundary_inputs
+from bench.kernels import boundary_inputs, fused_call
 from bench.timing import host_us_per_call
 from boundary import BoundaryAllReduce
 from cute_kernels.boundary import api
@@ -45,20 +45,6 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
         residual = ar._check_residual(inp["residual"])
         ar._check_epilogue(residual.shape[0], *epilogue[1:], None, None, None)
 
-    def fused() -> None:
-        api.fused_boundary(
-            residual=inp["residual"],
-            post=inp["post"],
-            comb=inp["comb"],
-            pre=inp["pre"],
-            norm_weight=inp["norm_weight"],
-            norm_eps=1e-6,
-            x=inp["x"],
-            new_residual=inp["new_residual"],
-            out=inp["out"],
-            arch=ar.arch,
-        )
-
     scratch = torch.empty_like(inp["x"])
     return {
         "torch_add": host_us_per_call(lambda: torch.add(inp["x"], inp["x"], out=scratch)),
@@ -70,7 +56,7 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
         ),
         "kernel_lookup": host_us_per_call(lambda: api.compiled_boundary(hidden, variant, arch=ar.arch)),
         "tvm_ffi_launch": host_us_per_call(lambda: fn(*args)),
-        "fused_boundary": host_us_per_call(fused),
+        "fused_boundary": host_us_per_call(fused_call(inp, ar.arch, None)),
     }
 
 
