@@ -1,11 +1,14 @@
-"""Test setup: the repository on sys.path, GPU tests skipped without CUDA, small shared helpers."""
+"""Test setup: the repository on sys.path, GPU tests skipped without CUDA, small shared helpers.
+
+The kernels the tests compile go to the package's disk cache ($MHC_BOUNDARY_CACHE_DIR, else the per-user folder), whose
+entries are keyed by a fingerprint of the kernel sources and the DSL's version: each variant compiles once however many
+tests and xdist workers use it, and a later run of the same sources only loads it. The cache tests use folders of
+their own."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 # Simulated ranks share one CUDA context: every kernel (torch's and cuBLAS's too) must load before a boundary spins,
@@ -31,21 +34,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 # Spawned workers (multi-rank tests) import the package from the working tree too.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # One kernel cache for the whole run, fresh, shared by every xdist worker (they inherit the environment): each
-    # kernel variant compiles once however many tests use it, and nothing from an earlier run or another version is
-    # served (the cache tests use folders of their own). $MHC_BOUNDARY_CACHE_DIR set by the caller wins.
-    if not hasattr(config, "workerinput") and "MHC_BOUNDARY_CACHE_DIR" not in os.environ:
-        config._mhc_cache = tempfile.mkdtemp(prefix="mhc-test-kernels-")
-        os.environ["MHC_BOUNDARY_CACHE_DIR"] = config._mhc_cache
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    cache = getattr(config, "_mhc_cache", None)
-    if cache is not None:
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
