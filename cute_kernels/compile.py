@@ -281,9 +281,10 @@ def warmup(
     jobs = list(jobs)
     workers = default_workers() if workers is None else workers
     start = time.perf_counter()
-    missing: list[WarmupJob] = []
+    # Only a jit_cache compile leaves its object where this process finds it.
+    missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
     where = "here, while loading"
-    if disk_cache_enabled():
+    if missing and disk_cache_enabled():  # a warm cache takes no lock: nothing to wait for
         folder = cache_dir() / source_fingerprint()
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -293,9 +294,7 @@ def warmup(
                 print(f"{desc}: process {holder} is compiling into {folder}; waiting for it", file=sys.stderr)
 
         with _FileLock(folder / "warmup.lock", waiting):
-            # Only a jit_cache compile leaves its object where this process finds it; what another process compiled
-            # while this one waited is ready now.
-            missing = [job for job in jobs if hasattr(job.compile_fn, "ready") and not job.ready()]
+            missing = [job for job in missing if not job.ready()]  # what another process compiled meanwhile is ready
             if workers > 1 and len(missing) > 1:
                 _compile_in_processes(missing, min(workers, len(missing)), progress, desc)
                 where = f"in {min(workers, len(missing))} processes: {time.perf_counter() - start:.1f} s"
