@@ -38,7 +38,9 @@ def module_step(model: ToyModel, boundaries: Boundaries, all_reduce: BoundaryAll
         if i > 0 and layer.engram:
             streams = boundaries.post_only(state)
             streams = model.engram_inject(layer, streams, tokens)
-            state, x = boundaries.pre(layer, streams, state, step)
+            # The mixes the engine carries across the seam, in a state of its own making.
+            carried = BoundaryState(residual=streams, post=state.post, comb=state.comb, pre=state.pre, pending=None)
+            state, x = boundaries.pre(layer, streams, carried, step)
         elif i > 0:
             state, x, q, aux = boundaries.sublayer(layer, False, state, step, quantize=False, capture_aux=False)
             assert q is None and aux is None
