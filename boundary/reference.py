@@ -325,3 +325,47 @@ def mhc_pre_delayed(
 def final_collapse(residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float) -> Tensor:
     """The model's last step before the LM head: RMSNorm(collapse(streams, last pre))."""
     return rms_norm(collapse(residual, pre), norm_weight, norm_eps)
+
+
+# --- The DeepSeek-V4 scheme (own pre) and hc_head: SPEC §4d, DeepSeek's model.py (hc_pre, hc_post, ParallelHead.hc_head)
+
+
+class V4Boundary(NamedTuple):
+    """What a V4 boundary produces: the new streams, the mixes computed from them (post and comb carried to the next
+    boundary, pre used at once) and the next sublayer's input."""
+
+    residual: Tensor
+    post: Tensor
+    comb: Tensor
+    pre: Tensor
+    layer_input: Tensor
+
+
+def v4_enter(
+    residual: Tensor, params: MHCParams, norm_weight: Tensor, norm_eps: float, x: Tensor | None = None
+) -> V4Boundary:
+    """A V4 sublayer's entry on streams R: the mixes of R (the projection reads `x` when given: the first layer's
+    embedding with fn_broadcast), then the layer input RMSNorm(bf16(sum_j pre[j] * R[j])) with that very pre."""
+    rows, hc, hidden = residual.shape
+    coeffs = coefficients(x if x is not None else residual.reshape(rows, hc * hidden), params)
+    layer_input = rms_norm(collapse(residual, coeffs.pre), norm_weight, norm_eps)
+    return V4Boundary(residual, coeffs.post, coeffs.comb, coeffs.pre, layer_input)
+
+
+def v4_boundary(
+    y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, params: MHCParams, norm_weight: Tensor, norm_eps: float
+) -> V4Boundary:
+    """A V4 boundary on an already reduced y (SPEC §4d steps 2-4): R' = bf16(post * y + comb^T R) with the carried
+    mixes, then the next sublayer's entry on R' (its own mixes, its own-pre collapse, its norm)."""
+    return v4_enter(mhc_post(y, residual, post, comb), params, norm_weight, norm_eps)
+
+
+def hc_head(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
+    """V4's hc_head: h = bf16(sum_i p_i * R_i) with p = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + rms_eps) + base)
+    + hc_eps, x the streams flattened to hc*H in fp32, `fn` [hc, hc*H], one `scale`, `base` [hc]; the final RMSNorm
+    (`rms_norm`) follows it."""
+    rows, hc, hidden = residual.shape
+    xf = residual.reshape(rows, hc * hidden).to(F32)
+    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / (hc * hidden) + rms_eps)
+    p = torch.sigmoid((xf @ fn.to(F32).t()) * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
+    return collapse(residual, p)
