@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from boundary import checks, mhc, reference
+from boundary.backend import BACKENDS, kernel_arch
 from boundary.types import FP8_GROUP_QUANT_KEY, FP8_GROUP_UE8M0_QUANT_KEY, Fp8GroupActivation, QuantizedActivation
 from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
 from cute_kernels.allreduce.protocol import (
@@ -159,8 +160,8 @@ class BoundaryAllReduce:
         hc_mult = checks.integer("hc_mult", hc_mult)
         if hc_mult != 4:
             raise ValueError(f"hc_mult must be 4 (the mHC models this boundary serves), got {hc_mult!r}")
-        if backend not in mhc.BACKENDS:
-            raise ValueError(f"backend must be one of {mhc.BACKENDS}, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         timeout_us = checks.positive_int("timeout_us", timeout_us)
         if world > MAX_WORLD:
             raise ValueError(f"the TP group has {world} ranks; the peer boundary serves at most {MAX_WORLD}")
@@ -182,7 +183,7 @@ class BoundaryAllReduce:
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
-        self.arch = mhc.kernel_arch(self.device, backend)  # raises on GPUs without the kernels
+        self.arch = kernel_arch(self.device, backend)  # raises on GPUs without the kernels
         # Checked where the path is not known yet: with the receive slots wherever the peer path may run, and for
         # simulated ranks (no group) every rank's buffers on the one GPU, once.
         if group is not None or rank == 0:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep
-from boundary.mhc import BACKENDS
+from boundary.backend import BACKENDS
 from boundary.toy import (
     ToyConfig,
     ToyModel,

@@ -7,41 +7,23 @@ checks here are the only ones: the kernels' host side trusts its callers.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from boundary import checks, reference
+from boundary.backend import kernel_arch
 from boundary.params import MHCParams
 from cute_kernels import coefficients
 from cute_kernels.boundary.api import fused_boundary
 from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
-from cute_kernels.compile import WarmupJob, arch_for_device
+from cute_kernels.compile import WarmupJob
 from cute_kernels.hardware import MAX_GRID_Y
 
 BF16 = torch.bfloat16
 F32 = torch.float32
-BACKENDS = ("auto", "kernel", "reference")
 _WORKSPACES: dict[tuple[torch.device, int, int | None], Any] = {}
-
-
-@functools.cache
-def _device_arch(device: torch.device) -> str:
-    return arch_for_device(device)
-
-
-def kernel_arch(device: torch.device, backend: str) -> str | None:
-    """The compile target the kernels take on `device` under `backend` (the mHC ops' and BoundaryAllReduce's one
-    choice), or None for the torch reference."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
-        return None
-    if device.type != "cuda":
-        raise ValueError(f"backend='kernel' needs a CUDA device, got {device}")
-    return _device_arch(device)  # raises, naming the GPU, where the kernels do not run
 
 
 def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int | None = None) -> Any:

@@ -66,9 +66,10 @@ def jobs_per_rank(args: argparse.Namespace) -> int:
     import torch
 
     from boundary import mhc
+    from boundary.backend import kernel_arch
     from cute_kernels.boundary import api
 
-    arch = mhc.kernel_arch(torch.device("cuda"), "auto")
+    arch = kernel_arch(torch.device("cuda"), "auto")
     sharing = args.world if torch.cuda.device_count() < args.world else 1
     protocols = api.warmup_protocols(args.world, args.hidden, args.max_rows, None)
     boundary = api.warmup_jobs(
