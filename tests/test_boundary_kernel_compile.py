@@ -11,12 +11,17 @@ from boundary import checks
 from cute_kernels import hardware, mxfp8_scale_bytes
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import BoundaryConfig, default_config, row_split
+from tests.compile_cover import covering
 
 ARCHS = ("sm_90a", "sm_100a")
 MAIN = api.BoundaryVariant("x", shared=False, pre=True, mxfp8=True, aux=False)
-# Each variant compiles once per arch, the hidden sizes taking turns; the main variant at every H.
+# Each variant compiles for sm_90a, the hidden sizes taking turns; for sm_100a the variants that together set every
+# flag to each of its values (tests/compile_cover.py says why that covers it). The main variant at every H on both.
 VARIANT_H = (5120, 4096, 256)
 MAIN_H = (256, 2560, 4096, 5120, 7168)
+SM100A_VARIANTS = covering(api.ENGINE_VARIANTS, lambda v: enumerate(v))
+VARIANT_CASES = [(i, "sm_90a") for i in range(len(api.ENGINE_VARIANTS))]
+VARIANT_CASES += [(api.ENGINE_VARIANTS.index(v), "sm_100a") for v in SM100A_VARIANTS]
 
 
 @pytest.fixture(autouse=True)
@@ -112,9 +117,14 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert all(j.args[8] == 4 and j.args[7] == default_config(5120, "sm_90a", 4, 4) for j in peer)
 
 
+def test_the_sm100a_variants_set_every_flag_to_each_of_its_values() -> None:
+    for field in range(len(api.BoundaryVariant._fields)):
+        assert {v[field] for v in SM100A_VARIANTS} == {v[field] for v in api.ENGINE_VARIANTS}
+    assert len(SM100A_VARIANTS) < len(api.ENGINE_VARIANTS) // 4
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("index", range(len(api.ENGINE_VARIANTS)))
+@pytest.mark.parametrize(("index", "arch"), VARIANT_CASES)
 def test_every_variant_compiles(index: int, arch: str) -> None:
     _compile(VARIANT_H[index % len(VARIANT_H)], api.ENGINE_VARIANTS[index], arch)
 
@@ -123,7 +133,9 @@ def test_every_variant_compiles(index: int, arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("H", MAIN_H)
 def test_main_variant_compiles_at_every_h(H: int, arch: str) -> None:
-    if H in VARIANT_H and api.ENGINE_VARIANTS.index(MAIN) % len(VARIANT_H) == VARIANT_H.index(H):
+    if (api.ENGINE_VARIANTS.index(MAIN), arch) in VARIANT_CASES and H == VARIANT_H[
+        api.ENGINE_VARIANTS.index(MAIN) % len(VARIANT_H)
+    ]:
         pytest.skip("compiled by test_every_variant_compiles")
     _compile(H, MAIN, arch)
 

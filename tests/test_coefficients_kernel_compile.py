@@ -1,5 +1,6 @@
-"""The coefficients kernels on the CPU: the split, the shipped defaults, every variant compiling for sm_90a and
-sm_100a, the workspace, and the checks of the public edge (boundary/mhc.py) that the kernels rely on."""
+"""The coefficients kernels on the CPU: the split, the shipped defaults, every variant compiling for sm_90a (and for
+sm_100a a covering subset: tests/compile_cover.py), the workspace, and the checks of the public edge (boundary/mhc.py)
+that the kernels rely on."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from cute_kernels.coefficients import api, tuning
 from cute_kernels.coefficients.config import CHUNK, CLUSTER, CoefficientsConfig, projection_width
 from cute_kernels.coefficients.layer_input import INLINE_BUDGET, INPUT_ONLY_BUDGET, norm_rows_per_cluster
 from cute_kernels.coefficients.projection import SENTINEL
+from tests.compile_cover import covering
 
-ARCHS = ("sm_90a", "sm_100a")
 BF16, F32 = torch.bfloat16, torch.float32
 FORMS = (("standard", api.LAYER_INPUTS), ("broadcast", api.BROADCAST_LAYER_INPUTS))
 
@@ -195,18 +196,17 @@ def test_layer_input_mode() -> None:
     assert api.layer_input_mode(True, True, False) == "one_hot"
 
 
-# --- every variant compiles for both targets --------------------------------------------------------
+# --- every variant compiles (sm_90a; sm_100a at the end of the section) --------------------------------------------------------
 
 
 COMPILE_CASES = [(7168, variant, mode) for variant, modes in FORMS for mode in modes]
 COMPILE_CASES += [(4096, "standard", "none"), (4096, "standard", "carried"), (4096, "broadcast", "one_hot")]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("H,variant,mode", COMPILE_CASES)
-def test_variant_compiles(H: int, variant: str, mode: str, arch: str) -> None:
-    config = default(H, variant, inline=mode != "none", arch=arch)
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch=arch))
+def test_variant_compiles(H: int, variant: str, mode: str) -> None:
+    config = default(H, variant, inline=mode != "none")
+    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
 
 
 # The defaults of v10 (default_bands) at the three model sizes, one row count per band that
@@ -243,11 +243,10 @@ ADDED_DEFAULTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("H,variant,mode,rows,inline", ADDED_DEFAULTS)
-def test_added_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool, arch: str) -> None:
-    config = default(H, variant, rows, inline, arch=arch)
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch=arch))
+def test_added_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool) -> None:
+    config = default(H, variant, rows, inline)
+    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
 
 
 # Shipped knobs away from the defaults of their H (the GPU tests check these give the default's bits).
@@ -262,38 +261,75 @@ KNOBS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("H,variant,mode,knobs", KNOBS)
-def test_knob_configs_compile(H: int, variant: str, mode: str, knobs: dict, arch: str) -> None:
+def test_knob_configs_compile(H: int, variant: str, mode: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", **knobs)
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch=arch))
+    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", ("standard", "broadcast"))
-def test_partials_schedule_compiles(variant: str, arch: str) -> None:
+def test_partials_schedule_compiles(variant: str) -> None:
     config = CoefficientsConfig.for_shape(7168, variant == "broadcast", 64, schedule="partials")
-    assert callable(api.compile_coefficients(7168, variant, "none", 20, config, arch=arch))
-    assert callable(api.compile_coefficients(7168, variant, "one_hot", 20, config, arch=arch))
+    assert callable(api.compile_coefficients(7168, variant, "none", 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(7168, variant, "one_hot", 20, config, arch="sm_90a"))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(
-    "H,variant,knobs",
-    [
-        (7168, "standard", dict(rows_per_tile=256)),
-        (4096, "standard", dict(rows_per_tile=64, min_blocks=3, stage_rows=True)),
-        (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
-        (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
-        (7168, "standard", dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2)),  # a staging ring
-        (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
-        (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2)),
-        (5120, "standard", dict(rows_per_tile=128, row_split=2, sum_buffers=2)),
-    ],
-)
-def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict, arch: str) -> None:
+TALL_AND_STAGED = [
+    (7168, "standard", dict(rows_per_tile=256)),
+    (4096, "standard", dict(rows_per_tile=64, min_blocks=3, stage_rows=True)),
+    (7168, "standard", dict(rows_per_tile=32, row_split=2, stage_rows=True)),
+    (4096, "broadcast", dict(rows_per_tile=128, stage_rows=True)),
+    (7168, "standard", dict(rows_per_tile=512, row_split=2, stage_rows=True, stage_depth=2)),  # a staging ring
+    (4096, "broadcast", dict(rows_per_tile=256, row_split=4, stage_rows=True, stage_depth=3)),
+    (7168, "standard", dict(rows_per_tile=512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2)),
+    (5120, "standard", dict(rows_per_tile=128, row_split=2, sum_buffers=2)),
+]
+
+
+@pytest.mark.parametrize("H,variant,knobs", TALL_AND_STAGED)
+def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
-    assert callable(api.compile_coefficients(H, variant, "none", 20, config, arch=arch))
+    assert callable(api.compile_coefficients(H, variant, "none", 20, config, arch="sm_90a"))
+
+
+def _all_compile_cases() -> list[tuple[int, str, str, CoefficientsConfig]]:
+    """Every (H, variant, layer input, config) the sm_90a compile tests above build."""
+    cases = [(H, v, m, default(H, v, inline=m != "none")) for H, v, m in COMPILE_CASES]
+    cases += [(H, v, m, default(H, v, rows, inline)) for H, v, m, rows, inline in ADDED_DEFAULTS]
+    cases += [(H, v, m, CoefficientsConfig.for_shape(H, v == "broadcast", **k)) for H, v, m, k in KNOBS]
+    for v in ("standard", "broadcast"):
+        config = CoefficientsConfig.for_shape(7168, v == "broadcast", 64, schedule="partials")
+        cases += [(7168, v, "none", config), (7168, v, "one_hot", config)]
+    cases += [
+        (H, v, "none", CoefficientsConfig.for_shape(H, v == "broadcast", schedule="partials", **k))
+        for H, v, k in TALL_AND_STAGED
+    ]
+    return cases
+
+
+def _choices(case: tuple[int, str, str, CoefficientsConfig]) -> set:
+    """A case's compile-time choices: its variant and layer input, and every knob of its config but the split along K
+    (a function of H, which the main cases above reach at every model size)."""
+    _, variant, mode, config = case
+    knobs = {(f.name, getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in ("warps", "groups")}
+    return {("variant", variant), ("layer_input", mode)} | knobs
+
+
+SM100A_CASES = covering(_all_compile_cases(), _choices)
+
+
+def test_the_sm100a_cases_make_every_choice_of_the_sm90a_ones() -> None:
+    everything = set().union(*map(_choices, _all_compile_cases()))
+    assert set().union(*map(_choices, SM100A_CASES)) == everything
+    assert len(SM100A_CASES) <= len(_all_compile_cases()) // 4
+
+
+@pytest.mark.parametrize(
+    "case", SM100A_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3].schedule}-{c[3].rows_per_tile}"
+)
+def test_sm100a_compiles_every_choice(case: tuple[int, str, str, CoefficientsConfig]) -> None:
+    H, variant, mode, config = case
+    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_100a"))
 
 
 def test_compile_rejects_an_unknown_arch() -> None:
@@ -324,8 +360,11 @@ LAYER_INPUT_CASES = [(7168, "standard", "carried"), (7168, "standard", "one_hot"
 LAYER_INPUT_CASES += [(4096, "standard", "carried"), (5120, "broadcast", "one_hot")]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("H,variant,mode", LAYER_INPUT_CASES)
+LAYER_INPUT_ARCH_CASES = [(*case, "sm_90a") for case in LAYER_INPUT_CASES]
+LAYER_INPUT_ARCH_CASES += [(*case, "sm_100a") for case in covering(LAYER_INPUT_CASES, lambda c: enumerate(c[1:]))]
+
+
+@pytest.mark.parametrize("H,variant,mode,arch", LAYER_INPUT_ARCH_CASES)
 def test_layer_input_kernel_compiles(H: int, variant: str, mode: str, arch: str) -> None:
     assert callable(api.compile_layer_input(H, variant, mode, arch=arch))
 

@@ -330,20 +330,6 @@ def test_the_compiled_decode_loop_has_no_graph_break_and_gives_the_direct_paths_
         assert compare(got, decode_step(model, direct_b, tokens, step))["bitwise"], index
 
 
-def test_inductor_compiles_the_whole_decode_step_with_an_engram_seam() -> None:
-    """post_only (the Engram seam) mutates nothing, so Inductor compiles the whole step (while it declared aux_out
-    mutated and the call passed None, Inductor failed on "getitem is not an OpOverload"), with the direct path's bits
-    (our ops are opaque to Inductor; on the CPU its code for the toy's sublayers rounds as eager does)."""
-    torch._dynamo.reset()
-    model = ToyModel(SMALL)
-    assert 1 in SMALL.engram_layers
-    ar = BoundaryAllReduce(H, max_rows=8, device="cpu")
-    step = DecodeStep(rows=3, side_stream=False)
-    tokens = random_tokens(model, 3, 0)
-    got = torch.compile(decode_step, fullgraph=True)(model, Boundaries(ar, custom_ops=True), tokens, step)
-    assert compare(got, decode_step(model, Boundaries(ar), tokens, step))["bitwise"]
-
-
 def test_the_ops_compiled_by_inductor_give_the_direct_paths_bits(ar: BoundaryAllReduce) -> None:
     torch._dynamo.reset()
     inp = inputs()
