@@ -689,7 +689,7 @@ def _race(role: type, protocol: str, rows: int | list[int], world: int = 2) -> t
             new = torch.empty_like(inp.residual)
             out = torch.empty(inp.residual.shape[0], hidden, dtype=BF16, device="cuda")
             fn(
-                *api.launch_args(
+                *api.BoundaryArgs(
                     residual=inp.residual,
                     post=inp.post,
                     comb=inp.comb,

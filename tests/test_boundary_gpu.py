@@ -17,6 +17,7 @@ from boundary import (
 from boundary import reference as ref
 from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
 from tests.bf16 import bitwise_equal, max_ulp
+from tests.inputs import boundary_inputs
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -24,16 +25,7 @@ H = 5120
 
 
 def inputs(rows: int, hidden: int = H, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return dict(
-        x=torch.randn(rows, hidden, generator=g, device="cuda").to(BF16),
-        shared=torch.randn(rows, hidden, generator=g, device="cuda").to(BF16),
-        residual=torch.randn(rows, 4, hidden, generator=g, device="cuda").to(BF16),
-        post=torch.rand(rows, 4, generator=g, device="cuda") * 2,
-        comb=torch.softmax(torch.randn(rows, 4, 4, generator=g, device="cuda"), -1),
-        pre=torch.rand(rows, 4, generator=g, device="cuda"),
-        w=(1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(BF16),
-    )
+    return boundary_inputs(rows, hidden, seed, "cuda")
 
 
 def check_against_reference(y, inp, new, out, q=None, aux=None, eps=1e-20):
@@ -41,7 +33,7 @@ def check_against_reference(y, inp, new, out, q=None, aux=None, eps=1e-20):
     want = ref.mhc_post(y, inp["residual"], inp["post"], inp["comb"])
     assert max_ulp(new, want) <= 1
     if out is not None:
-        assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["w"], eps)) <= 1
+        assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["norm_weight"], eps)) <= 1
     if q is not None:
         data, scale = ref.mxfp8_quantize(out)
         assert bitwise_equal(q.scale, scale)
@@ -58,7 +50,9 @@ def test_boundary_all_reduce_kernel_path(rows: int) -> None:
     before = {k: v.clone() for k, v in inp.items()}
     q = empty_quantized_layer_input(rows, H, "cuda")
     aux = torch.empty(rows, H, dtype=BF16, device="cuda")
-    new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q, aux_out=aux)
+    new, out = ar(
+        inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20, q, aux_out=aux
+    )
     check_against_reference(inp["x"], inp, new, out, q, aux)
     new, out = ar(
         inp["x"],
@@ -66,7 +60,7 @@ def test_boundary_all_reduce_kernel_path(rows: int) -> None:
         inp["post"],
         inp["comb"],
         inp["pre"],
-        inp["w"],
+        inp["norm_weight"],
         1e-20,
         None,
         shared_output=inp["shared"],
@@ -100,7 +94,7 @@ def test_boundary_all_reduce_finalize_kernel_path() -> None:
         inp["post"],
         inp["comb"],
         inp["pre"],
-        inp["w"],
+        inp["norm_weight"],
         1e-20,
         None,
     )
@@ -108,7 +102,7 @@ def test_boundary_all_reduce_finalize_kernel_path() -> None:
     y = ref.moe_finalize(permuted, weights, idx, inp["shared"])
     want = ref.mhc_post(y, inp["residual"], inp["post"], inp["comb"])
     assert max_ulp(new, want) <= 2 and not new.isnan().any()
-    assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["w"], 1e-20)) <= 1
+    assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["norm_weight"], 1e-20)) <= 1
 
 
 def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
@@ -120,13 +114,15 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
     new = mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"])
     assert max_ulp(new, ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"])) <= 1
     args = (inp["residual"], fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
-    got = mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20)
-    want = ref.mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20)
+    got = mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20)
+    want = ref.mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20)
     for a, b in ((got[0], want[0]), (got[1], want[1]), (got[3], want[3])):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     assert max_ulp(got[2], want[2]) <= 1
     side = torch.cuda.Stream()
-    overlap = mhc_pre_delayed_overlap(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20, stream=side)
+    overlap = mhc_pre_delayed_overlap(
+        *args, pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20, stream=side
+    )
     torch.cuda.current_stream().wait_stream(side)
     for a, b in zip(overlap, got):  # the split form (layer input alone + mixes) gives the inline form's bits
         assert bitwise_equal(a, b)
@@ -141,10 +137,10 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
         2.0,
         20,
         x=inp["residual"][:, 0].contiguous(),
-        norm_weight=inp["w"],
+        norm_weight=inp["norm_weight"],
         norm_eps=1e-20,
     )
-    assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["w"], 1e-20)) <= 1
+    assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["norm_weight"], 1e-20)) <= 1
 
 
 def test_a_warmup_for_the_layers_sinkhorn_count_leaves_their_calls_nothing_to_load() -> None:
@@ -165,8 +161,10 @@ def test_a_warmup_for_the_layers_sinkhorn_count_leaves_their_calls_nothing_to_lo
         for rows in (1, 5, 16):
             inp = inputs(rows)
             args = (inp["residual"], fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, repeat)
-            mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20)
-            mhc_pre_delayed_overlap(*args, pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20, stream=side)
+            mhc_pre_delayed(*args, pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20)
+            mhc_pre_delayed_overlap(
+                *args, pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20, stream=side
+            )
         torch.cuda.synchronize()
         return cc.STATS.compiles + cc.STATS.disk_hits - before
 
@@ -202,7 +200,7 @@ def test_mhc_pre_delayed_without_a_norm_weight_is_one_launch_of_the_exact_collap
         residual = residual[:, :1].expand(-1, 4, -1).contiguous()
         kw, fn, want = dict(x=residual[:, 0].contiguous()), fn.view(24, 4, hidden).sum(1), residual[:, 0].clone()
     args = (residual, fn, scale, base, 1e-20, 1e-6, 1e-6, 2.0, 20)
-    normed = mhc_pre_delayed(*args, **kw, norm_weight=inp["w"], norm_eps=1e-20)
+    normed = mhc_pre_delayed(*args, **kw, norm_weight=inp["norm_weight"], norm_eps=1e-20)
     got = mhc_pre_delayed(*args, **kw)
     assert bitwise_equal(got[2], want)
     for a, b in zip((got[0], got[1], got[3]), (normed[0], normed[1], normed[3])):  # the same projection code
@@ -214,7 +212,9 @@ def test_mhc_pre_delayed_without_a_norm_weight_is_one_launch_of_the_exact_collap
         assert bitwise_equal(a, b)
     launched = _kernels_launched(lambda: mhc_pre_delayed(*args, **kw))
     assert 1 <= len(launched) <= 2, launched  # the coefficients kernel (the partials schedule: its two launches)
-    assert len(launched) == len(_kernels_launched(lambda: mhc_pre_delayed(*args, **kw, norm_weight=inp["w"]))), launched
+    assert len(launched) == len(
+        _kernels_launched(lambda: mhc_pre_delayed(*args, **kw, norm_weight=inp["norm_weight"]))
+    ), launched
     assert not any("elementwise" in name or "copy" in name.lower() for name in launched), launched
 
 
@@ -224,11 +224,11 @@ def test_boundary_call_under_cuda_graph_replay_with_inputs_changed_in_place() ->
     ar.warmup(progress=False)
     inp = inputs(rows)
     q = empty_quantized_layer_input(rows, H, "cuda")
-    ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q)
+    ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20, q)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20, q)
+        new, out = ar(inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20, q)
     for seed in range(3):
         fresh = inputs(rows, seed=10 + seed)
         for k in inp:

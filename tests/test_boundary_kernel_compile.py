@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import inspect
 
 import pytest
 import torch
 
 from boundary import checks
 from cute_kernels import hardware, mxfp8_scale_bytes
+from cute_kernels.allreduce.protocol import GENERATIONS
 from cute_kernels.boundary import api
+from cute_kernels.boundary import kernel as kernel_module
+from cute_kernels.boundary.args import concrete_dims
 from cute_kernels.boundary.config import BoundaryConfig, default_config, row_split
+from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from tests.compile_cover import covering
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -181,6 +187,7 @@ _DL_DTYPES = {
     torch.int32: (0, 32),
     torch.uint8: (1, 8),
     torch.float8_e4m3fn: (10, 8),
+    torch.int64: (0, 64),
 }
 _KEEP_ALIVE: list = []
 
@@ -213,33 +220,15 @@ def _fake_cuda(shape: tuple[int, ...], dtype: torch.dtype):
     return tvm_ffi.from_dlpack(_Holder())
 
 
-def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: int = 11) -> tuple:
-    bf16, f32 = torch.bfloat16, torch.float32
-    moe = None
-    if variant.y_source == "moe":
-        moe = (_fake_cuda((P, H), bf16), _fake_cuda((T, top_k), f32), _fake_cuda((T, top_k), torch.int32))
-    g, ew, idx = moe if moe is not None else (None, None, None)
-    # The kernel's positional order, by name (launch_args; fused_boundary passes the same tuple).
-    return api.launch_args(
-        residual=_fake_cuda((T, 4, H), bf16),
-        post=_fake_cuda((T, 4), f32),
-        comb=_fake_cuda((T, 4, 4), f32),
-        pre=_fake_cuda((T, 4), f32) if variant.pre else None,
-        norm_weight=_fake_cuda((H,), bf16) if variant.pre else None,
-        x=_fake_cuda((T, H), bf16) if moe is None else None,
-        shared=_fake_cuda((T, H), bf16) if variant.shared else None,
-        gemm2_permuted=g,
-        expert_weights=ew,
-        idx=idx,
-        new_residual=_fake_cuda((T, 4, H), bf16),
-        out=_fake_cuda((T, H), bf16) if variant.pre else None,
-        mxfp8_data=_fake_cuda((T, H), torch.float8_e4m3fn) if variant.mxfp8 else None,
-        mxfp8_scale=_fake_cuda((mxfp8_scale_bytes(T, H),), torch.uint8) if variant.mxfp8 else None,
-        fp8_data=_fake_cuda((T, H), torch.float8_e4m3fn) if variant.fp8 else None,
-        fp8_scale=_fake_cuda((H // 128, -(-T // 4) * 4), f32) if variant.fp8 else None,  # [H/128, T_pad]
-        aux=_fake_cuda((T, H), bf16) if variant.aux else None,
-        error=_fake_cuda((4,), torch.int32) if moe is not None else None,  # the error word (no peers at W = 1)
-        eps=1e-6,
+def _fake_args(variant: api.BoundaryVariant, T: int, H: int, top_k: int = 6, P: int = 11) -> api.BoundaryArgs:
+    """The kernel's arguments by its own shape rule (BoundaryArgs.build), as fake CUDA tensors of a T-row call."""
+    dims = concrete_dims(T, H, permuted_rows=P, top_k=top_k)
+    return api.BoundaryArgs.build(
+        H,
+        variant,
+        1,
+        lambda name, dtype, shape: _fake_cuda(tuple(dims.get(d, d) for d in shape), api.TORCH_DTYPES[dtype]),
+        1e-6,
     )
 
 
@@ -276,6 +265,83 @@ def test_exported_kernel_accepts_the_call_tuple(variant: api.BoundaryVariant, tm
     api.compile_fused_boundary.cache_clear()
 
 
+# The kernel's parameter for each field of the record, in the kernel's order.
+KERNEL_PARAMETERS = {
+    "residual": "mR",
+    "post": "mPost",
+    "comb": "mComb",
+    "pre": "mPre",
+    "norm_weight": "mW",
+    "x": "mX",
+    "shared": "mShared",
+    "gemm2_permuted": "mG",
+    "expert_weights": "mEW",
+    "idx": "mIdx",
+    "new_residual": "mNewR",
+    "out": "mOut",
+    "mxfp8_data": "mQ",
+    "mxfp8_scale": "mScale",
+    "fp8_data": "mQ8",
+    "fp8_scale": "mScale8",
+    "aux": "mAux",
+    "slots": "mSlots",
+    "peers": "mPeers",
+    "state": "mState",
+    "error": "mError",
+    "eps": "eps",
+}
+
+
+def test_the_argument_record_is_the_kernels_parameter_list() -> None:
+    """The record's order is the host function's, which hands its parameters on to the device kernel in that order."""
+    params = list(inspect.signature(FusedBoundaryKernel.__call__).parameters)
+    assert params == ["self", *(KERNEL_PARAMETERS[f] for f in api.BoundaryArgs._fields), "stream"]
+    assert list(inspect.signature(FusedBoundaryKernel.kernel).parameters) == params[:-1]
+    module = ast.parse(inspect.getsource(kernel_module))
+    (host,) = [
+        f
+        for c in module.body
+        if isinstance(c, ast.ClassDef) and c.name == "FusedBoundaryKernel"
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == "__call__"
+    ]
+    (launch,) = [
+        n
+        for n in ast.walk(host)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "kernel"
+    ]
+    assert [a.id for a in launch.args] == params[1:-1]
+
+
+@pytest.mark.parametrize("variant", api.ENGINE_VARIANTS, ids=api.variant_name)
+@pytest.mark.parametrize("world_size", (1, 4))
+def test_the_records_shape_rule_gives_each_variant_its_tensors_and_tells_the_variant_back(
+    variant: api.BoundaryVariant, world_size: int
+) -> None:
+    T, H, P, k = 5, 512, 9, 3
+    dims = concrete_dims(T, H, permuted_rows=P, top_k=k, slot_rows=16)
+    made = api.BoundaryArgs.build(
+        H, variant, world_size, lambda name, dtype, shape: (name, dtype, tuple(dims.get(d, d) for d in shape)), 0.5
+    )
+    given = {f: v for f, v in zip(made._fields, made) if v is not None and f != "eps"}
+    assert all(v[0] == f for f, v in given.items()) and made.eps == 0.5
+    assert given["residual"][2] == given["new_residual"][2] == (T, 4, H)
+    assert ("x" in given) == (variant.y_source == "x") and ("gemm2_permuted" in given) == (variant.y_source == "moe")
+    if variant.y_source == "moe":
+        assert given["gemm2_permuted"][2] == (P, H) and given["idx"][1:] == ("i32", (T, k))
+    if variant.mxfp8:
+        assert given["mxfp8_scale"][1:] == ("u8", (mxfp8_scale_bytes(T, H),))
+    if variant.fp8:
+        assert given["fp8_scale"][1:] == ("f32", (H // 128, 8))  # T padded to 4
+    assert ("slots" in given) == ("peers" in given) == ("state" in given) == (world_size > 1)
+    assert ("error" in given) == (world_size > 1 or variant.y_source == "moe")
+    if world_size > 1:
+        assert given["slots"][2] == (GENERATIONS, world_size + 1, 16, H) and given["peers"][2] == (world_size,)
+    assert made.variant(variant.fp8) == variant
+    with pytest.raises(ValueError, match="fp8_form"):
+        made.variant(None if variant.fp8 else "fp8_1x128")
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernels trust their callers: the public edge (boundary.checks, used by BoundaryAllReduce and
 # the mHC ops) holds every host-side check; tests/test_scheduler.py drives it through the public API.
@@ -289,8 +355,9 @@ def test_the_public_edge_checks_the_16_byte_alignment_the_kernel_relies_on() -> 
 
 
 def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fused_boundary spells the kernel's positional tuple out (its hot path); launch_args names it for every other
-    caller of a compiled kernel: both give the same tuple, so a new kernel argument cannot leave one of them stale."""
+    """fused_boundary spells the kernel's positional tuple out (its hot path, where building the record would cost
+    host time); BoundaryArgs names it for every other caller: both give the same tuple, so a new kernel argument
+    cannot leave one of them stale."""
     got = []
     monkeypatch.setattr(api, "compiled_boundary", lambda *a, **k: lambda *args: got.append(args))
     residual, post = torch.zeros(2, 4, 256, dtype=torch.bfloat16), torch.zeros(2, 4)
@@ -300,7 +367,7 @@ def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkey
     api.fused_boundary(
         residual=residual, post=post, norm_eps=1e-6, moe=moe, fp8_form="fp8_1x128", arch="sm_90a", **named
     )
-    want = api.launch_args(
+    want = api.BoundaryArgs(
         residual=residual,
         post=post,
         eps=1e-6,

@@ -158,7 +158,7 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
         g, ew, idx = moe if moe is not None else (None, None, None)
         fn = api.compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
         fn(
-            *api.launch_args(
+            *api.BoundaryArgs(
                 residual=inp.residual,
                 post=inp.post.view(-1, 4),
                 comb=inp.comb,

@@ -22,6 +22,7 @@ from boundary import (
 from boundary import reference as ref
 from boundary.toy import ToyConfig, ToyModel, random_tokens
 from tests.bf16 import bitwise_equal
+from tests.inputs import boundary_inputs
 
 BF16 = torch.bfloat16
 SMALL = ToyConfig(hidden_size=512, num_layers=2, vocab=64)
@@ -185,22 +186,10 @@ def test_empty_fp8_group_layer_input_checks_its_arguments(args: tuple, error: ty
         empty_fp8_group_layer_input(*args)
 
 
-def boundary_inputs(rows: int, hidden: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return dict(
-        x=torch.randn(rows, hidden, generator=g).to(BF16),
-        residual=torch.randn(rows, 4, hidden, generator=g).to(BF16),
-        post=torch.rand(rows, 4, generator=g) * 2,
-        comb=torch.softmax(torch.randn(rows, 4, 4, generator=g), -1),
-        pre=torch.rand(rows, 4, generator=g),
-        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(BF16),
-    )
-
-
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32", "ue8m0"])
 def test_the_boundary_writes_it_beside_mxfp8(ue8m0: bool) -> None:
     rows, hidden = 3, 512
-    inp = boundary_inputs(rows, hidden)
+    inp = boundary_inputs(rows, hidden, seed=1)
     ar = BoundaryAllReduce(hidden, max_rows=4, device="cpu")
     fp8 = empty_fp8_group_layer_input(rows, hidden, "cpu", ue8m0=ue8m0)
     mx = empty_quantized_layer_input(rows, hidden, "cpu")
@@ -241,7 +230,7 @@ def test_the_kernel_path_refuses_scale_buffers_its_stores_would_fault_on() -> No
     on the kernel path a buffer starting off those boundaries is a ValueError naming it, before any launch (a misaligned
     store would end the CUDA context); the torch path takes any address."""
     rows, hidden = 3, 512
-    inp = boundary_inputs(rows, hidden)
+    inp = boundary_inputs(rows, hidden, seed=1)
     args = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
     fp8 = empty_fp8_group_layer_input(rows, hidden, "cpu")
     mx = empty_quantized_layer_input(rows, hidden, "cpu")

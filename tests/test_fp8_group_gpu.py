@@ -20,6 +20,7 @@ from boundary.toy import ToyConfig, ToyModel, random_tokens
 from cute_kernels.boundary import api
 from cute_kernels.compile import arch_for_device, warmup
 from tests.bf16 import bitwise_equal, max_ulp
+from tests.inputs import boundary_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,21 +32,14 @@ FORMS = {"fp8_1x128": False, "fp8_1x128_ue8m0": True}  # quantize name -> ue8m0
 def inputs(rows: int, hidden: int, seed: int, *, special: bool = False) -> dict[str, torch.Tensor]:
     """A boundary's inputs; `special`: the norm weight makes group 0 all zeros, group 1 hold a NaN, group 2 an
     Inf and group 3 values below the 1e-4 amax floor, in every row."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(BF16)
+    inp = boundary_inputs(rows, hidden, seed, "cuda")
     if special:
+        w = inp["norm_weight"]
         w[:128] = 0
         w[128 + 5] = float("nan")
         w[256 + 7] = float("inf")
         w[384:512] = 1e-6
-    return dict(
-        x=torch.randn(rows, hidden, generator=g, device="cuda").to(BF16),
-        residual=torch.randn(rows, 4, hidden, generator=g, device="cuda").to(BF16),
-        post=torch.rand(rows, 4, generator=g, device="cuda") * 2,
-        comb=torch.softmax(torch.randn(rows, 4, 4, generator=g, device="cuda"), -1),
-        pre=torch.rand(rows, 4, generator=g, device="cuda"),
-        w=w,
-    )
+    return inp
 
 
 def poisoned_fp8(rows: int, hidden: int, ue8m0: bool) -> Fp8GroupActivation:
@@ -70,7 +64,7 @@ def assert_fp8_bytes(q: Fp8GroupActivation, out: torch.Tensor) -> None:
 def call(ar: BoundaryAllReduce, inp: dict, q: Fp8GroupActivation | None, mxfp8=None, x=None):
     """One boundary of `ar` on `inp` (its own partial `x` when given) writing `q` (and MXFP8)."""
     x = inp["x"] if x is None else x
-    return ar(x, inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], EPS, mxfp8, fp8_out=q)
+    return ar(x, inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], EPS, mxfp8, fp8_out=q)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -101,7 +95,7 @@ def test_one_rank_writes_the_reference_bytes(form: str, hidden: int, rows: int) 
     assert_fp8_bytes(q, out)
     _, plain = call(ar, inp, None)
     assert bitwise_equal(out, plain), "writing FP8 1x128 changed the bf16 layer input"
-    assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["w"], EPS)) <= 1
+    assert max_ulp(out, ref.rms_norm(ref.collapse(new, inp["pre"]), inp["norm_weight"], EPS)) <= 1
     q2, mx = poisoned_fp8(rows, hidden, FORMS[form]), empty_quantized_layer_input(rows, hidden, "cuda")
     _, out2 = call(ar, inp, q2, mxfp8=mx)
     assert bitwise_equal(out2, out)
@@ -124,7 +118,9 @@ def test_a_misaligned_scale_buffer_is_refused_before_any_launch() -> None:
         call(ar, inp, off)
     new = torch.empty(rows, 4, hidden, dtype=BF16, device="cuda")
     out = torch.empty(rows, hidden, dtype=BF16, device="cuda")
-    entry = dict(residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"], norm_weight=inp["w"])
+    entry = dict(
+        residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"], norm_weight=inp["norm_weight"]
+    )
     entry |= dict(norm_eps=EPS, x=inp["x"], new_residual=new, out=out, fp8_data=q.data, fp8_form="fp8_1x128")
     arch = arch_for_device(torch.device("cuda"))
     with pytest.raises(ValueError, match="Misaligned Tensor data"):
@@ -172,7 +168,7 @@ def test_a_moe_boundary_writes_it_too() -> None:
         inp["post"],
         inp["comb"],
         inp["pre"],
-        inp["w"],
+        inp["norm_weight"],
         EPS,
         None,
         fp8_out=q,

@@ -23,6 +23,7 @@ from boundary import (
 from boundary.params import MHCParams
 from boundary.toy import ToyConfig, ToyModel, compare, decode_step, random_tokens
 from tests.bf16 import bitwise_equal
+from tests.inputs import boundary_inputs
 
 BF16 = torch.bfloat16
 H = 512
@@ -32,15 +33,9 @@ SMALL = ToyConfig(hidden_size=H, num_layers=3, vocab=64)
 
 
 def inputs(rows: int = ROWS, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        x=torch.randn(rows, H, generator=g).to(BF16),
-        residual=torch.randn(rows, 4, H, generator=g).to(BF16),
-        post=torch.rand(rows, 4, generator=g) * 2,
-        comb=torch.softmax(torch.randn(rows, 4, 4, generator=g), -1),
-        pre=torch.rand(rows, 4, generator=g),
-        w=(1 + 0.1 * torch.randn(H, generator=g)).to(BF16),
-        shared=torch.randn(rows, H, generator=g).to(BF16),
+    """A boundary's inputs (tests/inputs.py), a MoE partial and the coefficients' weights."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return boundary_inputs(rows, H, seed) | dict(
         permuted=torch.randn(2 * rows, H, generator=g).to(BF16),
         weights=torch.rand(rows, 2, generator=g),
         idx=torch.randint(-1, 2 * rows, (rows, 2), generator=g, dtype=torch.int32),
@@ -71,7 +66,7 @@ def direct(ar: BoundaryAllReduce, inp: dict, form: str, pre: bool, **outs: objec
         inp["post"],
         inp["comb"],
         inp["pre"] if pre else None,
-        inp["w"] if pre else None,
+        inp["norm_weight"] if pre else None,
         1e-20 if pre else 0.0,
         outs.pop("mxfp8_out", None),
     )
@@ -95,7 +90,7 @@ def test_the_boundary_op_gives_the_direct_paths_bits(ar: BoundaryAllReduce, form
         inp["post"],
         inp["comb"],
         inp["pre"],
-        inp["w"],
+        inp["norm_weight"],
         1e-20,
         mx.data,
         mx.scale,
@@ -121,19 +116,27 @@ def test_the_boundary_op_gives_the_direct_paths_bits(ar: BoundaryAllReduce, form
         assert bitwise_equal(a, b)
     only = OPS.post_only(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"])
     assert bitwise_equal(only, direct(ar, inp, form, False)[0])
-    h = OPS.final(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["w"], 1e-20)
+    h = OPS.final(
+        ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20
+    )
     assert bitwise_equal(h, want_out)
 
 
 def test_the_mhc_ops_give_the_direct_paths_bits() -> None:
     inp = inputs()
     args = (inp["residual"], inp["fn"], inp["scale"], inp["base"], 1e-20, 1e-6, 1e-6, 2.0, 20)
-    for kwargs in (dict(pre_mix=inp["pre"], norm_weight=inp["w"], norm_eps=1e-20), dict(pre_mix=inp["pre"]), {}):
+    for kwargs in (
+        dict(pre_mix=inp["pre"], norm_weight=inp["norm_weight"], norm_eps=1e-20),
+        dict(pre_mix=inp["pre"]),
+        {},
+    ):
         got = OPS.mhc_pre_delayed(*args, **kwargs)
         for a, b in zip(got, mhc_pre_delayed(*args, **kwargs)):
             assert bitwise_equal(a, b)
-    first = OPS.mhc_pre_delayed(inp["residual"], inp["fn_broadcast"], *args[2:], x=inp["x"], norm_weight=inp["w"])
-    want = mhc_pre_delayed(inp["residual"], inp["fn_broadcast"], *args[2:], x=inp["x"], norm_weight=inp["w"])
+    first = OPS.mhc_pre_delayed(
+        inp["residual"], inp["fn_broadcast"], *args[2:], x=inp["x"], norm_weight=inp["norm_weight"]
+    )
+    want = mhc_pre_delayed(inp["residual"], inp["fn_broadcast"], *args[2:], x=inp["x"], norm_weight=inp["norm_weight"])
     assert all(bitwise_equal(a, b) for a, b in zip(first, want))
     mixes = OPS.mhc_mixes(*args)
     assert all(bitwise_equal(a, b) for a, b in zip(mixes, mhc.mixes(inp["residual"], MHCParams(*args[1:]))))
@@ -172,7 +175,7 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
             fake["post"],
             fake["comb"],
             fake["pre"],
-            fake["w"],
+            fake["norm_weight"],
             1e-20,
             None,
             None,
@@ -189,7 +192,7 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
             fake["post"],
             fake["comb"],
             fake["pre"],
-            fake["w"],
+            fake["norm_weight"],
             1e-20,
         )
         coeffs = OPS.mhc_pre_delayed(
@@ -204,7 +207,7 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
             20,
             fake["pre"],
             None,
-            fake["w"],
+            fake["norm_weight"],
             1e-20,
         )
         mixes = OPS.mhc_mixes(fake["residual"], fake["fn"], fake["scale"], fake["base"], 1e-20, 1e-6, 1e-6, 2.0, 20)
@@ -221,7 +224,7 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
         20,
         inp["pre"],
         None,
-        inp["w"],
+        inp["norm_weight"],
         1e-20,
     )
     real_new, real_out = direct(ar, inp, "moe", True)
@@ -249,7 +252,7 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
             *src,
             *epi,
             inp["pre"],
-            inp["w"],
+            inp["norm_weight"],
             1e-20,
             None,
             None,
@@ -259,8 +262,8 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
             torch.empty(ROWS, H, dtype=BF16),
         ),
         "post_only": (ar.handle, *src, *epi),
-        "final": (ar.handle, *src, *epi, inp["pre"], inp["w"], 1e-20),
-        "mhc_pre_delayed": (*coeff, inp["pre"], None, inp["w"], 1e-20, "auto"),
+        "final": (ar.handle, *src, *epi, inp["pre"], inp["norm_weight"], 1e-20),
+        "mhc_pre_delayed": (*coeff, inp["pre"], None, inp["norm_weight"], 1e-20, "auto"),
         "mhc_mixes": (*coeff, None, "auto"),
         "mhc_post": (inp["x"], *epi, "auto"),
     }[op]
@@ -349,7 +352,7 @@ def test_the_ops_compiled_by_inductor_give_the_direct_paths_bits(ar: BoundaryAll
             post,
             comb,
             pre,
-            inp["w"],
+            inp["norm_weight"],
             1e-20,
             mx.data,
             mx.scale,
@@ -360,7 +363,7 @@ def test_the_ops_compiled_by_inductor_give_the_direct_paths_bits(ar: BoundaryAll
         )
         p2, c2, pre2 = OPS.mhc_mixes(new, *coeff)
         streams = OPS.mhc_post(out, new, p2, c2)
-        h = OPS.final(ar.handle, x, None, None, None, None, streams, p2, c2, pre2, inp["w"], 1e-20)
+        h = OPS.final(ar.handle, x, None, None, None, None, streams, p2, c2, pre2, inp["norm_weight"], 1e-20)
         return new, out, mx.data, mx.scale, aux, p2, c2, pre2, streams, h
 
     args = (inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"])

@@ -26,21 +26,10 @@ from boundary import reference as ref
 from boundary.demo import file_rendezvous
 from boundary.toy import ToyConfig, ToyModel, compare, decode_step, decode_step_plain, random_tokens
 from tests.bf16 import bitwise_equal
+from tests.inputs import boundary_inputs
 
 BF16 = torch.bfloat16
 SMALL = ToyConfig(hidden_size=512, num_layers=3, vocab=64)
-
-
-def boundary_inputs(rows: int, hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        x=torch.randn(rows, hidden, generator=g).to(BF16),
-        residual=torch.randn(rows, 4, hidden, generator=g).to(BF16),
-        post=torch.rand(rows, 4, generator=g) * 2,
-        comb=torch.softmax(torch.randn(rows, 4, 4, generator=g), -1),
-        pre=torch.rand(rows, 4, generator=g),
-        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(BF16),
-    )
 
 
 # --- the public API ----------------------------------------------------------------------------

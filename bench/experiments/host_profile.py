@@ -29,7 +29,7 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
     epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
     variant = api.BoundaryVariant("x", False, True, False, False)
     fn = api.compiled_boundary(hidden, variant, arch=ar.arch)
-    args = api.launch_args(
+    args = api.BoundaryArgs(
         residual=inp["residual"],
         post=inp["post"],
         comb=inp["comb"],

@@ -354,7 +354,7 @@ def every_rank_launch(ranks: list[BoundaryAllReduce], fn, sets: list, outs: list
         for s, (new, out) in zip(sets, outs[rank]):
             x = s[rank]
             fn(
-                *api.launch_args(
+                *api.BoundaryArgs(
                     residual=x["residual"],
                     post=x["post"],
                     comb=x["comb"],

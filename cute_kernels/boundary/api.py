@@ -9,23 +9,27 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from cute_kernels import FP8_GROUP, HC, mxfp8_scale_bytes
-from cute_kernels.allreduce.protocol import (
-    ERROR_WORDS,
-    GENERATIONS,
-    PROTOCOLS,
-    STATE_CALLS,
-    STATE_RANK,
-    STATE_TIMEOUT_US,
-    STATE_WORDS,
-)
+from cute_kernels import HC
+from cute_kernels.allreduce.protocol import PROTOCOLS, STATE_CALLS, STATE_RANK, STATE_TIMEOUT_US
 from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
+from cute_kernels.boundary.args import (  # noqa: F401 (the variant names are re-exported: callers reach them here)
+    ENGINE_VARIANTS,
+    FP8_FORMS,
+    QUANTIZE_FORMS,
+    Y_SOURCES,
+    BoundaryArgs,
+    BoundaryVariant,
+    concrete_dims,
+    divisibility,
+    engine_variants,
+    variant_name,
+)
 from cute_kernels.boundary.config import BoundaryConfig, default_config
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from cute_kernels.compile import (
@@ -38,81 +42,29 @@ from cute_kernels.compile import (
     mark_launched,
 )
 
-Y_SOURCES = ("x", "moe")
-FP8_FORMS = ("fp8_1x128", "fp8_1x128_ue8m0")  # the FP8 1x128 layer input: fp32 scales, or powers of two (UE8M0)
-
-
-class BoundaryVariant(NamedTuple):
-    """The compile-time flags of one fused-boundary kernel."""
-
-    y_source: str = "x"  # "x": a ready partial; "moe": the top-k combine of gemm2_permuted
-    shared: bool = False  # an addend: bf16(x + shared), or the MoE shared_output
-    pre: bool = True  # collapse + RMSNorm; False: residual-only
-    mxfp8: bool = False
-    aux: bool = False
-    fp8: str | None = None  # the FP8 1x128 form (FP8_FORMS), beside or instead of MXFP8
-
-
-# The layer-input forms a boundary may write beside bf16, by the name the scheduler's `quantize=` takes: (MXFP8, FP8).
-QUANTIZE_FORMS: dict[str, tuple[bool, str | None]] = {"mxfp8": (True, None)} | {
-    form: (False, form) for form in FP8_FORMS
+# The dtype names of BoundaryArgs.build, as the DSL's types and as torch's.
+DSL_DTYPES = {"bf16": BFloat16, "f32": Float32, "i32": Int32, "i64": Int64, "u8": Uint8, "e4m3": Float8E4M3FN}
+TORCH_DTYPES = {
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "i32": torch.int32,
+    "i64": torch.int64,
+    "u8": torch.uint8,
+    "e4m3": torch.float8_e4m3fn,
 }
 
 
-def engine_variants(quantize: Sequence[str] = tuple(QUANTIZE_FORMS)) -> tuple[BoundaryVariant, ...]:
-    """Every variant an engine may launch when it writes the layer input in bf16 and the forms `quantize` names:
-    each partial form, with and without an addend and aux, residual-only or with the layer input."""
-    inputs = ((False, None),) + tuple(QUANTIZE_FORMS[q] for q in quantize)
-    return tuple(
-        BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8)
-        for y_source in Y_SOURCES
-        for shared in (False, True)
-        for pre, mxfp8, fp8 in ((False, False, None),) + tuple((True, mx, f) for mx, f in inputs)
-        for aux in (False, True)
-    )
-
-
-ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = engine_variants()
-
-
-def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> tuple:
-    """The tensor-free arguments a fused-boundary kernel compiles against; T (and P, top-k, the slot rows) stay dynamic.
-
-    The compiled function takes, positionally, (residual, post, comb, pre, norm_weight, x, shared,
-    gemm2_permuted, expert_weights, idx, new_residual, out, mxfp8_data, mxfp8_scale, fp8_data, fp8_scale, aux,
-    slots, peers, state, error, norm_eps), with None for every tensor the variant does not use.
-    """
-    y_source, shared, pre, mxfp8, aux, fp8 = variant
+def fake_args(H: int, variant: BoundaryVariant, world_size: int = 1) -> BoundaryArgs:
+    """The tensor-free arguments a fused-boundary kernel compiles against; T (and P, top-k, the slot rows) stay
+    dynamic."""
     T, top_k = cute.sym_int(), cute.sym_int()
-    bf16 = lambda shape: fake_tensor(BFloat16, shape, divisibility=8)  # noqa: E731
-    f32 = lambda shape: fake_tensor(Float32, shape, divisibility=1)  # noqa: E731
-    moe = y_source == "moe"
-    peers = world_size > 1
-    return (
-        bf16((T, HC, H)),  # residual
-        f32((T, HC)),  # post
-        f32((T, HC, HC)),  # comb
-        f32((T, HC)) if pre else None,  # pre
-        bf16((H,)) if pre else None,  # norm weight
-        bf16((T, H)) if not moe else None,  # x
-        bf16((T, H)) if shared else None,  # shared addend / shared_output
-        bf16((cute.sym_int(), H)) if moe else None,  # gemm2_permuted
-        f32((T, top_k)) if moe else None,  # expert weights
-        fake_tensor(Int32, (T, top_k), divisibility=1) if moe else None,  # permuted row per expert
-        bf16((T, HC, H)),  # new residual
-        bf16((T, H)) if pre else None,  # out
-        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
-        fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
-        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if fp8 else None,
-        # [H/128, T_pad], 16-byte aligned: the last row's scale and padding go as one 16-byte store
-        fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=4) if fp8 else None,
-        bf16((T, H)) if aux else None,
-        bf16((GENERATIONS, world_size + 1, cute.sym_int(), H)) if peers else None,  # receive slots
-        fake_tensor(Int64, (world_size,), divisibility=1) if peers else None,  # peer slot addresses
-        fake_tensor(Int32, (STATE_WORDS,), divisibility=1) if peers else None,  # call state
-        fake_tensor(Int32, (ERROR_WORDS,), divisibility=1) if peers or moe else None,  # error word
-        Float32(0.0),  # norm eps
-    )
+    dims = {"T": T, "k": top_k}
+
+    def fake(name: str, dtype: str, shape: tuple[Any, ...]) -> cute.Tensor:
+        shape = tuple(dims[d] if d in dims else cute.sym_int() if isinstance(d, str) else d for d in shape)
+        return fake_tensor(DSL_DTYPES[dtype], shape, divisibility=divisibility(name, dtype))
+
+    return BoundaryArgs.build(H, variant, world_size, fake, Float32(0.0))
 
 
 def compile_boundary_kernel(
@@ -198,14 +150,6 @@ def staged_call(variant: BoundaryVariant, config: BoundaryConfig, rows: int) -> 
     return variant.y_source == "x" and config.clusters(rows) < rows
 
 
-def variant_name(v: BoundaryVariant) -> str:
-    """A short readable name of a variant, e.g. "moe+shared pre mxfp8 aux"."""
-    parts = [v.y_source + ("+shared" if v.shared else "")]
-    parts.append("pre" if v.pre else "residual-only")
-    parts += [flag for flag, on in (("mxfp8", v.mxfp8), (v.fp8, v.fp8 is not None), ("aux", v.aux)) if on]
-    return " ".join(parts)
-
-
 def warmup_jobs(
     H: int,
     *,
@@ -247,93 +191,20 @@ def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: Bound
     """Launch a compiled fused-boundary kernel once on one row of scratch buffers of its own, so that CUDA loads
     its module now. With peers, every peer address is this launch's own slots, which hold data (no sentinel)
     already: every wait of the exchange ends at once, and nothing outside the scratch is touched."""
-    y_source, shared, pre, mxfp8, aux, fp8 = variant
-    bf16 = lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16, device=device)  # noqa: E731
-    f32 = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
-    moe = y_source == "moe"
-    peers = world_size > 1
-    slots = bf16(GENERATIONS, world_size + 1, 1, H) if peers else None
-    state = None
-    if peers:
-        state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
-        state[STATE_CALLS], state[STATE_RANK], state[STATE_TIMEOUT_US] = 0, 0, 1000
-    fn(
-        bf16(1, HC, H),
-        f32(1, HC),
-        f32(1, HC, HC),
-        f32(1, HC) if pre else None,
-        bf16(H) if pre else None,
-        None if moe else bf16(1, H),
-        bf16(1, H) if shared else None,
-        bf16(1, H) if moe else None,
-        f32(1, 1) if moe else None,
-        torch.zeros(1, 1, dtype=torch.int32, device=device) if moe else None,
-        bf16(1, HC, H),
-        bf16(1, H) if pre else None,
-        torch.zeros(1, H, dtype=torch.float8_e4m3fn, device=device) if mxfp8 else None,
-        torch.zeros(mxfp8_scale_bytes(1, H), dtype=torch.uint8, device=device) if mxfp8 else None,
-        torch.zeros(1, H, dtype=torch.float8_e4m3fn, device=device) if fp8 else None,
-        f32(H // FP8_GROUP, 4) if fp8 else None,
-        bf16(1, H) if aux else None,
-        slots,
-        torch.full((world_size,), slots.data_ptr(), dtype=torch.int64, device=device) if peers else None,
-        state,
-        torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device) if peers or moe else None,
+    dims = concrete_dims(1, H)
+    args = BoundaryArgs.build(
+        H,
+        variant,
+        world_size,
+        lambda name, dtype, shape: torch.zeros(
+            [dims.get(d, d) for d in shape], dtype=TORCH_DTYPES[dtype], device=device
+        ),
         1e-6,
     )
-
-
-def launch_args(
-    *,
-    residual: Any,
-    post: Any,
-    comb: Any,
-    new_residual: Any,
-    eps: float,
-    pre: Any = None,
-    norm_weight: Any = None,
-    x: Any = None,
-    shared: Any = None,
-    gemm2_permuted: Any = None,
-    expert_weights: Any = None,
-    idx: Any = None,
-    out: Any = None,
-    mxfp8_data: Any = None,
-    mxfp8_scale: Any = None,
-    fp8_data: Any = None,
-    fp8_scale: Any = None,
-    aux: Any = None,
-    slots: Any = None,
-    peers: Any = None,
-    state: Any = None,
-    error: Any = None,
-) -> tuple:
-    """A compiled boundary's positional arguments, by name (FusedBoundaryKernel.__call__'s order, the stream left to
-    TVM-FFI): for callers of a compiled kernel other than fused_boundary, which spells the same tuple out."""
-    return (
-        residual,
-        post,
-        comb,
-        pre,
-        norm_weight,
-        x,
-        shared,
-        gemm2_permuted,
-        expert_weights,
-        idx,
-        new_residual,
-        out,
-        mxfp8_data,
-        mxfp8_scale,
-        fp8_data,
-        fp8_scale,
-        aux,
-        slots,
-        peers,
-        state,
-        error,
-        float(eps),
-    )
+    if world_size > 1:
+        args.state[STATE_CALLS], args.state[STATE_RANK], args.state[STATE_TIMEOUT_US] = 0, 0, 1000
+        args.peers.fill_(args.slots.data_ptr())
+    fn(*args)
 
 
 class NotLoadedError(RuntimeError):
