@@ -180,9 +180,11 @@ def fused_call(inp: dict[str, torch.Tensor], arch: str, quant: str | None):
     """A closure running the fused kernel's entry (no host checks: those are the public API's) on one input set,
     writing the layer input in the form `quant` too (QUANTS)."""
     mx, fp8 = quant == "mxfp8", quant == "fp8_1x128"
+    variant = boundary_api.BoundaryVariant("x", mxfp8=mx, fp8=quant if fp8 else None)
 
     def call() -> None:
         boundary_api.fused_boundary(
+            variant,
             residual=inp["residual"],
             post=inp["post"],
             comb=inp["comb"],
@@ -196,7 +198,6 @@ def fused_call(inp: dict[str, torch.Tensor], arch: str, quant: str | None):
             mxfp8_scale=inp["mxfp8_scale"] if mx else None,
             fp8_data=inp["fp8_data"] if fp8 else None,
             fp8_scale=inp["fp8_scale"] if fp8 else None,
-            fp8_form=quant if fp8 else None,
             arch=arch,
         )
 

@@ -26,6 +26,7 @@ from cute_kernels.allreduce.protocol import (
     PROTOCOLS,
 )
 from cute_kernels.boundary import api as boundary_api
+from cute_kernels.boundary.args import BoundaryVariant
 from cute_kernels.compile import lazy_module_loading, warmup
 from cute_kernels.hardware import MAX_DEVICE_CONNECTIONS, device_connections
 
@@ -602,21 +603,20 @@ class BoundaryAllReduce:
         rows = residual.shape[0]
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
-        fp8_form = None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128")
+        # The call's variant, decided once here, where it entered; nothing below derives it again.
+        variant = BoundaryVariant(
+            "x" if moe is None else "moe",
+            shared is not None,
+            pre is not None,
+            mxfp8_out is not None,
+            aux_out is not None,
+            None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
+        )
         peer = compiled = None
         if self.path is not BoundaryPath.PEER:
-            flags = (
-                moe is None,
-                shared is not None,
-                pre is not None,
-                mxfp8_out is not None,
-                aux_out is not None,
-                fp8_form,
-            )
-            compiled = self._launches.get(flags)
+            compiled = self._launches.get(variant)
             if compiled is None:
-                variant = boundary_api.BoundaryVariant("x" if moe is None else "moe", *flags[1:])
-                compiled = self._launches[flags] = boundary_api.compiled_boundary(
+                compiled = self._launches[variant] = boundary_api.compiled_boundary(
                     self.hidden_size, variant, arch=self.arch
                 )
         else:
@@ -633,6 +633,7 @@ class BoundaryAllReduce:
                     ws.shared_context,
                 )
         boundary_api.fused_boundary(
+            variant,
             residual=residual,
             post=post,
             comb=comb,
@@ -648,7 +649,6 @@ class BoundaryAllReduce:
             mxfp8_scale=None if mxfp8_out is None else mxfp8_out.scale,
             fp8_data=None if fp8_out is None else fp8_out.data,
             fp8_scale=None if fp8_out is None else fp8_out.scale,
-            fp8_form=fp8_form,
             aux=aux_out,
             error=self.workspace.error,
             peer=peer,

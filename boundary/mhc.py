@@ -17,9 +17,12 @@ from boundary.backend import kernel_arch
 from boundary.params import MHCParams
 from cute_kernels import coefficients
 from cute_kernels.boundary.api import fused_boundary
+from cute_kernels.boundary.args import BoundaryVariant
 from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
 from cute_kernels.compile import WarmupJob
 from cute_kernels.hardware import MAX_GRID_Y
+
+RESIDUAL_ONLY = BoundaryVariant("x", pre=False)  # mhc_post: the fused boundary without a layer input
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -315,6 +318,7 @@ def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
     checks.tensor("x", x, align=16)
     new = torch.empty_like(residual)
     fused_boundary(
+        RESIDUAL_ONLY,
         residual=residual,
         post=post,
         comb=comb,

@@ -7,6 +7,9 @@ communicator is an all-reduce op's. `torch.compile` traces the fake implementati
 nodes. Annotations stay unpostponed here: `torch.library.infer_schema` reads them to build the schema.
 """
 
+import inspect
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -33,16 +36,50 @@ BOUNDARY_MUTATES = ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "aux_o
 _LIB = torch.library.Library("mhc_boundary", "DEF")
 
 
-def _op(mutates_args: tuple[str, ...] = ()):
-    """Define mhc_boundary::<the function's name> with the schema its annotations give (as custom_op infers it) and
-    make the function its implementation on every device."""
+def _op(fake: Callable[..., object], mutates_args: tuple[str, ...] = ()):
+    """Define mhc_boundary::<the function's name> with the schema its annotations give (as custom_op infers it), make
+    the function its implementation on every device, and `fake` its fake implementation: a shape rule that takes the
+    op's arguments by name and reads only those it needs (the outputs follow from `residual` alone)."""
 
     def register(fn):
         _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        names = tuple(inspect.signature(fn).parameters)
+
+        def fake_impl(*args: object, **kwargs: object) -> object:
+            return fake(**dict(zip(names, args)), **kwargs)
+
+        torch.library.register_fake(f"mhc_boundary::{fn.__name__}", fake_impl, lib=_LIB)
         return fn
 
     return register
+
+
+# The shape rules of the fake implementations: every output's shape follows from the streams [T, hc, H].
+def _new_streams(residual: Tensor, **_: object) -> Tensor:
+    return torch.empty_like(residual)
+
+
+def _layer_input(residual: Tensor, **_: object) -> Tensor:
+    return residual.new_empty(residual.shape[0], residual.shape[2])
+
+
+def _mixes(residual: Tensor, **_: object) -> tuple[Tensor, Tensor, Tensor]:
+    rows, hc, _ = residual.shape
+    return (
+        residual.new_empty(rows, hc, dtype=F32),
+        residual.new_empty(rows, hc, hc, dtype=F32),
+        residual.new_empty(rows, hc, dtype=F32),
+    )
+
+
+def _boundary_outputs(residual: Tensor, **_: object) -> tuple[Tensor, Tensor]:
+    return _new_streams(residual), _layer_input(residual)
+
+
+def _coefficients(residual: Tensor, **_: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    post, comb, pre = _mixes(residual)
+    return post, comb, _layer_input(residual), pre
 
 
 def _run_boundary(
@@ -86,7 +123,7 @@ def _run_boundary(
     return ar.finalize(*moe, shared_output, *epilogue, aux_out=aux_out, fp8_out=fp8)
 
 
-@_op(BOUNDARY_MUTATES)
+@_op(_boundary_outputs, BOUNDARY_MUTATES)
 def boundary(
     handle: int,
     x: Tensor | None,
@@ -131,33 +168,9 @@ def boundary(
     )
 
 
-@torch.library.register_fake("mhc_boundary::boundary", lib=_LIB)
-def _boundary_fake(
-    handle: int,
-    x: Tensor | None,
-    gemm2_permuted: Tensor | None,
-    expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None,
-    shared_output: Tensor | None,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    pre: Tensor,
-    norm_weight: Tensor,
-    norm_eps: float,
-    mxfp8_data: Tensor | None,
-    mxfp8_scale: Tensor | None,
-    fp8_data: Tensor | None,
-    fp8_scale: Tensor | None,
-    fp8_ue8m0: bool,
-    aux_out: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
-
-
 # No aux_out here: Inductor cannot compile an op that returns one Tensor and declares a mutated argument the call
 # passes as None ("getitem is not an OpOverload"); aux on the residual-only boundary is BoundaryAllReduce's.
-@_op()
+@_op(_new_streams)
 def post_only(
     handle: int,
     x: Tensor | None,
@@ -187,22 +200,7 @@ def post_only(
     return new
 
 
-@torch.library.register_fake("mhc_boundary::post_only", lib=_LIB)
-def _post_only_fake(
-    handle: int,
-    x: Tensor | None,
-    gemm2_permuted: Tensor | None,
-    expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None,
-    shared_output: Tensor | None,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-) -> Tensor:
-    return torch.empty_like(residual)
-
-
-@_op()
+@_op(_layer_input)
 def final(
     handle: int,
     x: Tensor | None,
@@ -235,25 +233,7 @@ def final(
     return hidden
 
 
-@torch.library.register_fake("mhc_boundary::final", lib=_LIB)
-def _final_fake(
-    handle: int,
-    x: Tensor | None,
-    gemm2_permuted: Tensor | None,
-    expert_weights: Tensor | None,
-    expanded_idx_to_permuted_idx: Tensor | None,
-    shared_output: Tensor | None,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    pre: Tensor,
-    norm_weight: Tensor,
-    norm_eps: float,
-) -> Tensor:
-    return residual.new_empty(residual.shape[0], residual.shape[2])
-
-
-@_op()
+@_op(_coefficients)
 def mhc_pre_delayed(
     residual: Tensor,
     fn: Tensor,
@@ -279,30 +259,7 @@ def mhc_pre_delayed(
     )
 
 
-@torch.library.register_fake("mhc_boundary::mhc_pre_delayed", lib=_LIB)
-def _mhc_pre_delayed_fake(
-    residual: Tensor,
-    fn: Tensor,
-    hc_scale: Tensor,
-    hc_base: Tensor,
-    rms_eps: float,
-    hc_pre_eps: float,
-    hc_sinkhorn_eps: float,
-    hc_post_mult_value: float,
-    sinkhorn_repeat: int,
-    pre_mix: Tensor | None = None,
-    x: Tensor | None = None,
-    norm_weight: Tensor | None = None,
-    norm_eps: float = 1e-6,
-    backend: str = "auto",
-    workspace_owner: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rows, hc, hidden = residual.shape
-    post, comb, pre = _mixes_fake(residual)
-    return post, comb, residual.new_empty(rows, hidden), pre
-
-
-@_op()
+@_op(_mixes)
 def mhc_mixes(
     residual: Tensor,
     fn: Tensor,
@@ -322,42 +279,10 @@ def mhc_mixes(
     return mhc.mixes(residual, params, x, backend=backend, workspace_owner=workspace_owner)
 
 
-@torch.library.register_fake("mhc_boundary::mhc_mixes", lib=_LIB)
-def _mhc_mixes_fake(
-    residual: Tensor,
-    fn: Tensor,
-    hc_scale: Tensor,
-    hc_base: Tensor,
-    rms_eps: float,
-    hc_pre_eps: float,
-    hc_sinkhorn_eps: float,
-    hc_post_mult_value: float,
-    sinkhorn_repeat: int,
-    x: Tensor | None = None,
-    backend: str = "auto",
-    workspace_owner: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _mixes_fake(residual)
-
-
-def _mixes_fake(residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    rows, hc, _ = residual.shape
-    return (
-        residual.new_empty(rows, hc, dtype=F32),
-        residual.new_empty(rows, hc, hc, dtype=F32),
-        residual.new_empty(rows, hc, dtype=F32),
-    )
-
-
-@_op()
+@_op(_new_streams)
 def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     """The new streams from a reduced sublayer output: `boundary.mhc_post` as an op."""
     return mhc.mhc_post(x, residual, post, comb, backend=backend)
-
-
-@torch.library.register_fake("mhc_boundary::mhc_post", lib=_LIB)
-def _mhc_post_fake(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
-    return torch.empty_like(residual)
 
 
 def partial_args(pending: object) -> tuple[Tensor | None, ...]:

@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from boundary import checks, mhc, ops
+from boundary import checks
 from boundary.all_reduce import BoundaryAllReduce
+from boundary.calls import DirectCalls, OpCalls
 from boundary.params import MHCParams
 from boundary.types import (
     Fp8GroupActivation,
@@ -183,7 +184,8 @@ class Boundaries:
         # The mHC ops follow the boundary's path: torch ops beside the reference, kernels otherwise.
         self.backend = "reference" if all_reduce.path == "reference" else "kernel"
         # Simulated ranks run their steps at once on one GPU: each rank's coefficients need a workspace of its own.
-        self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
+        owner = all_reduce.rank if all_reduce.simulated_ranks else None
+        self._calls = (OpCalls if self.custom_ops else DirectCalls)(all_reduce, self.backend, owner)
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; input = RMSNorm(stream 0)."""
@@ -235,22 +237,21 @@ class Boundaries:
         reads = FFN if ffn else ATTN
         values = self._layer(layer, reads)
         rows, hidden, dev = step.rows, self.all_reduce.hidden_size, self.all_reduce.device
-        if not quantize:
-            quantized = None
-        elif quantize == "mxfp8":
-            quantized = empty_quantized(rows, hidden, dev)
-        else:
-            quantized = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
+        mxfp8 = fp8 = None  # the form is decided here, once: each buffer goes to its own argument
+        if quantize == "mxfp8":
+            mxfp8 = empty_quantized(rows, hidden, dev)
+        elif quantize:
+            fp8 = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
         try:
-            residual, layer_input = self._reduce(state, state.pre, values[3], values[4], quantized, aux)
+            residual, layer_input = self._reduce(state, state.pre, values[3], values[4], mxfp8, fp8, aux)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, _state_names(state))
             raise
         state.pending = None
         post, comb, _, pre = self._mixes(layer, values, reads, residual, None, step, layer_input)
-        return BoundaryState(residual, post, comb, pre), layer_input, quantized, aux
+        return BoundaryState(residual, post, comb, pre), layer_input, mxfp8 if fp8 is None else fp8, aux
 
     def post_only(self, state: BoundaryState) -> Tensor:
         """The residual-only boundary on state.pending (which it consumes): the new streams, with no layer input."""
@@ -258,7 +259,7 @@ class Boundaries:
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         self._check_state(state, None, pending=True)
         try:
-            residual, _ = self._reduce(state, None, None, 0.0, None, None)
+            residual, _ = self._reduce(state, None, None, 0.0, None, None, None)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _state_names(state))
             raise
@@ -286,19 +287,9 @@ class Boundaries:
         # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
         # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).
         try:
-            if self.custom_ops:
-                hidden = torch.ops.mhc_boundary.final(
-                    self.all_reduce.handle,
-                    *ops.partial_args(state.pending),
-                    state.residual,
-                    state.post,
-                    state.comb,
-                    state.pre,
-                    norm_weight,
-                    eps,
-                )
-            else:
-                _, hidden = self._reduce(state, state.pre, norm_weight, eps, None, None)
+            hidden = self._calls.final(
+                state.pending, state.residual, state.post, state.comb, state.pre, norm_weight, eps
+            )
         except (TypeError, ValueError) as exc:
             checks.rename(exc, {"norm_eps": "eps"})
             checks.rename(exc, _state_names(state))
@@ -365,34 +356,12 @@ class Boundaries:
         params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
         norm_weight, norm_eps = (weight, eps) if layer_input is None else (None, 1e-6)
         try:
-            if self.custom_ops:
-                if layer_input is None:
-                    return torch.ops.mhc_boundary.mhc_pre_delayed(
-                        residual, *params, pre_mix, x, norm_weight, norm_eps, self.backend, self._owner
-                    )
-                post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend, self._owner)
-                return post, comb, layer_input, pre
             stream = None
             if self._side(step):
                 stream = self._stream(layer)
                 if not isinstance(stream, torch.cuda.Stream):
                     raise ValueError("step.side_stream is set but layer.mhc_stream is not a torch.cuda.Stream")
-            if stream is not None or layer_input is not None:
-                return mhc.pre_delayed_overlap(
-                    residual,
-                    params,
-                    pre_mix,
-                    x,
-                    norm_weight,
-                    norm_eps,
-                    stream=stream,
-                    layer_input=layer_input,
-                    backend=self.backend,
-                    workspace_owner=self._owner,
-                )
-            return mhc.pre_delayed(
-                residual, params, pre_mix, x, norm_weight, norm_eps, backend=self.backend, workspace_owner=self._owner
-            )
+            return self._calls.coefficients(residual, params, pre_mix, x, norm_weight, norm_eps, layer_input, stream)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, {"pre_mix": "state.pre"})
@@ -404,54 +373,18 @@ class Boundaries:
         pre: Tensor | None,
         norm_weight: Tensor | None,
         norm_eps: float,
-        quantized: QuantizedActivation | Fp8GroupActivation | None,
+        mxfp8: QuantizedActivation | None,
+        fp8: Fp8GroupActivation | None,
         aux: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         """The fused boundary on whatever the sublayer left pending."""
-        ar, pending = self.all_reduce, state.pending
-        fp8 = None
-        if quantized is not None and type(quantized) is Fp8GroupActivation:
-            quantized, fp8 = None, quantized
-        if self.custom_ops:
-            mx = (None, None) if quantized is None else (quantized.data, quantized.scale)
-            grouped = (None, None, False) if fp8 is None else (fp8.data, fp8.scale, fp8.ue8m0)
-            source = ops.partial_args(pending)
-            if pre is None:
-                return torch.ops.mhc_boundary.post_only(
-                    ar.handle, *source, state.residual, state.post, state.comb
-                ), None
-            return torch.ops.mhc_boundary.boundary(
-                ar.handle,
-                *source,
-                state.residual,
-                state.post,
-                state.comb,
-                pre,
-                norm_weight,
-                norm_eps,
-                *mx,
-                *grouped,
-                aux,
-            )
-        common = (state.residual, state.post, state.comb, pre, norm_weight, norm_eps, quantized)
-        if isinstance(pending, Tensor):
-            return ar(pending, *common, aux_out=aux, fp8_out=fp8)
-        routed = pending.routed
-        if isinstance(routed, UnfinalizedMoEOutput):
-            return ar.finalize(
-                routed.gemm2_permuted,
-                routed.expert_weights,
-                routed.expanded_idx_to_permuted_idx,
-                pending.shared_output,
-                *common,
-                aux_out=aux,
-                fp8_out=fp8,
-            )
-        return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8)
+        return self._calls.boundary(
+            state.pending, state.residual, state.post, state.comb, pre, norm_weight, norm_eps, mxfp8, fp8, aux
+        )
 
     def _side(self, step: DecodeStep) -> bool:
         """Whether this step's mixes run on side streams: they fall away on a CPU boundary."""
-        return step.side_stream and self.all_reduce.device.type == "cuda" and not self.custom_ops
+        return step.side_stream and self.all_reduce.device.type == "cuda" and self._calls.side_streams
 
     def _check_step(self, step: object) -> None:
         if not isinstance(step, DecodeStep):

@@ -161,7 +161,10 @@ def boundary_call(variant: str, rows: int, hidden: int, device: Any, arch: str) 
             shared=torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16),
             error=torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device),
         )
-    return lambda: api.fused_boundary(**kwargs)
+    variant = api.BoundaryVariant(
+        "moe" if "moe" in kwargs else "x", "shared" in kwargs, kwargs["pre"] is not None, aux="aux" in kwargs
+    )
+    return lambda: api.fused_boundary(variant, **kwargs)
 
 
 def final_call(rows: int, hidden: int, device: Any) -> Call:

@@ -359,14 +359,14 @@ def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkey
     host time); BoundaryArgs names it for every other caller: both give the same tuple, so a new kernel argument
     cannot leave one of them stale."""
     got = []
-    monkeypatch.setattr(api, "compiled_boundary", lambda *a, **k: lambda *args: got.append(args))
+    asked = []
+    monkeypatch.setattr(api, "compiled_boundary", lambda H, v, **k: asked.append(v) or (lambda *args: got.append(args)))
     residual, post = torch.zeros(2, 4, 256, dtype=torch.bfloat16), torch.zeros(2, 4)
     named = {name: object() for name in ("comb", "pre", "norm_weight", "shared", "new_residual", "out", "aux")}
     named |= {name: object() for name in ("mxfp8_data", "mxfp8_scale", "fp8_data", "fp8_scale", "error")}
     moe = (object(), object(), object())
-    api.fused_boundary(
-        residual=residual, post=post, norm_eps=1e-6, moe=moe, fp8_form="fp8_1x128", arch="sm_90a", **named
-    )
+    variant = api.BoundaryVariant("moe", True, True, True, True, "fp8_1x128")
+    api.fused_boundary(variant, residual=residual, post=post, norm_eps=1e-6, moe=moe, arch="sm_90a", **named)
     want = api.BoundaryArgs(
         residual=residual,
         post=post,
@@ -376,6 +376,7 @@ def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkey
         idx=moe[2],
         **named,
     )
+    assert asked == [variant]  # the caller's variant, as given: nothing below derives it again
     ((args,),) = [got]
     assert len(args) == len(want) and all(a is b or (a == b and type(a) is float) for a, b in zip(args[2:], want[2:]))
     assert torch.equal(args[0], residual) and torch.equal(args[1], post.view(2, 4))

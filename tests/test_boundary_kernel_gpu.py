@@ -136,6 +136,7 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
     error = torch.zeros(4, dtype=torch.int32, device="cuda") if moe is not None else None
     if config is None:
         api.fused_boundary(
+            variant,
             residual=inp.residual,
             post=inp.post,
             comb=inp.comb,

@@ -121,11 +121,11 @@ def test_a_misaligned_scale_buffer_is_refused_before_any_launch() -> None:
     entry = dict(
         residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"], norm_weight=inp["norm_weight"]
     )
-    entry |= dict(norm_eps=EPS, x=inp["x"], new_residual=new, out=out, fp8_data=q.data, fp8_form="fp8_1x128")
-    arch = arch_for_device(torch.device("cuda"))
+    entry |= dict(norm_eps=EPS, x=inp["x"], new_residual=new, out=out, fp8_data=q.data)
+    arch, variant = arch_for_device(torch.device("cuda")), api.BoundaryVariant("x", fp8="fp8_1x128")
     with pytest.raises(ValueError, match="Misaligned Tensor data"):
-        api.fused_boundary(**entry, fp8_scale=off.scale, arch=arch)
-    api.fused_boundary(**entry, fp8_scale=q.scale, arch=arch)
+        api.fused_boundary(variant, **entry, fp8_scale=off.scale, arch=arch)
+    api.fused_boundary(variant, **entry, fp8_scale=q.scale, arch=arch)
     torch.cuda.synchronize()
     assert_fp8_bytes(q, out)
     assert bool((raw == 0).all()), "the refused call wrote to the misaligned buffer"

@@ -226,6 +226,7 @@ class PeerArgs:
 
 
 def fused_boundary(
+    variant: BoundaryVariant,
     *,
     residual: torch.Tensor,
     post: torch.Tensor,
@@ -242,21 +243,21 @@ def fused_boundary(
     mxfp8_scale: torch.Tensor | None = None,
     fp8_data: torch.Tensor | None = None,
     fp8_scale: torch.Tensor | None = None,
-    fp8_form: str | None = None,
     aux: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
     peer: PeerArgs | None = None,
     compiled: Callable[..., Any] | None = None,
     arch: str,
 ) -> None:
-    """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, FP8 1x128 in the
-    form `fp8_form` of FP8_FORMS, aux).
+    """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, FP8 1x128,
+    aux): the kernel of `variant`, which the caller decided where the call entered (its tensors must match it: the
+    compiled kernel refuses a None where it takes a tensor, and the reverse).
 
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
     combine (plus `shared`, the shared-expert output); with `peer`, the rank-order sum of that partial
     over every rank. pre=None is the residual-only boundary. `post` may be [T, 4] or [T, 4, 1].
     `error` (int32 [4]) takes the device error word (needed with `moe` or `peer`). `compiled`: the one-rank kernel of
-    this call's variant, where the caller has it already (BoundaryAllReduce keeps one per variant it launched).
+    this variant, where the caller has it already (BoundaryAllReduce keeps one per variant it launched).
     """
     rows, _, H = residual.shape
     if rows == 0:
@@ -265,9 +266,7 @@ def fused_boundary(
     if compiled is not None and peer is None:
         fn, slots, peers, state = compiled, None, None, None
     else:
-        fn, slots, peers, state = _resolve(
-            H, rows, moe is not None, shared, pre, mxfp8_data, aux, fp8_data, fp8_form, peer, arch
-        )
+        fn, slots, peers, state = _resolve(H, rows, variant, peer, arch)
     fn(
         residual,
         post if post.dim() == 2 else post.view(rows, HC),
@@ -295,27 +294,9 @@ def fused_boundary(
 
 
 def _resolve(
-    H: int,
-    rows: int,
-    moe: bool,
-    shared: Any,
-    pre: Any,
-    mxfp8_data: Any,
-    aux: Any,
-    fp8_data: Any,
-    fp8_form: str | None,
-    peer: PeerArgs | None,
-    arch: str,
+    H: int, rows: int, variant: BoundaryVariant, peer: PeerArgs | None, arch: str
 ) -> tuple[Callable[..., Any], Any, Any, Any]:
     """The compiled kernel of a fused_boundary call, and its peer tensors (slots, peers, state; None at W = 1)."""
-    variant = BoundaryVariant(
-        "moe" if moe else "x",
-        shared is not None,
-        pre is not None,
-        mxfp8_data is not None,
-        aux is not None,
-        None if fp8_data is None else fp8_form,
-    )
     if peer is None:
         return compiled_boundary(H, variant, arch=arch), None, None, None
     protocol = call_protocol(peer.world_size, H, rows, peer.protocol)

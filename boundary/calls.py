@@ -1,0 +1,159 @@
+"""How `Boundaries` calls the boundary and the coefficients, chosen once when it is built: directly (Python, with side
+streams) or through the custom ops (`torch.ops.mhc_boundary.*`, which torch.compile traces; the coefficients inline).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from boundary import mhc, ops
+from boundary.all_reduce import BoundaryAllReduce
+from boundary.params import MHCParams
+from boundary.types import Fp8GroupActivation, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput
+
+
+class DirectCalls:
+    """The plain Python path: `BoundaryAllReduce` for the boundary, `boundary.mhc` for the coefficients."""
+
+    side_streams = True
+
+    def __init__(self, all_reduce: BoundaryAllReduce, backend: str, owner: int | None) -> None:
+        self.all_reduce, self.backend, self.owner = all_reduce, backend, owner
+
+    def boundary(
+        self,
+        pending: Tensor | MoEOutput,
+        residual: Tensor,
+        post: Tensor,
+        comb: Tensor,
+        pre: Tensor | None,
+        norm_weight: Tensor | None,
+        norm_eps: float,
+        mxfp8: QuantizedActivation | None,
+        fp8: Fp8GroupActivation | None,
+        aux: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The fused boundary on a pending sublayer output: (new streams, layer input or None when pre is None)."""
+        ar = self.all_reduce
+        common = (residual, post, comb, pre, norm_weight, norm_eps, mxfp8)
+        if isinstance(pending, Tensor):
+            return ar(pending, *common, aux_out=aux, fp8_out=fp8)
+        routed = pending.routed
+        if isinstance(routed, UnfinalizedMoEOutput):
+            return ar.finalize(
+                routed.gemm2_permuted,
+                routed.expert_weights,
+                routed.expanded_idx_to_permuted_idx,
+                pending.shared_output,
+                *common,
+                aux_out=aux,
+                fp8_out=fp8,
+            )
+        return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8)
+
+    def final(
+        self,
+        pending: Tensor | MoEOutput,
+        residual: Tensor,
+        post: Tensor,
+        comb: Tensor,
+        pre: Tensor,
+        norm_weight: Tensor,
+        eps: float,
+    ) -> Tensor:
+        """The final boundary: RMSNorm(collapse(R', pre)) with the final norm (the new streams are dropped)."""
+        _, hidden = self.boundary(pending, residual, post, comb, pre, norm_weight, eps, None, None, None)
+        return hidden
+
+    def coefficients(
+        self,
+        residual: Tensor,
+        params: MHCParams,
+        pre_mix: Tensor | None,
+        x: Tensor | None,
+        norm_weight: Tensor | None,
+        norm_eps: float,
+        layer_input: Tensor | None,
+        stream: torch.cuda.Stream | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(post, comb, layer input, next pre), on `stream` where one is given; with `layer_input` given (the
+        boundary wrote it) the mixes alone are computed."""
+        if stream is not None or layer_input is not None:
+            return mhc.pre_delayed_overlap(
+                residual,
+                params,
+                pre_mix,
+                x,
+                norm_weight,
+                norm_eps,
+                stream=stream,
+                layer_input=layer_input,
+                backend=self.backend,
+                workspace_owner=self.owner,
+            )
+        return mhc.pre_delayed(
+            residual, params, pre_mix, x, norm_weight, norm_eps, backend=self.backend, workspace_owner=self.owner
+        )
+
+
+class OpCalls(DirectCalls):
+    """The same calls through `torch.ops.mhc_boundary`, whose implementations are DirectCalls' own paths."""
+
+    side_streams = False
+
+    def boundary(
+        self,
+        pending: Tensor | MoEOutput,
+        residual: Tensor,
+        post: Tensor,
+        comb: Tensor,
+        pre: Tensor | None,
+        norm_weight: Tensor | None,
+        norm_eps: float,
+        mxfp8: QuantizedActivation | None,
+        fp8: Fp8GroupActivation | None,
+        aux: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        source = ops.partial_args(pending)
+        handle = self.all_reduce.handle
+        if pre is None:
+            return torch.ops.mhc_boundary.post_only(handle, *source, residual, post, comb), None
+        mx = (None, None) if mxfp8 is None else (mxfp8.data, mxfp8.scale)
+        grouped = (None, None, False) if fp8 is None else (fp8.data, fp8.scale, fp8.ue8m0)
+        return torch.ops.mhc_boundary.boundary(
+            handle, *source, residual, post, comb, pre, norm_weight, norm_eps, *mx, *grouped, aux
+        )
+
+    def final(
+        self,
+        pending: Tensor | MoEOutput,
+        residual: Tensor,
+        post: Tensor,
+        comb: Tensor,
+        pre: Tensor,
+        norm_weight: Tensor,
+        eps: float,
+    ) -> Tensor:
+        source = ops.partial_args(pending)
+        return torch.ops.mhc_boundary.final(
+            self.all_reduce.handle, *source, residual, post, comb, pre, norm_weight, eps
+        )
+
+    def coefficients(
+        self,
+        residual: Tensor,
+        params: MHCParams,
+        pre_mix: Tensor | None,
+        x: Tensor | None,
+        norm_weight: Tensor | None,
+        norm_eps: float,
+        layer_input: Tensor | None,
+        stream: torch.cuda.Stream | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if layer_input is None:
+            return torch.ops.mhc_boundary.mhc_pre_delayed(
+                residual, *params, pre_mix, x, norm_weight, norm_eps, self.backend, self.owner
+            )
+        post, comb, pre = torch.ops.mhc_boundary.mhc_mixes(residual, *params, x, self.backend, self.owner)
+        return post, comb, layer_input, pre
