@@ -105,6 +105,8 @@ class Outputs:
     data: Tensor | None
     scale: Tensor | None
     aux: Tensor | None
+    fp8_data: Tensor | None = None  # the FP8 1x128 form (variant.fp8)
+    fp8_scale: Tensor | None = None
 
 
 def _poisoned(shape: tuple[int, ...]) -> Tensor:
@@ -117,12 +119,18 @@ def empty_outputs(T: int, H: int, variant: api.BoundaryVariant) -> Outputs:
     if variant.mxfp8:
         data = torch.full((T, H), POISON_FP8, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
         scale = torch.full((mxfp8_scale_bytes(T, H),), POISON_SCALE, dtype=torch.uint8, device="cuda")
+    fp8_data = fp8_scale = None
+    if variant.fp8:
+        fp8_data = torch.full((T, H), POISON_FP8, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        fp8_scale = torch.full((H // 128, ref.fp8_group_scale_rows(T)), float("nan"), device="cuda")
     return Outputs(
         new_residual=_poisoned((T, 4, H)),
         out=_poisoned((T, H)) if variant.pre else None,
         data=data,
         scale=scale,
         aux=_poisoned((T, H)) if variant.aux else None,
+        fp8_data=fp8_data,
+        fp8_scale=fp8_scale,
     )
 
 
@@ -150,6 +158,8 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
             out=res.out,
             mxfp8_data=res.data,
             mxfp8_scale=res.scale,
+            fp8_data=res.fp8_data,
+            fp8_scale=res.fp8_scale,
             aux=res.aux,
             error=error,
             arch=arch,
@@ -174,6 +184,8 @@ def launch(inp: Inputs, variant: api.BoundaryVariant, res: Outputs, arch: str, c
                 out=res.out,
                 mxfp8_data=res.data,
                 mxfp8_scale=res.scale,
+                fp8_data=res.fp8_data,
+                fp8_scale=res.fp8_scale,
                 aux=res.aux,
                 error=error,
                 eps=EPS,
@@ -224,6 +236,18 @@ def check(inp: Inputs, variant: api.BoundaryVariant, res: Outputs) -> None:
         assert float((dist != 0).float().mean()) < 0.02
     if variant.mxfp8:
         check_mxfp8(res.out, res.data, res.scale)
+    if variant.fp8:
+        check_fp8_group(res.out, res.fp8_data, res.fp8_scale, variant.fp8 == "fp8_1x128_ue8m0")
+
+
+def check_fp8_group(out: Tensor, data: Tensor, scale: Tensor, ue8m0: bool) -> None:
+    """The FP8 1x128 bytes of the kernel's own bf16 out, exactly: the e4m3 data and the scales bit for bit (a NaN scale
+    as NaN), the padding scales 0."""
+    data_ref, scale_ref = ref.fp8_group_quantize(out, ue8m0=ue8m0)
+    got, want = data.view(torch.uint8), data_ref.view(torch.uint8)
+    assert torch.equal(got, want), f"{int((got != want).sum())} e4m3 bytes differ from the reference rule"
+    same = (scale.view(torch.int32) == scale_ref.view(torch.int32)) | (scale.isnan() & scale_ref.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} FP8 1x128 scales differ"
 
 
 def _variant_id(v: api.BoundaryVariant) -> str:
