@@ -179,8 +179,8 @@ class BoundaryAllReduce:
         self.timeout_us = timeout_us
         self.simulated_ranks = False
         self._peer_args: boundary_api.PeerArgs | None = None
-        # The one-rank kernel of each variant this boundary has launched, by its flags: looked up once, not per call.
-        self._launches: dict[tuple, Callable[..., Any]] = {}
+        # The variant and one-rank kernel of each call form this boundary has launched, by its flags: decided once.
+        self._launches: dict[tuple, tuple[BoundaryVariant, Callable[..., Any] | None]] = {}
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
@@ -603,23 +603,30 @@ class BoundaryAllReduce:
         rows = residual.shape[0]
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
-        # The call's variant, decided once here, where it entered; nothing below derives it again.
-        variant = BoundaryVariant(
-            "x" if moe is None else "moe",
+        # The call's variant, decided once here, where it entered; nothing below derives it again. The flags key a
+        # cache of (variant, compiled kernel): a plain tuple costs less host time per call than the NamedTuple.
+        flags = (
+            moe is None,
             shared is not None,
             pre is not None,
             mxfp8_out is not None,
             aux_out is not None,
-            None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
+            None if fp8_out is None else fp8_out.ue8m0,
         )
-        peer = compiled = None
-        if self.path is not BoundaryPath.PEER:
-            compiled = self._launches.get(variant)
-            if compiled is None:
-                compiled = self._launches[variant] = boundary_api.compiled_boundary(
-                    self.hidden_size, variant, arch=self.arch
-                )
-        else:
+        launch = self._launches.get(flags)
+        if launch is None:
+            variant = BoundaryVariant(
+                "x" if moe is None else "moe",
+                *flags[1:5],
+                None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
+            )
+            compiled = None
+            if self.path is not BoundaryPath.PEER:
+                compiled = boundary_api.compiled_boundary(self.hidden_size, variant, arch=self.arch)
+            launch = self._launches[flags] = (variant, compiled)
+        variant, compiled = launch
+        peer = None
+        if self.path is BoundaryPath.PEER:
             peer = self._peer_args
             if peer is None:  # made once: this runs ~100 times per decode step
                 ws = self.workspace
