@@ -25,6 +25,7 @@ from cute_kernels.allreduce.tuning import (
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config, row_split
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
+from tests.inputs import boundary_inputs
 
 BF16 = torch.bfloat16
 
@@ -375,3 +376,40 @@ def test_the_hardware_queue_count_is_read_as_cuda_reads_it(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "many")
     with pytest.raises(ValueError, match="^CUDA_DEVICE_MAX_CONNECTIONS must be an int >= 1, got 'many'"):
         device_connections()
+
+
+def test_the_kernel_path_decides_each_calls_variant_once_and_passes_it_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BoundaryAllReduce._kernel (the one-rank kernel path, driven here on the CPU with the compile and the launch
+    stubbed) turns each call form into its BoundaryVariant once, compiles its kernel once, and hands fused_boundary
+    that variant and kernel on every call."""
+    from boundary.types import empty_fp8_group, empty_quantized
+
+    H, rows = 256, 2
+    ar = BoundaryAllReduce(H, max_rows=4, device="cpu")
+    compiled, launched = [], []
+    monkeypatch.setattr(api, "compiled_boundary", lambda h, v, **k: compiled.append(v) or ("kernel", v))
+    monkeypatch.setattr(api, "fused_boundary", lambda v, **k: launched.append((v, k["compiled"])))
+    inp = boundary_inputs(rows, H)
+    epilogue = (inp["residual"], inp["post"], inp["comb"])
+    mx, fp8 = empty_quantized(rows, H, torch.device("cpu")), empty_fp8_group(rows, H, torch.device("cpu"), True)
+    forms = [
+        (dict(pre=None, norm_weight=None), dict(x=inp["x"]), api.BoundaryVariant("x", pre=False)),
+        (dict(mxfp8_out=mx), dict(x=inp["x"], shared=inp["x"]), api.BoundaryVariant("x", True, mxfp8=True)),
+        (dict(fp8_out=fp8), dict(moe=(None, None, None)), api.BoundaryVariant("moe", fp8="fp8_1x128_ue8m0")),
+    ]
+    for _ in range(3):
+        for given, source, _ in forms:
+            args = dict(pre=inp["pre"], norm_weight=inp["norm_weight"], mxfp8_out=None, fp8_out=None) | given
+            ar._kernel(
+                *epilogue,
+                args["pre"],
+                args["norm_weight"],
+                1e-6,
+                args["mxfp8_out"],
+                None,
+                args["fp8_out"],
+                **source,
+            )
+    want = [variant for _, _, variant in forms]
+    assert compiled == want  # once per form
+    assert launched == [(v, ("kernel", v)) for v in want] * 3
