@@ -27,10 +27,10 @@ def gpu_arch() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: the command line is the GPU benchmark's, checked (and --help answered) before anything runs."""
-    from bench import kernels
+    from bench import run
 
     argv = sys.argv[1:] if argv is None else argv
-    kernels.parse_args(argv)
+    run.parse_args(argv)
     arch = gpu_arch()
     if arch is None:
         from boundary import demo
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv:
             print(f"make bench: the options {' '.join(argv)} are the GPU benchmark's; the demo runs without them.")
         return demo.main(["--device", "cpu"])
-    return kernels.main(argv, arch=arch)
+    return run.main(argv, arch=arch)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bench import host, step
-from bench.kernels import boundary_inputs, parse_args
+from bench.kernels import boundary_inputs
+from bench.run import parse_args
 
 CPU = torch.device("cpu")
 
@@ -44,7 +45,7 @@ def test_the_host_part_times_every_calling_form() -> None:
 
 
 def test_the_default_bench_is_a_few_shapes_of_every_part_and_full_is_the_sweep() -> None:
-    from bench.kernels import DEFAULTS, FULL
+    from bench.run import DEFAULTS, FULL
 
     quick, full = parse_args([]), parse_args(["--full"])
     assert quick.parts == full.parts == ["boundary", "host", "allreduce", "coefficients", "step"]
@@ -81,7 +82,7 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
 
 def test_an_interrupted_step_part_keeps_the_rows_it_measured() -> None:
     """A time limit's SIGINT in the middle of the step part: the rows already measured stay in the caller's list
-    (bench.kernels.main writes and prints them)."""
+    (bench.run.main writes and prints them)."""
 
     class StopsInTheSecondRow(OnceTimer):
         def per_call_us(self, calls: Sequence[Callable[[], object]], calls_each: int = 1) -> float:

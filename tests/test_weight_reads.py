@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import step, weight_reads
-from bench.kernels import parse_args
+from bench.run import parse_args
 from boundary.toy import ToyConfig, ToyModel
 from tests.test_bench_parts import OnceTimer
 
