@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from bench import critical_path
 from bench.kernels import (
     CALLS_PER_GRAPH,
     bench_boundary,
@@ -216,6 +217,7 @@ def main(argv: list[str] | None, *, arch: str) -> int:
             from bench import step
 
             step.print_step(results["step"])
+            critical_path.print_critical_path(results["step"])
             step.plot_step(results["step"], args.out / f"{stem}-step.png")  # after the JSON: a plot cannot lose it
         print(f"\nwrote {path}" + (" (incomplete: the run was stopped)" if "incomplete" in results else ""))
     stalled = [r for r in results.get("step", []) if "stalled" in r]

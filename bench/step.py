@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from bench import tilelang_step, weight_reads
+from bench import critical_path, tilelang_step, weight_reads
 from bench.timing import GraphTimer, on_streams
 from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
@@ -212,7 +212,13 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
         row["boundary_share"] = boundaries_us / row["toy_step_us"]
         if hidden == weight_reads.HIDDEN:
             reads = reads or weight_reads.WeightReads(device, max(args.step_rows))
-            row["v3_step_us"] = timer.per_call_us([_step_call(reads.model(free, rows), ours_b, rows, rows <= 16)])
+            v3 = reads.model(free, rows)
+            row["v3_side_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, True)])
+            row["v3_inline_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, False)])
+            copies = critical_path.OutputCopies(rows, hidden, device)
+            row["v3_copies_us"] = timer.per_call_us([_step_call(v3, copies, rows, False)])  # type: ignore[arg-type]
+            critical_path.add_critical_path(row, n)
+            row["v3_step_us"] = row["v3_side_us"] if rows <= 16 else row["v3_inline_us"]
             row["v3_share"] = boundaries_us / row["v3_step_us"]
         for key in ("eager", "compile"):
             if f"{key}_us" in row:

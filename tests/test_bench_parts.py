@@ -80,6 +80,48 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     ]
 
 
+def test_the_critical_path_rows_time_the_weight_read_step_with_ours_and_with_output_copies(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At the weight-read step's H (here made 512, its reads a few KB) the step part also times that step with our
+    boundaries (side streams, inline) and with boundaries that only write their outputs; the difference over the
+    step's boundaries is the critical-path cost per boundary, printed in its own table."""
+    from bench import critical_path, weight_reads
+
+    monkeypatch.setattr(weight_reads, "HIDDEN", 512)
+    monkeypatch.setattr(weight_reads, "layer_bytes", lambda rows: (4096, 8192 * rows))
+    times = iter(range(1, 1000))
+
+    class CountingTimer(OnceTimer):
+        def per_call_us(self, calls: Sequence[Callable[[], object]], calls_each: int = 1) -> float:
+            super().per_call_us(calls, calls_each)
+            return float(next(times))
+
+    args = parse_args(["--step-hidden", "512", "--step-rows", "2", "--step-layers", "2", "--step-tp", "1"])
+    args.no_compile = True
+    (row,) = step.bench_step(args, CountingTimer())  # type: ignore[arg-type]
+    # side, inline, eager, glue, toy step, then the V3 step: side, inline, copies (the 6th to 8th timings)
+    assert (row["v3_side_us"], row["v3_inline_us"], row["v3_copies_us"]) == (6.0, 7.0, 8.0)
+    assert row["critical_side_us"] == (6.0 - 8.0) / 4 and row["critical_inline_us"] == (7.0 - 8.0) / 4
+    assert row["v3_step_us"] == row["v3_side_us"]  # 2 rows: the side streams' step
+    critical_path.print_critical_path([row])
+    assert "  512    2   4 |" in capsys.readouterr().out
+
+
+def test_output_copies_stand_in_for_the_boundaries_of_a_toy_step() -> None:
+    """The stand-in drives the toy step as Boundaries does; every output it gives is a fresh copy (a write)."""
+    from bench.critical_path import OutputCopies
+    from boundary import DecodeStep
+    from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
+
+    model = ToyModel(ToyConfig(hidden_size=256, num_layers=3, vocab=16))
+    copies = OutputCopies(3, 256, CPU)
+    out = decode_step(model, copies, random_tokens(model, 3, 0), DecodeStep(rows=3, side_stream=False))  # type: ignore[arg-type]
+    assert out.hidden.shape == (3, 256) and torch.equal(out.hidden, copies.layer_input)
+    assert out.hidden.data_ptr() != copies.layer_input.data_ptr()
+    assert out.moe_input_mxfp8 is not None and out.aux is not None
+
+
 def test_an_interrupted_step_part_keeps_the_rows_it_measured() -> None:
     """A time limit's SIGINT in the middle of the step part: the rows already measured stay in the caller's list
     (bench.run.main writes and prints them)."""

@@ -1,0 +1,102 @@
+"""What a boundary costs on a step's critical path (#46): the V3 weight-read step (bench.weight_reads: each sublayer
+takes a real layer's time at few rows) with our boundaries, against the same step whose boundaries only write their
+outputs (`OutputCopies`). Their difference over the step's boundaries is how much later, on average, each next
+sublayer starts because of its boundary: the kernel's own time, the launch gaps and joins around it, and what its
+side-stream coefficients take from the sublayers they overlap. Reported with the side streams on and off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from boundary import BoundaryState, DecodeStep
+from boundary.types import MHCLayer, QuantizedActivation, empty_quantized
+
+
+class OutputCopies:
+    """Stands in for `Boundaries` in the toy step: every boundary only writes its outputs, copies of tensors made once
+    (the new streams [T, 4, H] and the layer input [T, H]: one copy kernel each), so that a step of it costs its
+    sublayers, its model code and the boundaries' least output writes. The mixes a state carries are made once too;
+    an MXFP8 or aux output asked for is a buffer allocated, not written."""
+
+    def __init__(self, rows: int, hidden: int, device: torch.device) -> None:
+        g = torch.Generator(device=device).manual_seed(rows)
+        self.streams = torch.randn(rows, 4, hidden, generator=g, device=device).to(torch.bfloat16)
+        self.layer_input = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
+        self.post = torch.rand(rows, 4, generator=g, device=device) * 2
+        self.comb = torch.softmax(torch.randn(rows, 4, 4, generator=g, device=device), -1)
+        self.pre_mix = torch.rand(rows, 4, generator=g, device=device)
+        self.rows, self.hidden, self.device = rows, hidden, device
+
+    def _state(self) -> BoundaryState:
+        return BoundaryState(self.streams.clone(), self.post, self.comb, self.pre_mix)
+
+    def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
+        """The model entry: the streams and the layer input written."""
+        return self._state(), self.layer_input.clone()
+
+    def pre(
+        self, layer: MHCLayer, residual: Tensor, state: BoundaryState, step: DecodeStep
+    ) -> tuple[BoundaryState, Tensor]:
+        """An Engram layer's entry: the streams and the layer input written."""
+        return self._state(), self.layer_input.clone()
+
+    def sublayer(
+        self,
+        layer: MHCLayer,
+        ffn: bool,
+        state: BoundaryState,
+        step: DecodeStep,
+        *,
+        quantize: bool | str | None = False,
+        capture_aux: bool = False,
+    ) -> tuple[BoundaryState, Tensor, QuantizedActivation | None, Tensor | None]:
+        """A boundary: the new streams and the layer input written (an MXFP8 or aux output only allocated)."""
+        quantized = empty_quantized(self.rows, self.hidden, self.device) if quantize else None
+        aux = torch.empty(self.rows, self.hidden, dtype=torch.bfloat16, device=self.device) if capture_aux else None
+        return self._state(), self.layer_input.clone(), quantized, aux
+
+    def post_only(self, state: BoundaryState) -> Tensor:
+        """The residual-only boundary: the new streams written."""
+        return self.streams.clone()
+
+    def join(self, layer: MHCLayer, step: DecodeStep) -> None:
+        """No side stream to wait for."""
+
+    def final(self, state: BoundaryState, norm: Any, eps: float | None = None) -> Tensor:
+        """The final boundary: the final hidden state written."""
+        return self.layer_input.clone()
+
+
+def add_critical_path(row: dict[str, Any], boundaries: int) -> None:
+    """The per-boundary critical-path cost of a step row that has the V3 step with side streams, inline and with
+    output copies only."""
+    for mode in ("side", "inline"):
+        row[f"critical_{mode}_us"] = (row[f"v3_{mode}_us"] - row["v3_copies_us"]) / boundaries
+
+
+def print_critical_path(rows: list[dict]) -> None:
+    """The critical-path table: the V3 weight-read step with our boundaries and with output copies only."""
+    rows = [r for r in rows if "v3_copies_us" in r]
+    if not rows:
+        return
+    print("\nboundaries on the critical path (V3 weight-read step, TP 1, one CUDA graph, L2 flushed), GPU us")
+    head = (
+        f"{'H':>5} {'rows':>4} {'bnd':>3} | {'side':>8} {'inline':>8} {'copies':>8} | "
+        f"{'/bnd side':>9} {'/bnd inline':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['H']:>5} {r['rows']:>4} {r['boundaries']:>3} | {r['v3_side_us']:8.1f} {r['v3_inline_us']:8.1f} "
+            f"{r['v3_copies_us']:8.1f} | {r['critical_side_us']:9.2f} {r['critical_inline_us']:11.2f}"
+        )
+    print(
+        "side / inline: our boundaries with the coefficients on side streams / inline; copies: every boundary only "
+        "writes its outputs (bench.critical_path.OutputCopies); /bnd: (ours - copies) / boundaries, how much later each "
+        "next sublayer starts because of its boundary"
+    )
