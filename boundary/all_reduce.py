@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -184,6 +185,7 @@ class BoundaryAllReduce:
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None  # checks.fits' device
         self.arch = kernel_arch(self.device, backend)  # raises on GPUs without the kernels
         # Checked where the path is not known yet: with the receive slots wherever the peer path may run, and for
         # simulated ranks (no group) every rank's buffers on the one GPU, once.
@@ -333,6 +335,14 @@ class BoundaryAllReduce:
         With `shared_output` the rank's partial is bf16(x + shared_output) (a combined MoE output). `fp8_out` takes
         the FP8 1x128 form of the layer input (CONTRACT §4b), beside or instead of `mxfp8_out`.
         """
+        if (
+            shared_output is None
+            and aux_out is None
+            and fp8_out is None
+            and self._fused
+            and self._fits(x, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out)
+        ):  # the common call, every argument as `_check_epilogue` would pass it: checked in one pass
+            return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
         residual = self._check_residual(residual)
         rows = residual.shape[0]
         a16 = self._align(16)
@@ -487,6 +497,45 @@ class BoundaryAllReduce:
     def _align(self, nbytes: int) -> int:
         """The byte boundary a buffer the kernel accesses `nbytes` at a time must start on: 1 on the torch path."""
         return nbytes if self.arch is not None else 1
+
+    def _fits(
+        self,
+        x: object,
+        residual: object,
+        post: object,
+        comb: object,
+        pre: object,
+        norm_weight: object,
+        norm_eps: object,
+        mxfp8_out: object,
+    ) -> bool:
+        """Whether a call on a ready partial passes every check as it is (2-D post, a float eps, no aux or FP8 1x128):
+        the host's fast path. False sends the call through the full checks, which name what is wrong."""
+        if type(residual) is not Tensor or residual.dim() != 3:
+            return False
+        rows, hc, hidden = residual.shape[0], self.hc_mult, self.hidden_size
+        index, a16 = self._cuda_index, self._align(16)
+        if not (
+            0 < rows <= self.max_rows
+            and checks.fits(residual, BF16, (rows, hc, hidden), index, a16)
+            and checks.fits(x, BF16, (rows, hidden), index, a16)
+            and checks.fits(post, F32, (rows, hc), index, 1)
+            and checks.fits(comb, F32, (rows, hc, hc), index, 1)
+            and type(norm_eps) is float
+            and 0.0 <= norm_eps < math.inf
+        ):
+            return False
+        if pre is None:
+            return norm_weight is None and mxfp8_out is None
+        if not (checks.fits(pre, F32, (rows, hc), index, 1) and checks.fits(norm_weight, BF16, (hidden,), index, a16)):
+            return False
+        return mxfp8_out is None or (
+            type(mxfp8_out) is QuantizedActivation
+            and checks.fits(mxfp8_out.data, torch.float8_e4m3fn, (rows, hidden), index, a16)
+            and checks.fits(
+                mxfp8_out.scale, torch.uint8, (reference.mxfp8_scale_bytes(rows, hidden),), index, self._align(4)
+            )
+        )
 
     def _check_rows(self, rows: int) -> None:
         checks.positive_int("rows", rows)

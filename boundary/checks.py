@@ -99,6 +99,20 @@ def tensor(
     return value
 
 
+def fits(value: object, dtype: torch.dtype, shape: tuple[int, ...], cuda_index: int | None, align: int) -> bool:
+    """Whether `value` is a plain tensor of exactly this dtype and fully given shape, on the CUDA device `cuda_index`
+    (None: on the CPU), contiguous and starting on an `align`-byte boundary: what `tensor` accepts, tested in one
+    expression for the hot path (a False says nothing: `tensor` then finds and names what is wrong)."""
+    return (
+        type(value) is Tensor
+        and value.dtype is dtype
+        and value.shape == shape
+        and (value.is_cpu if cuda_index is None else value.get_device() == cuda_index)
+        and value.is_contiguous()
+        and value.data_ptr() % align == 0
+    )
+
+
 def optional_tensor(name: str, value: object, **kwargs: object) -> Tensor | None:
     """Like `tensor`, for an argument that may be None."""
     return None if value is None else tensor(name, value, **kwargs)  # type: ignore[arg-type]
