@@ -354,7 +354,7 @@ def test_the_public_edge_checks_the_16_byte_alignment_the_kernel_relies_on() -> 
     assert checks.tensor("x", x, dtype=torch.bfloat16, shape=(3, 256)) is x  # the torch path takes any address
 
 
-def test_fused_boundary_passes_the_compiled_kernel_what_launch_args_names(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_boundary_passes_the_compiled_kernel_what_the_record_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """fused_boundary spells the kernel's positional tuple out (its hot path, where building the record would cost
     host time); BoundaryArgs names it for every other caller: both give the same tuple, so a new kernel argument
     cannot leave one of them stale."""
