@@ -244,7 +244,9 @@ class Boundaries:
             fp8 = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
         try:
-            residual, layer_input = self._reduce(state, state.pre, values[3], values[4], mxfp8, fp8, aux)
+            residual, layer_input = self._calls.boundary(
+                state.pending, state.residual, state.post, state.comb, state.pre, values[3], values[4], mxfp8, fp8, aux
+            )
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, _state_names(state))
@@ -259,7 +261,9 @@ class Boundaries:
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         self._check_state(state, None, pending=True)
         try:
-            residual, _ = self._reduce(state, None, None, 0.0, None, None, None)
+            residual, _ = self._calls.boundary(
+                state.pending, state.residual, state.post, state.comb, None, None, 0.0, None, None, None
+            )
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _state_names(state))
             raise
@@ -366,21 +370,6 @@ class Boundaries:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, {"pre_mix": "state.pre"})
             raise
-
-    def _reduce(
-        self,
-        state: BoundaryState,
-        pre: Tensor | None,
-        norm_weight: Tensor | None,
-        norm_eps: float,
-        mxfp8: QuantizedActivation | None,
-        fp8: Fp8GroupActivation | None,
-        aux: Tensor | None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The fused boundary on whatever the sublayer left pending."""
-        return self._calls.boundary(
-            state.pending, state.residual, state.post, state.comb, pre, norm_weight, norm_eps, mxfp8, fp8, aux
-        )
 
     def _side(self, step: DecodeStep) -> bool:
         """Whether this step's mixes run on side streams: they fall away on a CPU boundary."""
