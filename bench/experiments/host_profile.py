@@ -1,10 +1,10 @@
 """Where a boundary call's host time goes: the public call taken apart, piece by piece, and profiled.
 
-`python -m bench.experiments.host_profile [--hidden 7168] [--rows 4]` times (median µs per call, inputs made, as
-`make bench`'s host part): one `torch.add` (the yardstick), the public `BoundaryAllReduce` call, the custom op, and
-the pieces of the public call on their own: its input checks, its two output allocations, the compiled-kernel lookup,
-the TVM-FFI launch of the compiled kernel with its arguments ready, and `fused_boundary` (lookup + launch). Then
-cProfile's top functions over the public call.
+`python -m bench.experiments.host_profile [--hidden 7168] [--rows 4]` times (median µs per call, inputs made, as `make
+bench`'s host part): one `torch.add` (the yardstick), the public `BoundaryAllReduce` call, the custom op, and the
+pieces of the public call on their own: its full input checks and the one-pass test that stands for them on a
+well-formed call, its two output allocations, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel
+with its arguments ready, and `fused_boundary` (lookup + launch). Then cProfile's top functions over the public call.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
         "public_call": host_us_per_call(lambda: ar(inp["x"], *epilogue, None)),
         "custom_op": host_us_per_call(lambda: _op(ar, inp, inp["residual"])),
         "checks": host_us_per_call(checks),
+        "fast_checks": host_us_per_call(lambda: ar._fits(inp["x"], *epilogue, None)),
         "two_empty": host_us_per_call(
             lambda: (torch.empty_like(inp["residual"]), torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda"))
         ),
