@@ -1,8 +1,8 @@
 """Where a boundary call's host time goes: the public call taken apart, piece by piece, and profiled.
 
-`python -m bench.experiments.host_profile [--hidden 7168] [--rows 4]` times (median µs per call, inputs made, as `make
-bench`'s host part): one `torch.add` (the yardstick), the public `BoundaryAllReduce` call, the custom op, and the
-pieces of the public call on their own: its full input checks and the one-pass test that stands for them on a
+`python -m bench.experiments.host_profile [--hidden 7168] [--rows 4]` times (median µs per call, inputs made, as
+`make bench`'s host part): one `torch.add` (the yardstick), the public `BoundaryAllReduce` call, the custom op, and
+the pieces of the public call on their own: its full input checks and the one-pass test that stands for them on a
 well-formed call, its two output allocations, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel
 with its arguments ready, and `fused_boundary` (lookup + launch). Then cProfile's top functions over the public call.
 """
