@@ -490,6 +490,40 @@ def test_the_hosts_fast_path_accepts_only_what_the_full_checks_accept() -> None:
     for fault in faults:
         assert not full_checks_pass(**fault), fault
         assert not fits(**fault), fault
+    # The device test: the CPU (None), or a CUDA index, which a CPU tensor (get_device() -1) never matches.
+    assert checks.fits(inp["x"], torch.bfloat16, (rows, H), None, 16)
+    assert not checks.fits(inp["x"], torch.bfloat16, (rows, H), 0, 16)
     # Where the fast path declines a call the full checks accept (another eps type, a 3-D post), the call still runs.
     assert full_checks_pass(norm_eps=0) and not fits(norm_eps=0)
     assert full_checks_pass(post=inp["post"].unsqueeze(-1)) and not fits(post=inp["post"].unsqueeze(-1))
+
+
+def test_every_call_form_the_kernel_path_builds_is_a_warmup_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variants BoundaryAllReduce's kernel path builds from its call forms (a ready or MoE partial, an addend or
+    not, residual-only or with a layer input in bf16 / MXFP8 / FP8 1x128 / its UE8M0 form, aux or not) are exactly
+    the engine variants warmup() compiles: the call path and the warmup list cannot drift apart."""
+    from boundary.types import empty_fp8_group, empty_quantized
+
+    H, rows, cpu = 256, 2, torch.device("cpu")
+    ar = BoundaryAllReduce(H, max_rows=4, device="cpu")
+    built = []
+    monkeypatch.setattr(api, "compiled_boundary", lambda h, v, **k: built.append(v) or (lambda *a: None))
+    monkeypatch.setattr(api, "fused_boundary", lambda v, **k: None)
+    inp = boundary_inputs(rows, H)
+    layer_inputs = [
+        (None, None, None),  # residual-only
+        (inp["pre"], None, None),
+        (inp["pre"], empty_quantized(rows, H, cpu), None),
+        (inp["pre"], None, empty_fp8_group(rows, H, cpu, False)),
+        (inp["pre"], None, empty_fp8_group(rows, H, cpu, True)),
+    ]
+    for source in (dict(x=inp["x"]), dict(moe=(None, None, None))):
+        for shared in (None, inp["x"]):
+            for pre, mx, fp8 in layer_inputs:
+                for aux in (None, torch.empty(rows, H, dtype=torch.bfloat16)):
+                    w = None if pre is None else inp["norm_weight"]
+                    ar._kernel(
+                        inp["residual"], inp["post"], inp["comb"], pre, w, 1e-6, mx, aux, fp8, shared=shared, **source
+                    )
+    assert len(built) == len(set(built)) == len(api.ENGINE_VARIANTS)
+    assert set(built) == set(api.ENGINE_VARIANTS)
