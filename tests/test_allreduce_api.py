@@ -88,16 +88,13 @@ def test_the_peer_workspace_keeps_multicast_off(monkeypatch: pytest.MonkeyPatch)
 
 
 def _moe_inputs(rows: int = 5, hidden: int = 256, experts: int = 9, top_k: int = 3):
+    """An unfinalised MoE partial (gemm2_permuted, expert weights, indices with some -1) and a boundary's inputs."""
     g = torch.Generator().manual_seed(0)
     gemm2 = torch.randn(experts, hidden, generator=g).to(BF16)
     weights = torch.rand(rows, top_k, generator=g)
     idx = torch.randint(-1, experts, (rows, top_k), generator=g, dtype=torch.int32)
-    residual = torch.randn(rows, 4, hidden, generator=g).to(BF16)
-    post = torch.rand(rows, 4, generator=g)
-    comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), -1)
-    pre = torch.rand(rows, 4, generator=g)
-    w = torch.ones(hidden, dtype=BF16)
-    return gemm2, weights, idx, residual, post, comb, pre, w
+    inp = boundary_inputs(rows, hidden)
+    return gemm2, weights, idx, inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"]
 
 
 def test_a_moe_index_outside_the_rows_is_no_expert_and_check_names_the_row() -> None:
