@@ -4,13 +4,18 @@ streams) or through the custom ops (`torch.ops.mhc_boundary.*`, which torch.comp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from boundary import mhc, ops
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.params import MHCParams
-from boundary.types import Fp8GroupActivation, MoEOutput, QuantizedActivation, UnfinalizedMoEOutput
+from boundary.types import Fp8GroupActivation, QuantizedActivation, UnfinalizedMoEOutput
+
+if TYPE_CHECKING:  # the scheduler imports this module
+    from boundary.scheduler import BoundaryState
 
 
 class DirectCalls:
@@ -23,10 +28,7 @@ class DirectCalls:
 
     def boundary(
         self,
-        pending: Tensor | MoEOutput,
-        residual: Tensor,
-        post: Tensor,
-        comb: Tensor,
+        state: BoundaryState,
         pre: Tensor | None,
         norm_weight: Tensor | None,
         norm_eps: float,
@@ -34,9 +36,10 @@ class DirectCalls:
         fp8: Fp8GroupActivation | None,
         aux: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        """The fused boundary on a pending sublayer output: (new streams, layer input or None when pre is None)."""
-        ar = self.all_reduce
-        common = (residual, post, comb, pre, norm_weight, norm_eps, mxfp8)
+        """The fused boundary on the state's pending sublayer output: (new streams, layer input or None when pre is
+        None)."""
+        ar, pending = self.all_reduce, state.pending
+        common = (state.residual, state.post, state.comb, pre, norm_weight, norm_eps, mxfp8)
         if isinstance(pending, Tensor):
             return ar(pending, *common, aux_out=aux, fp8_out=fp8)
         routed = pending.routed
@@ -52,18 +55,9 @@ class DirectCalls:
             )
         return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8)
 
-    def final(
-        self,
-        pending: Tensor | MoEOutput,
-        residual: Tensor,
-        post: Tensor,
-        comb: Tensor,
-        pre: Tensor,
-        norm_weight: Tensor,
-        eps: float,
-    ) -> Tensor:
-        """The final boundary: RMSNorm(collapse(R', pre)) with the final norm (the new streams are dropped)."""
-        _, hidden = self.boundary(pending, residual, post, comb, pre, norm_weight, eps, None, None, None)
+    def final(self, state: BoundaryState, norm_weight: Tensor, eps: float) -> Tensor:
+        """The final boundary: RMSNorm(collapse(R', state.pre)) with the final norm (the new streams are dropped)."""
+        _, hidden = self.boundary(state, state.pre, norm_weight, eps, None, None, None)
         return hidden
 
     def coefficients(
@@ -104,10 +98,7 @@ class OpCalls(DirectCalls):
 
     def boundary(
         self,
-        pending: Tensor | MoEOutput,
-        residual: Tensor,
-        post: Tensor,
-        comb: Tensor,
+        state: BoundaryState,
         pre: Tensor | None,
         norm_weight: Tensor | None,
         norm_eps: float,
@@ -115,29 +106,20 @@ class OpCalls(DirectCalls):
         fp8: Fp8GroupActivation | None,
         aux: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        source = ops.partial_args(pending)
-        handle = self.all_reduce.handle
+        source = ops.partial_args(state.pending)
+        handle, streams = self.all_reduce.handle, (state.residual, state.post, state.comb)
         if pre is None:
-            return torch.ops.mhc_boundary.post_only(handle, *source, residual, post, comb), None
+            return torch.ops.mhc_boundary.post_only(handle, *source, *streams), None
         mx = (None, None) if mxfp8 is None else (mxfp8.data, mxfp8.scale)
         grouped = (None, None, False) if fp8 is None else (fp8.data, fp8.scale, fp8.ue8m0)
         return torch.ops.mhc_boundary.boundary(
-            handle, *source, residual, post, comb, pre, norm_weight, norm_eps, *mx, *grouped, aux
+            handle, *source, *streams, pre, norm_weight, norm_eps, *mx, *grouped, aux
         )
 
-    def final(
-        self,
-        pending: Tensor | MoEOutput,
-        residual: Tensor,
-        post: Tensor,
-        comb: Tensor,
-        pre: Tensor,
-        norm_weight: Tensor,
-        eps: float,
-    ) -> Tensor:
-        source = ops.partial_args(pending)
+    def final(self, state: BoundaryState, norm_weight: Tensor, eps: float) -> Tensor:
+        source = ops.partial_args(state.pending)
         return torch.ops.mhc_boundary.final(
-            self.all_reduce.handle, *source, residual, post, comb, pre, norm_weight, eps
+            self.all_reduce.handle, *source, state.residual, state.post, state.comb, state.pre, norm_weight, eps
         )
 
     def coefficients(

@@ -244,9 +244,7 @@ class Boundaries:
             fp8 = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
         try:
-            residual, layer_input = self._calls.boundary(
-                state.pending, state.residual, state.post, state.comb, state.pre, values[3], values[4], mxfp8, fp8, aux
-            )
+            residual, layer_input = self._calls.boundary(state, state.pre, values[3], values[4], mxfp8, fp8, aux)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             checks.rename(exc, _state_names(state))
@@ -261,9 +259,7 @@ class Boundaries:
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         self._check_state(state, None, pending=True)
         try:
-            residual, _ = self._calls.boundary(
-                state.pending, state.residual, state.post, state.comb, None, None, 0.0, None, None, None
-            )
+            residual, _ = self._calls.boundary(state, None, None, 0.0, None, None, None)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _state_names(state))
             raise
@@ -291,9 +287,7 @@ class Boundaries:
         # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
         # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).
         try:
-            hidden = self._calls.final(
-                state.pending, state.residual, state.post, state.comb, state.pre, norm_weight, eps
-            )
+            hidden = self._calls.final(state, norm_weight, eps)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, {"norm_eps": "eps"})
             checks.rename(exc, _state_names(state))
