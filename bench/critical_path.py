@@ -2,7 +2,8 @@
 takes a real layer's time at few rows) with our boundaries, against the same step whose boundaries only write their
 outputs (`OutputCopies`). Their difference over the step's boundaries is how much later, on average, each next
 sublayer starts because of its boundary: the kernel's own time, the launch gaps and joins around it, and what its
-side-stream coefficients take from the sublayers they overlap. Reported with the side streams on and off.
+side-stream coefficients take from the sublayers they overlap. Reported with the side streams on (the engine's join
+right before each boundary, or before each sublayer's last kernel: `EarlyJoin`) and off.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from boundary import BoundaryState, DecodeStep
+from boundary import Boundaries, BoundaryState, DecodeStep
 from boundary.types import MHCLayer, QuantizedActivation, empty_quantized
 
 
@@ -71,10 +72,33 @@ class OutputCopies:
         return self.layer_input.clone()
 
 
+class EarlyJoin:
+    """Our `Boundaries` with the engine's side-stream join placed before each sublayer's last kernel instead of right
+    before the boundary: the step's own `join` calls do nothing, and the sublayer calls `before_last(layer)` between
+    its kernels (bench.weight_reads), which joins there. The boundary then has one graph parent, the sublayer's last
+    kernel, and still runs after the coefficients it reads (through that kernel)."""
+
+    def __init__(self, boundaries: Boundaries, step: DecodeStep) -> None:
+        self.boundaries, self.step = boundaries, step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.boundaries, name)
+
+    def join(self, layer: MHCLayer, step: DecodeStep) -> None:
+        """Joined already, before the sublayer's last kernel."""
+
+    def before_last(self, layer: MHCLayer) -> None:
+        """The join, where the sublayer's last kernel is about to be launched."""
+        self.boundaries.join(layer, self.step)
+
+
+MODES = ("side", "early", "inline")
+
+
 def add_critical_path(row: dict[str, Any], boundaries: int) -> None:
-    """The per-boundary critical-path cost of a step row that has the V3 step with side streams, inline and with
-    output copies only."""
-    for mode in ("side", "inline"):
+    """The per-boundary critical-path cost of a step row that has the V3 step with side streams (joined on the
+    boundary, and early), inline and with output copies only."""
+    for mode in MODES:
         row[f"critical_{mode}_us"] = (row[f"v3_{mode}_us"] - row["v3_copies_us"]) / boundaries
 
 
@@ -85,18 +109,20 @@ def print_critical_path(rows: list[dict]) -> None:
         return
     print("\nboundaries on the critical path (V3 weight-read step, TP 1, one CUDA graph, L2 flushed), GPU us")
     head = (
-        f"{'H':>5} {'rows':>4} {'bnd':>3} | {'side':>8} {'inline':>8} {'copies':>8} | "
-        f"{'/bnd side':>9} {'/bnd inline':>11}"
+        f"{'H':>5} {'rows':>4} {'bnd':>3} | {'side':>8} {'early':>8} {'inline':>8} {'copies':>8} | "
+        f"{'/bnd side':>9} {'/bnd early':>10} {'/bnd inline':>11}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['H']:>5} {r['rows']:>4} {r['boundaries']:>3} | {r['v3_side_us']:8.1f} {r['v3_inline_us']:8.1f} "
-            f"{r['v3_copies_us']:8.1f} | {r['critical_side_us']:9.2f} {r['critical_inline_us']:11.2f}"
+            f"{r['H']:>5} {r['rows']:>4} {r['boundaries']:>3} | {r['v3_side_us']:8.1f} {r['v3_early_us']:8.1f} "
+            f"{r['v3_inline_us']:8.1f} {r['v3_copies_us']:8.1f} | {r['critical_side_us']:9.2f} "
+            f"{r['critical_early_us']:10.2f} {r['critical_inline_us']:11.2f}"
         )
     print(
-        "side / inline: our boundaries with the coefficients on side streams / inline; copies: every boundary only "
+        "side: our boundaries with the coefficients on side streams, joined right before each boundary; early: joined "
+        "before each sublayer's last kernel (EarlyJoin); inline: the coefficients inline; copies: every boundary only "
         "writes its outputs (bench.critical_path.OutputCopies); /bnd: (ours - copies) / boundaries, how much later each "
         "next sublayer starts because of its boundary"
     )

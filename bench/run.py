@@ -183,6 +183,9 @@ def run_parts(
         from bench import step
 
         step.bench_step(args, timer, results.setdefault("step", []))
+        from bench import start_delay
+
+        results["start_delay"] = start_delay.measure(device, arch)  # printed with the step's tables
 
 
 def main(argv: list[str] | None, *, arch: str) -> int:
@@ -218,6 +221,10 @@ def main(argv: list[str] | None, *, arch: str) -> int:
 
             step.print_step(results["step"])
             critical_path.print_critical_path(results["step"])
+            if results.get("start_delay"):
+                from bench import start_delay
+
+                start_delay.print_start_delays(results["start_delay"])
             step.plot_step(results["step"], args.out / f"{stem}-step.png")  # after the JSON: a plot cannot lose it
         print(f"\nwrote {path}" + (" (incomplete: the run was stopped)" if "incomplete" in results else ""))
     stalled = [r for r in results.get("step", []) if "stalled" in r]

@@ -214,6 +214,9 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
             reads = reads or weight_reads.WeightReads(device, max(args.step_rows))
             v3 = reads.model(free, rows)
             row["v3_side_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, True)])
+            early = critical_path.EarlyJoin(ours_b, DecodeStep(rows=rows, side_stream=True))
+            v3_early = reads.model(free, rows, before_last=early.before_last)
+            row["v3_early_us"] = timer.per_call_us([_step_call(v3_early, early, rows, True)])  # type: ignore[arg-type]
             row["v3_inline_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, False)])
             copies = critical_path.OutputCopies(rows, hidden, device)
             row["v3_copies_us"] = timer.per_call_us([_step_call(v3, copies, rows, False)])  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ one shared expert. TP 1: one GPU reads every weight.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,13 +18,15 @@ import torch
 from boundary.toy import ToyModel
 
 HIDDEN = 7168
+O_PROJ_PARAMS = 128 * 128 * HIDDEN  # an attention sublayer's last GEMM
 ATTENTION_PARAMS = (
     HIDDEN * 1536  # q_a_proj
     + 1536 * 128 * (128 + 64)  # q_b_proj
     + HIDDEN * (512 + 64)  # kv_a_proj_with_mqa
     + 512 * 128 * (128 + 128)  # kv_b_proj
-    + 128 * 128 * HIDDEN  # o_proj
+    + O_PROJ_PARAMS
 )
+O_PROJ_SHARE = O_PROJ_PARAMS / ATTENTION_PARAMS
 EXPERT_PARAMS = 3 * HIDDEN * 2048  # gate, up and down projections
 ROUTED_EXPERTS, TOP_K, SHARED_EXPERTS = 256, 8, 1
 
@@ -45,18 +48,28 @@ class WeightReads:
     def __init__(self, device: torch.device, max_rows: int) -> None:
         self.words = torch.zeros(max(layer_bytes(max_rows)) // 4, dtype=torch.float32, device=device)
 
-    def model(self, free: ToyModel, rows: int) -> ToyModel:
-        """A copy of a boundaries-only model whose attention and MoE first read their layer's weight bytes."""
+    def model(self, free: ToyModel, rows: int, before_last: Callable[[Any], object] | None = None) -> ToyModel:
+        """A copy of a boundaries-only model whose attention and MoE first read their layer's weight bytes, in two
+        kernels as a real sublayer ends in a GEMM of its own: attention's last reads o_proj, MoE's last the down
+        projections' third. `before_last(layer)`, where given, runs between the two (where an engine may join)."""
         attention_words, moe_words = (n // 4 for n in layer_bytes(rows))
+        attention_split = attention_words - round(attention_words * O_PROJ_SHARE)
+        moe_split = moe_words - moe_words // 3
         words = self.words
         reading = copy.copy(free)
 
+        def read(layer: Any, split: int, end: int) -> None:
+            torch.amax(words[:split])
+            if before_last is not None:
+                before_last(layer)
+            torch.amax(words[split:end])
+
         def attention(layer: Any, x: torch.Tensor) -> Any:
-            torch.amax(words[:attention_words])
+            read(layer, attention_split, attention_words)
             return free.attention(layer, x)
 
         def moe(layer: Any, x: torch.Tensor) -> Any:
-            torch.amax(words[:moe_words])
+            read(layer, moe_split, moe_words)
             return free.moe(layer, x)
 
         reading.attention = attention  # type: ignore[method-assign]

@@ -100,9 +100,10 @@ def test_the_critical_path_rows_time_the_weight_read_step_with_ours_and_with_out
     args = parse_args(["--step-hidden", "512", "--step-rows", "2", "--step-layers", "2", "--step-tp", "1"])
     args.no_compile = True
     (row,) = step.bench_step(args, CountingTimer())  # type: ignore[arg-type]
-    # side, inline, eager, glue, toy step, then the V3 step: side, inline, copies (the 6th to 8th timings)
-    assert (row["v3_side_us"], row["v3_inline_us"], row["v3_copies_us"]) == (6.0, 7.0, 8.0)
-    assert row["critical_side_us"] == (6.0 - 8.0) / 4 and row["critical_inline_us"] == (7.0 - 8.0) / 4
+    # side, inline, eager, glue, toy step, then the V3 step: side, early join, inline, copies (the 6th to 9th timings)
+    assert (row["v3_side_us"], row["v3_early_us"], row["v3_inline_us"], row["v3_copies_us"]) == (6.0, 7.0, 8.0, 9.0)
+    assert row["critical_side_us"] == (6.0 - 9.0) / 4 and row["critical_early_us"] == (7.0 - 9.0) / 4
+    assert row["critical_inline_us"] == (8.0 - 9.0) / 4
     assert row["v3_step_us"] == row["v3_side_us"]  # 2 rows: the side streams' step
     critical_path.print_critical_path([row])
     assert "  512    2   4 |" in capsys.readouterr().out
@@ -438,3 +439,27 @@ def test_a_simulated_tilelang_step_runs_each_ranks_exchange_then_boundary_on_its
         assert got[0] == ("stream", "stream on cpu")
         assert [e if e[0] != "exchange" else (e[0], None, *e[2:]) for e in got[1:]] == per_rank
         assert {e[1] for e in got[1:] if e[0] == "exchange"} == {rank}
+
+
+def test_early_join_is_our_boundaries_with_the_join_before_each_sublayers_last_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EarlyJoin drives the step with our Boundaries' bits; the step's own join calls do nothing, and the sublayers'
+    `before_last` hook makes the one join per sublayer, with the layer the boundary after it reads."""
+    from bench import critical_path, weight_reads
+    from boundary import Boundaries, BoundaryAllReduce, DecodeStep
+    from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
+
+    monkeypatch.setattr(weight_reads, "layer_bytes", lambda rows: (4096, 8192))
+    model = step.boundaries_only(ToyModel(ToyConfig(hidden_size=256, num_layers=3, vocab=16)), 2)
+    ours = Boundaries(BoundaryAllReduce(256, max_rows=4, device=CPU, backend="reference"))
+    joined: list[int] = []
+    monkeypatch.setattr(Boundaries, "join", lambda self, layer, step: joined.append(layer.index))
+    early = critical_path.EarlyJoin(ours, DecodeStep(rows=2, side_stream=False))
+    reading = weight_reads.WeightReads(CPU, 2).model(model, 2, before_last=early.before_last)
+    tokens = random_tokens(model, 2, 0)
+    out = decode_step(reading, early, tokens, DecodeStep(rows=2, side_stream=False))  # type: ignore[arg-type]
+    assert joined == [0, 0, 1, 1, 2, 2]  # each sublayer's, from before_last alone
+    joined.clear()
+    plain = decode_step(model, ours, tokens, DecodeStep(rows=2, side_stream=False))
+    assert joined == [0, 0, 1, 1, 2, 2] and torch.equal(out.hidden, plain.hidden)

@@ -34,11 +34,22 @@ def test_the_stand_ins_read_then_return_the_boundaries_only_outputs(monkeypatch)
     amax_sizes = []
     real_amax = torch.amax
     monkeypatch.setattr(torch, "amax", lambda t: (amax_sizes.append(t.numel()), real_amax(t))[1])
-    model = reads.model(free, 3)
+    joins: list[tuple[int, int]] = []
+    model = reads.model(free, 3, before_last=lambda layer: joins.append((layer.index, len(amax_sizes))))
     x = torch.zeros(3, 512, dtype=torch.bfloat16)
     assert model.attention(free.layers[0], x) is free.attention(free.layers[0], x)
     assert model.moe(free.layers[1], x) is free.moe(free.layers[1], x)
-    assert amax_sizes == [n // 4 for n in weight_reads.layer_bytes(3)]
+    # each sublayer reads its bytes in two kernels, the last one o_proj's share (attention) or the down projections'
+    # third (MoE), with before_last between them
+    attention, moe = (n // 4 for n in weight_reads.layer_bytes(3))
+    assert amax_sizes == [
+        attention - round(attention * weight_reads.O_PROJ_SHARE),
+        round(attention * weight_reads.O_PROJ_SHARE),
+        moe - moe // 3,
+        moe // 3,
+    ]
+    assert joins == [(0, 1), (1, 3)]
+    assert 0.6 < weight_reads.O_PROJ_SHARE < 0.65  # o_proj is most of MLA's weights
 
 
 def test_the_step_part_adds_the_weight_read_step_at_v3s_hidden_size(monkeypatch, capsys) -> None:
@@ -51,8 +62,9 @@ def test_the_step_part_adds_the_weight_read_step_at_v3s_hidden_size(monkeypatch,
     timer = OnceTimer()
     (row,) = step.bench_step(args, timer)  # type: ignore[arg-type]
     # side streams, inline, eager chain, the model code alone (GLUE_CALLS in its graph), the toy sublayers, then the V3
-    # reads with ours (side streams, inline) and with output copies (bench.critical_path)
-    assert timer.calls == 7 + step.GLUE_CALLS
+    # reads with ours (side streams joined on the boundary and early, inline) and with output copies
+    # (bench.critical_path)
+    assert timer.calls == 8 + step.GLUE_CALLS
     boundaries_us = row["ours_us"] - row["glue_us"]  # the shares count the boundaries, not the step's model code
     assert row["v3_share"] == boundaries_us / row["v3_step_us"]
     assert row["boundary_share"] == boundaries_us / row["toy_step_us"]
