@@ -208,7 +208,8 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
         # boundaries only.
         row["glue_us"] = timer.per_call_us([tilelang_step.model_code(rows, hidden, device)] * GLUE_CALLS)
         boundaries_us = row["ours_us"] - row["glue_us"]
-        row["toy_step_us"] = timer.per_call_us([_step_call(model, ours_b, rows, rows <= 16)])
+        side = DecodeStep.for_rows(rows).side_stream  # the engine's default step
+        row["toy_step_us"] = timer.per_call_us([_step_call(model, ours_b, rows, side)])
         row["boundary_share"] = boundaries_us / row["toy_step_us"]
         if hidden == weight_reads.HIDDEN:
             reads = reads or weight_reads.WeightReads(device, max(args.step_rows))
@@ -221,7 +222,7 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
             copies = critical_path.OutputCopies(rows, hidden, device)
             row["v3_copies_us"] = timer.per_call_us([_step_call(v3, copies, rows, False)])  # type: ignore[arg-type]
             critical_path.add_critical_path(row, n)
-            row["v3_step_us"] = row["v3_side_us"] if rows <= 16 else row["v3_inline_us"]
+            row["v3_step_us"] = row["v3_side_us"] if side else row["v3_inline_us"]
             row["v3_share"] = boundaries_us / row["v3_step_us"]
         for key in ("eager", "compile"):
             if f"{key}_us" in row:

@@ -26,9 +26,10 @@ from boundary.types import (
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.hardware import env_int
 
-# Measured on the H200 with the toy decode step (docs/PERF.md, v8-v11): the side stream pays 2-5 % of
-# the whole step up to 128 rows; from 256 rows inline is 0.8-1.6 % faster.
-MEASURED_OVERLAP_MAX_ROWS = 128
+# Measured on the H200 in the V3 weight-read step (docs/PERF.md "The boundaries on the critical path", perf-log v32):
+# with sublayers that fill the GPU, the coefficients inline cost each boundary 0.2-3.3 us less than on a side stream
+# at every row count from 1 to 128, whichever node the engine joins on; so no step row count gets the side stream.
+MEASURED_OVERLAP_MAX_ROWS = 0
 
 
 _OVERLAP_ENV = env_int("MHC_OVERLAP_MAX_ROWS", 0)

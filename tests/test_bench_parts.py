@@ -104,7 +104,7 @@ def test_the_critical_path_rows_time_the_weight_read_step_with_ours_and_with_out
     assert (row["v3_side_us"], row["v3_early_us"], row["v3_inline_us"], row["v3_copies_us"]) == (6.0, 7.0, 8.0, 9.0)
     assert row["critical_side_us"] == (6.0 - 9.0) / 4 and row["critical_early_us"] == (7.0 - 9.0) / 4
     assert row["critical_inline_us"] == (8.0 - 9.0) / 4
-    assert row["v3_step_us"] == row["v3_side_us"]  # 2 rows: the side streams' step
+    assert row["v3_step_us"] == row["v3_inline_us"]  # the default step: inline (MHC_OVERLAP_MAX_ROWS is 0)
     critical_path.print_critical_path([row])
     assert "  512    2   4 |" in capsys.readouterr().out
 

@@ -244,7 +244,8 @@ def test_toy_decode_step_on_the_kernels_tracks_the_plain_step(rows: int) -> None
     model = ToyModel(config, device="cuda")
     boundaries = Boundaries(BoundaryAllReduce(H, max_rows=64, device="cuda"))
     tokens = random_tokens(model, rows, 0)
-    out = decode_step(model, boundaries, tokens, DecodeStep.for_rows(rows))
+    # the default step (inline coefficients) at 64 rows, the side streams at 1 and 16
+    out = decode_step(model, boundaries, tokens, DecodeStep(rows=rows, side_stream=rows <= 16))
     plain = decode_step_plain(model, tokens)
     diff = compare(out, plain)
     # Each boundary may differ by a bf16 ulp and each mix by ~1e-3; over 4 layers that stays small.

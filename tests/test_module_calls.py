@@ -26,10 +26,16 @@ from tests.bf16 import bitwise_equal
 CONFIG = ToyConfig(hidden_size=512, num_layers=3, vocab=64)  # an Engram seam at layer 1, as the real models have
 
 
-def module_step(model: ToyModel, boundaries: Boundaries, all_reduce: BoundaryAllReduce, tokens: torch.Tensor):
+def module_step(
+    model: ToyModel,
+    boundaries: Boundaries,
+    all_reduce: BoundaryAllReduce,
+    tokens: torch.Tensor,
+    overlap_max_rows: int | None = None,
+):
     """One decode step spelled as the module spells it; returns what an engine would keep of it."""
     hidden_size = all_reduce.hidden_size
-    step = DecodeStep.for_rows(tokens.shape[0])
+    step = DecodeStep.for_rows(tokens.shape[0], overlap_max_rows)
     layers = model.layers
     state, x = boundaries.first(layers[0], model.embed[tokens], step)
     last = len(layers) - 1
@@ -105,14 +111,15 @@ def test_the_modules_call_sequence_gives_the_plain_steps_bits(rows: int) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16])
-def test_the_modules_call_sequence_on_the_kernels_gives_the_schedulers_bits(rows: int) -> None:
-    """On the GPU the module's spelling launches the same kernels as the toy's own driver: the same bits."""
+@pytest.mark.parametrize("rows, overlap_max_rows", [(1, None), (16, 16)])
+def test_the_modules_call_sequence_on_the_kernels_gives_the_schedulers_bits(rows: int, overlap_max_rows: int) -> None:
+    """On the GPU the module's spelling launches the same kernels as the toy's own driver: the same bits (the default
+    step, inline; and with the side streams)."""
     model = ToyModel(CONFIG, device="cuda")
     all_reduce = BoundaryAllReduce(CONFIG.hidden_size, max_rows=16, device="cuda")
     boundaries = Boundaries(all_reduce)
     tokens = random_tokens(model, rows, 0)
-    kept = module_step(model, boundaries, all_reduce, tokens)
-    ours = decode_step(model, boundaries, tokens, DecodeStep.for_rows(rows))
+    kept = module_step(model, boundaries, all_reduce, tokens, overlap_max_rows)
+    ours = decode_step(model, boundaries, tokens, DecodeStep.for_rows(rows, overlap_max_rows))
     torch.cuda.synchronize()
     assert_same_step(kept, ours)
