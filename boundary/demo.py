@@ -27,10 +27,13 @@ from boundary.toy import (
     compare,
     decode_step,
     decode_step_plain,
+    decode_step_v4,
+    decode_step_v4_plain,
     random_tokens,
     sharded_widths,
     world_sizes,
 )
+from boundary.v4 import V4Boundaries
 from cute_kernels.allreduce.protocol import MAX_WORLD
 from cute_kernels.compile import UnsupportedGPUError, arch_for_device
 
@@ -49,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=4, help="decode rows per step")
     p.add_argument("--steps", type=int, default=3, help="decode steps to run")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="BoundaryAllReduce backend")
+    p.add_argument(
+        "--scheme",
+        choices=("v4.1", "v4"),
+        default="v4.1",
+        help="the mHC scheme: v4.1 (delayed pre, Boundaries) or v4 (own pre and hc_head, V4Boundaries)",
+    )
     args = p.parse_args(argv)
     for name in ("tp", "hidden", "layers", "rows", "steps"):
         if getattr(args, name) < 1:
@@ -107,12 +116,18 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
     all_reduce = BoundaryAllReduce(
         args.hidden, group=group, max_rows=max(args.rows, 1), device=device, backend=args.backend
     )
-    boundaries = Boundaries(all_reduce)
-    step = DecodeStep.for_rows(args.rows)
+    if args.scheme == "v4":  # no side stream: a V4 boundary's coefficients are on its critical path
+        boundaries: Any = V4Boundaries(all_reduce)
+        step = DecodeStep(rows=args.rows, side_stream=False)
+        run_step, plain_step = decode_step_v4, decode_step_v4_plain
+    else:
+        boundaries = Boundaries(all_reduce)
+        step = DecodeStep.for_rows(args.rows)
+        run_step, plain_step = decode_step, decode_step_plain  # type: ignore[assignment]
     say = print if rank == 0 else (lambda *a, **k: None)
     engram = tuple(layer.index for layer in model.layers if layer.engram)
     say(
-        f"toy DeepSeek-V4.1-like decode: H={args.hidden}, {args.layers} layer{'s' if args.layers > 1 else ''} "
+        f"toy DeepSeek-{args.scheme.upper()}-like decode: H={args.hidden}, {args.layers} layer{'s' if args.layers > 1 else ''} "
         f"({f'Engram at {engram}' if engram else 'no Engram layer'}), "
         f"{args.rows} rows, TP={world}, device={device}, boundary path={all_reduce.path}, "
         f"side streams={'on' if step.side_stream and device.type == 'cuda' else 'off'}"
@@ -128,10 +143,10 @@ def run(args: argparse.Namespace, rank: int = 0, group: Any = None) -> bool:
         tokens = random_tokens(model, args.rows, index)
         _sync(device)
         start = time.perf_counter()
-        out = decode_step(model, boundaries, tokens, step)
+        out = run_step(model, boundaries, tokens, step)
         _sync(device)
         elapsed = time.perf_counter() - start
-        plain = decode_step_plain(model, tokens, group=group)
+        plain = plain_step(model, tokens, group=group)
         diff = compare(out, plain)
         # The reference path must match bit for bit; kernels may differ by bf16 ulps that compound.
         agree = diff["bitwise"] or (all_reduce.path != "reference" and diff["max_rel"] < 5e-2)

@@ -153,6 +153,26 @@ def _layer_input(
     return out
 
 
+def collapse_norm(
+    residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, *, backend: str = "auto"
+) -> Tensor:
+    """RMSNorm(bf16(sum_j pre[j] * R[j])) with the pre given: the V4 scheme's own-pre layer input and hc_head's
+    collapse and final norm (CONTRACT §4d). One launch on the kernels (the layer-input kernel), torch ops on the
+    reference."""
+    residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
+    rows, hc, hidden = residual.shape
+    dev = residual.device
+    checks.tensor("pre", pre, dtype=torch.float32, shape=(rows, hc), device=dev)
+    checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev)
+    norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
+    arch = kernel_arch(dev, backend)
+    if arch is not None:
+        _check_kernel_shape(hc, hidden)
+        for name, value in (("residual", residual), ("pre", pre), ("norm_weight", norm_weight)):
+            checks.tensor(name, value, align=16)
+    return _layer_input(residual, None, pre, norm_weight, norm_eps, arch)
+
+
 def delayed_layer_input(
     residual: Tensor, pre_mix: Tensor | None, norm_weight: Tensor | None, norm_eps: float
 ) -> Tensor:

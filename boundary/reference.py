@@ -360,12 +360,15 @@ def v4_boundary(
     return v4_enter(mhc_post(y, residual, post, comb), params, norm_weight, norm_eps)
 
 
-def hc_head(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
-    """V4's hc_head: h = bf16(sum_i p_i * R_i) with p = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + rms_eps) + base)
-    + hc_eps, x the streams flattened to hc*H in fp32, `fn` [hc, hc*H], one `scale`, `base` [hc]; the final RMSNorm
-    (`rms_norm`) follows it."""
+def hc_head_mix(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
+    """V4's hc_head weights p [T, hc] = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + rms_eps) + base) + hc_eps, x the
+    streams flattened to hc*H in fp32, `fn` [hc, hc*H], one `scale`, `base` [hc]."""
     rows, hc, hidden = residual.shape
     xf = residual.reshape(rows, hc * hidden).to(F32)
     r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / (hc * hidden) + rms_eps)
-    p = torch.sigmoid((xf @ fn.to(F32).t()) * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
-    return collapse(residual, p)
+    return torch.sigmoid((xf @ fn.to(F32).t()) * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
+
+
+def hc_head(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
+    """V4's hc_head: h = bf16(sum_i p_i * R_i) with p = `hc_head_mix`; the final RMSNorm (`rms_norm`) follows it."""
+    return collapse(residual, hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps))

@@ -19,6 +19,7 @@ from torch import Tensor
 from boundary import reference
 from boundary.scheduler import Boundaries, DecodeStep
 from boundary.types import MoEOutput, QuantizedActivation, UnfinalizedMoEOutput
+from boundary.v4 import V4Boundaries
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -87,11 +88,12 @@ class ToyLayer:
 
 
 class StepOutput(NamedTuple):
-    """What a decode step yields: the final hidden state and the last layer's MoE-input extras."""
+    """What a decode step yields: the final hidden state and the last layer's MoE-input extras (the V4 step has no
+    aux)."""
 
     hidden: Tensor
     moe_input_mxfp8: QuantizedActivation
-    aux: Tensor
+    aux: Tensor | None
 
 
 def sharded_widths(config: ToyConfig) -> dict[str, int]:
@@ -175,6 +177,11 @@ class ToyModel:
                     **moved,
                 )
             )
+        # DeepSeek-V4's hc_head (V4Head): drawn last, so the layers' weights are those of a model without it.
+        self.hc_head_fn = randn(hc, hc * hidden, std=0.01, dtype=F32).to(self.device)
+        self.hc_head_scale = (torch.tensor([0.5]) + randn(1, std=0.05, dtype=F32)).to(self.device)
+        self.hc_head_base = randn(hc, std=0.5, dtype=F32).to(self.device)
+        self.rms_norm_eps, self.hc_eps = c.rms_norm_eps, c.hc_eps
 
     def attention(self, layer: ToyLayer, x: Tensor) -> Tensor:
         """The attention stand-in: a column-parallel projection, then the row-parallel wo_b (a TP partial)."""
@@ -356,11 +363,91 @@ def decode_step_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) -> 
     return StepOutput(hidden, quantized, aux)
 
 
+def decode_step_v4(
+    model: ToyModel, boundaries: V4Boundaries, tokens: Tensor, step: DecodeStep, *, capture_mxfp8: bool = True
+) -> StepOutput:
+    """One DeepSeek-V4 decode step driven by V4Boundaries (own pre at every site, hc_head before the final norm)."""
+    layers = model.layers
+    state, x = boundaries.first(layers[0], model.embed[tokens], step)
+    quantized = None
+    last = len(layers) - 1
+    for index, layer in enumerate(layers):
+        if index > 0 and layer.engram:
+            streams = model.engram_inject(layer, boundaries.post_only(state), tokens)
+            state, x = boundaries.pre(layer, streams, state, step)
+        elif index > 0:
+            state, x, _ = boundaries.sublayer(layer, False, state, step)
+        state.pending = model.attention(layer, x)
+        form = "mxfp8" if capture_mxfp8 and index == last else False
+        state, x, q = boundaries.sublayer(layer, True, state, step, quantize=form)
+        if index == last:
+            quantized = q
+        state.pending = model.moe(layer, x)
+    hidden = boundaries.final(state, model, model.final_norm)
+    return StepOutput(hidden, quantized, None)  # type: ignore[arg-type]
+
+
+def decode_step_v4_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) -> StepOutput:
+    """The same V4 step written out from the formulas (CONTRACT §4d), with no scheduler."""
+    world = dist.get_world_size(group) if group is not None else 1
+    layers = model.layers
+
+    def enter(
+        layer: ToyLayer, streams: Tensor, ffn: bool, embedding: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(post, comb, layer input): the mixes of the streams (of the embedding with the broadcast fn), the streams
+        collapsed with their own pre, the sublayer's norm."""
+        kind = "ffn" if ffn else "attn"
+        post, comb, pre = reference.mhc_coefficients(
+            streams.flatten(1) if embedding is None else embedding,
+            getattr(layer, f"hc_{kind}_fn") if embedding is None else layer.hc_attn_fn_broadcast,
+            getattr(layer, f"hc_{kind}_scale"),
+            getattr(layer, f"hc_{kind}_base"),
+            layer.rms_norm_eps,
+            layer.hc_eps,
+            layer.hc_eps,
+            layer.hc_post_alpha,
+            layer.hc_sinkhorn_iters,
+        )
+        norm = layer.ffn_norm if ffn else layer.attn_norm
+        return post, comb, _input_plain(streams, pre, norm.weight, norm.variance_epsilon)
+
+    embedding = model.embed[tokens]
+    streams = embedding.unsqueeze(1).expand(-1, layers[0].hc_mult, -1).contiguous()
+    post, comb, x = enter(layers[0], streams, False, embedding)
+    moe_out: MoEOutput | None = None
+    quantized = None
+    for index, layer in enumerate(layers):
+        if index > 0:
+            y = _all_reduce_in_rank_order(_finalize_plain(moe_out), group, world)
+            streams = _post_plain(y, streams, post, comb)
+            if layer.engram:
+                streams = model.engram_inject(layer, streams, tokens)
+            post, comb, x = enter(layer, streams, False)
+        y = _all_reduce_in_rank_order(model.attention(layer, x), group, world)
+        streams = _post_plain(y, streams, post, comb)
+        post, comb, x = enter(layer, streams, True)
+        if index == len(layers) - 1:
+            data, scale = reference.mxfp8_quantize(x)
+            quantized = QuantizedActivation(data, scale, BF16, x.shape, "plain")
+        moe_out = model.moe(layer, x)
+    y = _all_reduce_in_rank_order(_finalize_plain(moe_out), group, world)
+    streams = _post_plain(y, streams, post, comb)
+    # hc_head: p = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + eps) + base) + hc_eps over the flattened streams
+    flat = streams.flatten(1).to(F32)
+    r = torch.rsqrt((flat * flat).sum(-1, keepdim=True) / flat.shape[1] + model.rms_norm_eps)
+    p = torch.sigmoid((flat @ model.hc_head_fn.t()) * r * model.hc_head_scale[0] + model.hc_head_base) + model.hc_eps
+    hidden = _input_plain(streams, p, model.final_norm.weight, model.final_norm.variance_epsilon)
+    return StepOutput(hidden, quantized, None)  # type: ignore[arg-type]
+
+
 def compare(a: StepOutput, b: StepOutput) -> dict[str, float | bool]:
     """How two step outputs differ: bitwise equality of everything and the largest hidden difference."""
+    if (a.aux is None) != (b.aux is None):
+        raise ValueError("one step output has an aux and the other has none: steps of two schemes")
     same = (
         torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
-        and torch.equal(a.aux.view(torch.int16), b.aux.view(torch.int16))
+        and (a.aux is None or torch.equal(a.aux.view(torch.int16), b.aux.view(torch.int16)))
         and torch.equal(a.moe_input_mxfp8.data.view(torch.uint8), b.moe_input_mxfp8.data.view(torch.uint8))
         and torch.equal(a.moe_input_mxfp8.scale, b.moe_input_mxfp8.scale)
     )
@@ -383,6 +470,8 @@ __all__ = [
     "compare",
     "decode_step",
     "decode_step_plain",
+    "decode_step_v4",
+    "decode_step_v4_plain",
     "random_tokens",
     "sharded_widths",
     "world_sizes",

@@ -33,10 +33,19 @@ def test_demo_one_rank_agrees() -> None:
     assert "ms/step" in out.stdout
 
 
-def test_demo_two_ranks_agree() -> None:
-    out = demo("--device", "cpu", "--tp", "2", "--hidden", "512", "--layers", "2", "--steps", "1")
+@pytest.mark.parametrize("scheme", ["v4.1", "v4"])
+def test_demo_two_ranks_agree(scheme: str) -> None:
+    out = demo("--device", "cpu", "--tp", "2", "--hidden", "512", "--layers", "2", "--steps", "1", "--scheme", scheme)
     assert out.returncode == 0, out.stderr
-    assert "TP=2" in out.stdout and "agree" in out.stdout
+    assert "TP=2" in out.stdout and "bitwise equal" in out.stdout and "DISAGREE" not in out.stdout
+    assert f"DeepSeek-{scheme.upper()}-like" in out.stdout
+
+
+def test_demo_runs_the_v4_scheme(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = demo_here(capsys, "--device", "cpu", "--scheme", "v4", "--hidden", "512", "--layers", "3")
+    assert code == 0
+    assert "DeepSeek-V4-like" in out and "side streams=off" in out
+    assert out.count("bitwise equal") == 4  # the warm-up and three steps
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,197 @@
+"""The DeepSeek-V4 scheme's boundaries (own pre, `hc_head`; CONTRACT §4d): V4Boundaries and the head's protocol.
+
+A V4 boundary reduces the pending partial into the streams with the mixes the state carries (the fused residual-only
+boundary: the all-reduce inside on the peer path, one launch), then computes the next sublayer's mixes from the new
+streams and collapses them with that very pre (the coefficients kernels, then the layer-input kernel). Its
+coefficients sit on the critical path: there is no side stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from boundary import checks, mhc, reference
+from boundary.all_reduce import BoundaryAllReduce
+from boundary.params import MHCParams
+from boundary.scheduler import (
+    ATTN,
+    FFN,
+    FIRST,
+    QUANTIZE,
+    Boundaries,
+    BoundaryState,
+    DecodeStep,
+    _layer_names,
+    _Reads,
+)
+from boundary.types import (
+    Fp8GroupActivation,
+    MHCLayer,
+    Norm,
+    QuantizedActivation,
+    empty_fp8_group,
+    empty_quantized,
+)
+
+
+class V4Head(Protocol):
+    """The model-level attributes `V4Boundaries.final` reads (DeepSeek-V4's `hc_head_*`, CONTRACT §5)."""
+
+    hc_head_fn: Tensor  # [hc, hc*H] fp32
+    hc_head_scale: Tensor  # [1] fp32
+    hc_head_base: Tensor  # [hc] fp32
+    rms_norm_eps: float  # the projection's RMS eps
+    hc_eps: float  # added to each weight after the sigmoid
+
+
+class V4Boundaries:
+    """Drives the boundaries of a DeepSeek-V4 decode step (own pre).
+
+    The state carries the new streams and the post / comb of the sublayer it entered; `state.pre` is the pre-mix its
+    layer input was collapsed with (V4 carries none forward). As with `Boundaries`, a boundary consumes
+    `state.pending`.
+    """
+
+    def __init__(self, all_reduce: BoundaryAllReduce) -> None:
+        if not isinstance(all_reduce, BoundaryAllReduce):
+            raise TypeError(f"all_reduce must be a BoundaryAllReduce, got {type(all_reduce).__name__}")
+        self.all_reduce = all_reduce
+        # The reductions (post_only) and the layer protocol's reads are the V4.1 scheduler's own.
+        self._boundaries = Boundaries(all_reduce)
+        self.backend = self._boundaries.backend
+        self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
+
+    def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
+        """The model entry: streams = the embedding broadcast to hc; their mixes (from the embedding, with
+        hc_attn_fn_broadcast); layer input = RMSNorm(bf16(sum_j pre[j] * e)) with that pre."""
+        self._check_step(step)
+        ar = self.all_reduce
+        checks.tensor("x", x, dtype=torch.bfloat16, shape=(step.rows, ar.hidden_size), device=ar.device)
+        values = self._boundaries._layer(layer, FIRST)
+        if values[0] is None:
+            raise ValueError("layer.hc_attn_fn_broadcast is None: the first layer needs the [24, H] broadcast fn")
+        residual = x.unsqueeze(1).expand(-1, ar.hc_mult, -1).contiguous()
+        state, layer_input, _ = self._enter(values, FIRST, residual, x, None)
+        return state, layer_input
+
+    def pre(
+        self, layer: MHCLayer, residual: Tensor, state: BoundaryState, step: DecodeStep
+    ) -> tuple[BoundaryState, Tensor]:
+        """An Engram layer's attention entry on injected streams (from `post_only`): their mixes, the own-pre
+        collapse, the norm."""
+        self._check_step(step)
+        self._boundaries._check_state(state, step, pending=False)
+        ar = self.all_reduce
+        checks.tensor(
+            "residual", residual, dtype=torch.bfloat16, shape=(step.rows, ar.hc_mult, ar.hidden_size), device=ar.device
+        )
+        new_state, layer_input, _ = self._enter(self._boundaries._layer(layer, ATTN), ATTN, residual, None, None)
+        return new_state, layer_input
+
+    def sublayer(
+        self,
+        layer: MHCLayer,
+        ffn: bool,
+        state: BoundaryState,
+        step: DecodeStep,
+        *,
+        quantize: bool | str | None = False,
+    ) -> tuple[BoundaryState, Tensor, QuantizedActivation | Fp8GroupActivation | None]:
+        """A V4 boundary on state.pending (which it consumes): the post with the carried mixes, then the mixes of the
+        sublayer it enters (attention, or MoE with `ffn`) from the new streams and the layer input collapsed with
+        their own pre. `quantize` as `Boundaries.sublayer`'s."""
+        self._check_step(step)
+        checks.flag("ffn", ffn)
+        if quantize is not False:
+            quantize = checks.quantize_form("quantize", quantize, QUANTIZE)
+        self._boundaries._check_state(state, step, pending=True)
+        reads = FFN if ffn else ATTN
+        values = self._boundaries._layer(layer, reads)
+        residual = self._boundaries.post_only(state)
+        return self._enter(values, reads, residual, None, quantize or None)
+
+    def post_only(self, state: BoundaryState) -> Tensor:
+        """The residual-only boundary on state.pending (which it consumes): the new streams (before an Engram
+        injection)."""
+        return self._boundaries.post_only(state)
+
+    def final(self, state: BoundaryState, head: V4Head, norm: Norm | Tensor, eps: float | None = None) -> Tensor:
+        """The last boundary on state.pending (which it consumes): R' = the post with the carried mixes, then hc_head
+        and the final norm, h = RMSNorm(bf16(sum_i p_i * R'_i)). `head` holds the model's hc_head_* attributes (V4Head);
+        `norm` is the final norm, or its weight followed by `eps`."""
+        norm_weight, norm_eps = _norm(norm, eps)
+        try:
+            fn, scale, base = head.hc_head_fn, head.hc_head_scale, head.hc_head_base
+            rms_eps, hc_eps = head.rms_norm_eps, head.hc_eps
+        except AttributeError as exc:
+            raise TypeError(
+                f"head must have hc_head_fn, hc_head_scale, hc_head_base, rms_norm_eps and hc_eps (V4Head), "
+                f"got a {type(head).__name__} without {exc.name}"
+            ) from None
+        ar = self.all_reduce
+        hc, hidden = ar.hc_mult, ar.hidden_size
+        checks.tensor("head.hc_head_fn", fn, dtype=torch.float32, shape=(hc, hc * hidden), device=ar.device)
+        checks.tensor("head.hc_head_scale", scale, dtype=torch.float32, shape=(1,), device=ar.device)
+        checks.tensor("head.hc_head_base", base, dtype=torch.float32, shape=(hc,), device=ar.device)
+        rms_eps = checks.finite_float("head.rms_norm_eps", rms_eps, minimum=0.0)
+        hc_eps = checks.finite_float("head.hc_eps", hc_eps, minimum=0.0)
+        residual = self._boundaries.post_only(state)
+        # The head's four weights are torch ops (one fp32 GEMV of the streams); the collapse and the norm one launch.
+        p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
+        return mhc.collapse_norm(residual, p, norm_weight, norm_eps, backend=self.backend)
+
+    def _enter(
+        self, values: tuple[Any, ...], reads: _Reads, residual: Tensor, x: Tensor | None, quantize: str | None
+    ) -> tuple[BoundaryState, Tensor, QuantizedActivation | Fp8GroupActivation | None]:
+        """The mixes of `residual` (of `x` with the broadcast fn), the layer input collapsed with their pre, and its
+        quantized form."""
+        fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
+        params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
+        try:
+            post, comb, pre = mhc.mixes(residual, params, x, backend=self.backend, workspace_owner=self._owner)
+            layer_input = mhc.collapse_norm(residual, pre, weight, eps, backend=self.backend)
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, _layer_names(reads), converted_at_load=True)
+            raise
+        return BoundaryState(residual, post, comb, pre), layer_input, self._quantized(layer_input, quantize)
+
+    def _quantized(self, layer_input: Tensor, form: str | None) -> QuantizedActivation | Fp8GroupActivation | None:
+        """The layer input in its quantized form (CONTRACT §4, §4b; torch ops, the same bytes as the kernels')."""
+        if form is None:
+            return None
+        rows, hidden = layer_input.shape
+        if form == "mxfp8":
+            out = empty_quantized(rows, hidden, layer_input.device)
+            data, scale = reference.mxfp8_quantize(layer_input)
+        else:
+            out = empty_fp8_group(rows, hidden, layer_input.device, form == "fp8_1x128_ue8m0")
+            data, scale = reference.fp8_group_quantize(layer_input, ue8m0=out.ue8m0)
+        out.data.copy_(data)
+        out.scale.copy_(scale)
+        return out
+
+    def _check_step(self, step: object) -> None:
+        self._boundaries._check_step(step)
+        if step.side_stream and self.all_reduce.device.type == "cuda":  # type: ignore[attr-defined]
+            raise ValueError(
+                "step.side_stream is set, but a V4 boundary's coefficients are on its critical path (its layer input "
+                "collapses with the pre it computes): use DecodeStep(rows, side_stream=False)"
+            )
+
+
+def _norm(norm: Norm | Tensor, eps: float | None) -> tuple[Tensor, float]:
+    """The final norm's weight and eps, from a norm object or the two values."""
+    if eps is not None or isinstance(norm, Tensor):
+        if eps is None:
+            raise TypeError("final(state, head, norm_weight, eps): eps is missing after the norm weight")
+        return norm, eps  # type: ignore[return-value]
+    try:
+        return norm.weight, norm.variance_epsilon
+    except AttributeError:
+        raise TypeError(
+            f"norm must be the final norm (with .weight and .variance_epsilon) or its weight tensor followed by eps, "
+            f"got {type(norm).__name__}"
+        ) from None

@@ -1,0 +1,182 @@
+"""V4Boundaries, the DeepSeek-V4 scheme's scheduler (CONTRACT §4d, §5): each call against the reference
+(`tests/test_reference_v4.py` holds the reference to a float64 formulation), a whole toy step against the same step
+written out with no scheduler, the quantized forms, the errors; on the GPU, the kernels' step against the plain one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundary import BoundaryAllReduce, BoundaryState, DecodeStep
+from boundary import reference as ref
+from boundary.params import MHCParams
+from boundary.toy import (
+    ToyConfig,
+    ToyModel,
+    compare,
+    decode_step,
+    decode_step_v4,
+    decode_step_v4_plain,
+    random_tokens,
+)
+from boundary.v4 import V4Boundaries
+from tests.bf16 import bitwise_equal
+
+CPU = torch.device("cpu")
+CONFIG = ToyConfig(hidden_size=512, num_layers=3, vocab=64)  # an Engram seam at layer 1
+
+
+def v4(hidden: int = 512, device: torch.device = CPU) -> V4Boundaries:
+    return V4Boundaries(BoundaryAllReduce(hidden, max_rows=16, device=device))
+
+
+def attn_params(layer) -> MHCParams:
+    return MHCParams(
+        layer.hc_attn_fn,
+        layer.hc_attn_scale,
+        layer.hc_attn_base,
+        layer.rms_norm_eps,
+        layer.hc_eps,
+        layer.hc_eps,
+        layer.hc_post_alpha,
+        layer.hc_sinkhorn_iters,
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_v4_step_is_the_written_out_step_bit_for_bit(rows: int) -> None:
+    model = ToyModel(CONFIG)
+    b = v4()
+    for index in range(2):
+        tokens = random_tokens(model, rows, index)
+        out = decode_step_v4(model, b, tokens, DecodeStep(rows=rows, side_stream=False))
+        assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
+        assert out.aux is None
+
+
+def test_the_v4_step_is_another_scheme_than_v41s() -> None:
+    """The same weights through the own-pre scheme and the delayed one give other hidden states."""
+    from boundary import Boundaries
+
+    model = ToyModel(CONFIG)
+    tokens = random_tokens(model, 3, 0)
+    step = DecodeStep(rows=3, side_stream=False)
+    own = decode_step_v4(model, v4(), tokens, step)
+    delayed = decode_step(model, Boundaries(BoundaryAllReduce(512, max_rows=16, device=CPU)), tokens, step)
+    assert not torch.equal(own.hidden, delayed.hidden)
+
+
+def test_a_sublayer_call_is_the_references_v4_boundary() -> None:
+    """sublayer = post with the carried mixes, then the entry on R' (its own mixes, own-pre collapse, norm): the
+    reference's v4_boundary on the same inputs, bit for bit."""
+    model = ToyModel(CONFIG)
+    layer = model.layers[2]
+    b, step = v4(), DecodeStep(rows=4, side_stream=False)
+    state, _ = b.first(model.layers[0], model.embed[random_tokens(model, 4, 0)], step)
+    y = torch.randn(4, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = ref.v4_boundary(
+        y,
+        state.residual,
+        state.post,
+        state.comb,
+        attn_params(layer),
+        layer.attn_norm.weight,
+        layer.attn_norm.variance_epsilon,
+    )
+    state.pending = y
+    got, x, q = b.sublayer(layer, False, state, step)
+    assert q is None and state.pending is None  # consumed
+    assert bitwise_equal(got.residual, want.residual) and bitwise_equal(x, want.layer_input)
+    for g, w in ((got.post, want.post), (got.comb, want.comb), (got.pre, want.pre)):
+        assert torch.equal(g, w)
+
+
+def test_the_first_entry_collapses_the_broadcast_embedding_with_its_own_pre() -> None:
+    model = ToyModel(CONFIG)
+    first = model.layers[0]
+    e = model.embed[random_tokens(model, 3, 0)]
+    state, x = v4().first(first, e, DecodeStep(rows=3, side_stream=False))
+    broadcast = MHCParams(first.hc_attn_fn_broadcast, *attn_params(first)[1:])
+    want = ref.v4_enter(state.residual, broadcast, first.attn_norm.weight, first.attn_norm.variance_epsilon, x=e)
+    assert bitwise_equal(x, want.layer_input) and torch.equal(state.pre, want.pre)
+    assert not torch.equal(state.pre, ref.one_hot_pre(3))  # V4.1's first site collapses with [1, 0, 0, 0]
+
+
+def test_final_is_post_then_hc_head_then_the_final_norm() -> None:
+    model = ToyModel(CONFIG)
+    b, step = v4(), DecodeStep(rows=2, side_stream=False)
+    state, _ = b.first(model.layers[0], model.embed[random_tokens(model, 2, 0)], step)
+    y = torch.randn(2, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    new = ref.mhc_post(y, state.residual, state.post, state.comb)
+    h = ref.hc_head(new, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.rms_norm_eps, model.hc_eps)
+    want = ref.rms_norm(h, model.final_norm.weight, model.final_norm.variance_epsilon)
+    state.pending = y
+    got = b.final(state, model, model.final_norm)
+    assert bitwise_equal(got, want) and state.pending is None
+    state.pending = y
+    assert bitwise_equal(b.final(state, model, model.final_norm.weight, model.final_norm.variance_epsilon), want)
+
+
+@pytest.mark.parametrize("form", ["mxfp8", "fp8_1x128", "fp8_1x128_ue8m0", True])
+def test_the_quantized_layer_input_is_the_references_bytes(form) -> None:
+    model = ToyModel(CONFIG)
+    b, step = v4(), DecodeStep(rows=3, side_stream=False)
+    state, _ = b.first(model.layers[0], model.embed[random_tokens(model, 3, 0)], step)
+    state.pending = torch.randn(3, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    _, x, q = b.sublayer(model.layers[0], True, state, step, quantize=form)
+    if form in ("mxfp8", True):
+        data, scale = ref.mxfp8_quantize(x)
+    else:
+        data, scale = ref.fp8_group_quantize(x, ue8m0=form.endswith("ue8m0"))
+    assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_errors_name_the_argument() -> None:
+    model = ToyModel(CONFIG)
+    b, step = v4(), DecodeStep(rows=2, side_stream=False)
+    with pytest.raises(TypeError, match="all_reduce must be a BoundaryAllReduce"):
+        V4Boundaries("tp")  # type: ignore[arg-type]
+    state, _ = b.first(model.layers[0], model.embed[random_tokens(model, 2, 0)], step)
+    with pytest.raises(ValueError, match="state.pending is None"):
+        b.sublayer(model.layers[0], True, state, step)
+    state.pending = torch.zeros(2, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantize"):
+        b.sublayer(model.layers[0], True, state, step, quantize="nvfp4")
+    with pytest.raises(TypeError, match="ffn"):
+        b.sublayer(model.layers[0], 1, state, step)  # type: ignore[arg-type]
+    assert state.pending is not None  # a refused call consumes nothing
+
+    class NoHead:
+        hc_head_fn = model.hc_head_fn
+
+    with pytest.raises(TypeError, match="without hc_head_scale"):
+        b.final(state, NoHead(), model.final_norm)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="eps is missing"):
+        b.final(state, model, model.final_norm.weight)
+    with pytest.raises(TypeError, match="step must be a DecodeStep"):
+        b.first(model.layers[0], model.embed[:2], 2)  # type: ignore[arg-type]
+    assert isinstance(state, BoundaryState)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_v4_step_on_the_kernels_tracks_the_written_out_step(rows: int) -> None:
+    """On the kernels (the fused residual-only boundary, the coefficients, the layer-input kernel) the V4 step tracks
+    the written-out one: each boundary may differ by a bf16 ulp and each mix by the projection's fp32 order."""
+    hidden = 4096
+    model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), device="cuda")
+    ar = BoundaryAllReduce(hidden, max_rows=16, device="cuda")
+    ar.warmup(progress=False, quantize=("mxfp8",))
+    b = V4Boundaries(ar)
+    tokens = random_tokens(model, rows, 0)
+    out = decode_step_v4(model, b, tokens, DecodeStep(rows=rows, side_stream=False))
+    plain = decode_step_v4_plain(model, tokens)
+    diff = compare(out, plain)
+    assert diff["max_rel"] < 5e-2, diff
+    cos = torch.nn.functional.cosine_similarity(out.hidden.float().flatten(), plain.hidden.float().flatten(), dim=0)
+    assert cos > 0.999, float(cos)
+    with pytest.raises(ValueError, match="critical path"):
+        decode_step_v4(model, b, tokens, DecodeStep(rows=rows, side_stream=True))
+    ar.check()
