@@ -1,4 +1,5 @@
-"""The fused mHC decode boundary for DeepSeek-V4.1-style models: the public names of CONTRACT §5."""
+"""The fused mHC decode boundary for DeepSeek-V4.1-style models (and V4's own-pre scheme): the public names of
+CONTRACT §5."""
 
 from boundary.all_reduce import BoundaryAllReduce, BoundaryPath
 from boundary.mhc import mhc_post, mhc_pre_delayed, mhc_pre_delayed_overlap
@@ -13,6 +14,7 @@ from boundary.types import (
     empty_fp8_group_layer_input,
     empty_quantized_layer_input,
 )
+from boundary.v4 import V4Boundaries, V4Head
 
 __all__ = [
     "MHC_OVERLAP_MAX_ROWS",
@@ -26,6 +28,8 @@ __all__ = [
     "MoEOutput",
     "QuantizedActivation",
     "UnfinalizedMoEOutput",
+    "V4Boundaries",
+    "V4Head",
     "empty_fp8_group_layer_input",
     "empty_quantized_layer_input",
     "mhc_post",
