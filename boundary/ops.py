@@ -279,6 +279,13 @@ def mhc_mixes(
     return mhc.mixes(residual, params, x, backend=backend, workspace_owner=workspace_owner)
 
 
+@_op(_layer_input)
+def collapse_norm(residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, backend: str = "auto") -> Tensor:
+    """RMSNorm(bf16(sum_j pre[j] * R[j])) with the pre given (the V4 scheme's layer input and hc_head's collapse):
+    `boundary.mhc.collapse_norm` as an op."""
+    return mhc.collapse_norm(residual, pre, norm_weight, norm_eps, backend=backend)
+
+
 @_op(_new_streams)
 def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     """The new streams from a reduced sublayer output: `boundary.mhc_post` as an op."""

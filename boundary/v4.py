@@ -55,14 +55,24 @@ class V4Boundaries:
     `state.pending`.
     """
 
-    def __init__(self, all_reduce: BoundaryAllReduce) -> None:
+    def __init__(self, all_reduce: BoundaryAllReduce, *, custom_ops: bool = False) -> None:
         if not isinstance(all_reduce, BoundaryAllReduce):
             raise TypeError(f"all_reduce must be a BoundaryAllReduce, got {type(all_reduce).__name__}")
         self.all_reduce = all_reduce
-        # The reductions (post_only) and the layer protocol's reads are the V4.1 scheduler's own.
-        self._boundaries = Boundaries(all_reduce)
+        # The reductions (post_only) and the layer protocol's reads are the V4.1 scheduler's own, through the custom
+        # ops with custom_ops (torch.compile traces them), as the mixes and the collapse below.
+        self._boundaries = Boundaries(all_reduce, custom_ops=custom_ops)
+        self.custom_ops = self._boundaries.custom_ops
         self.backend = self._boundaries.backend
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
+        if self.custom_ops:
+            self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
+            self._collapse_norm = lambda r, pre, w, eps: torch.ops.mhc_boundary.collapse_norm(
+                r, pre, w, eps, self.backend
+            )
+        else:
+            self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
+            self._collapse_norm = lambda r, pre, w, eps: mhc.collapse_norm(r, pre, w, eps, backend=self.backend)
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; their mixes (from the embedding, with
@@ -141,7 +151,7 @@ class V4Boundaries:
         residual = self._boundaries.post_only(state)
         # The head's four weights are torch ops (one fp32 GEMV of the streams); the collapse and the norm one launch.
         p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
-        return mhc.collapse_norm(residual, p, norm_weight, norm_eps, backend=self.backend)
+        return self._collapse_norm(residual, p, norm_weight, norm_eps)
 
     def _enter(
         self, values: tuple[Any, ...], reads: _Reads, residual: Tensor, x: Tensor | None, quantize: str | None
@@ -151,8 +161,8 @@ class V4Boundaries:
         fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
         params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
         try:
-            post, comb, pre = mhc.mixes(residual, params, x, backend=self.backend, workspace_owner=self._owner)
-            layer_input = mhc.collapse_norm(residual, pre, weight, eps, backend=self.backend)
+            post, comb, pre = self._mixes(residual, params, x)
+            layer_input = self._collapse_norm(residual, pre, weight, eps)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             raise

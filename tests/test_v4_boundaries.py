@@ -179,4 +179,50 @@ def test_the_v4_step_on_the_kernels_tracks_the_written_out_step(rows: int) -> No
     assert cos > 0.999, float(cos)
     with pytest.raises(ValueError, match="critical path"):
         decode_step_v4(model, b, tokens, DecodeStep(rows=rows, side_stream=True))
+    # Through the custom ops, captured in a CUDA graph and replayed on new tokens: the eager direct path's bits.
+    step = DecodeStep(rows=rows, side_stream=False)
+    through_ops = V4Boundaries(ar, custom_ops=True)
+    static = tokens.clone()
+    decode_step_v4(model, through_ops, static, step)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_step_v4(model, through_ops, static, step)
+    for index in (1, 2):
+        static.copy_(random_tokens(model, rows, index))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert compare(captured, decode_step_v4(model, b, static, step))["bitwise"], index
     ar.check()
+
+
+def test_the_v4_step_through_the_custom_ops_compiles_whole_with_the_direct_paths_bits() -> None:
+    """V4Boundaries(custom_ops=True) drives post_only, mhc_mixes and collapse_norm as torch.ops.mhc_boundary ops: the
+    decode step traces as one graph with no break, and gives the direct path's bits eagerly and compiled."""
+    torch._dynamo.reset()
+    model = ToyModel(CONFIG)
+    ar = BoundaryAllReduce(512, max_rows=8, device=CPU)
+    direct, through_ops = V4Boundaries(ar), V4Boundaries(ar, custom_ops=True)
+    step = DecodeStep(rows=3, side_stream=False)
+    tokens = random_tokens(model, 3, 0)
+    assert compare(decode_step_v4(model, through_ops, tokens, step), decode_step_v4(model, direct, tokens, step))[
+        "bitwise"
+    ]
+    explained = torch._dynamo.explain(decode_step_v4)(model, through_ops, tokens, step)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(decode_step_v4, fullgraph=True, backend="aot_eager")
+    for index in range(2):
+        tokens = random_tokens(model, 3, index)
+        got = compiled(model, through_ops, tokens, step)
+        assert compare(got, decode_step_v4(model, direct, tokens, step))["bitwise"], index
+
+
+def test_the_collapse_norm_op_has_a_fake_of_the_layer_inputs_shape() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        r = torch.empty(5, 4, 512, dtype=torch.bfloat16)
+        out = torch.ops.mhc_boundary.collapse_norm(
+            r, torch.empty(5, 4), torch.empty(512, dtype=torch.bfloat16), 1e-6, "auto"
+        )
+    assert out.shape == (5, 512) and out.dtype == torch.bfloat16
