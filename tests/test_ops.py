@@ -29,6 +29,7 @@ BF16 = torch.bfloat16
 H = 512
 ROWS = 3
 OPS = torch.ops.mhc_boundary
+OP_NAMES = ["boundary", "post_only", "final", "mhc_pre_delayed", "mhc_mixes", "mhc_post", "collapse_norm"]
 SMALL = ToyConfig(hidden_size=H, num_layers=3, vocab=64)
 
 
@@ -240,7 +241,7 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
         assert fake_t.shape == real.shape and fake_t.dtype == real.dtype and fake_t.device == real.device
 
 
-@pytest.mark.parametrize("op", ["boundary", "post_only", "final", "mhc_pre_delayed", "mhc_mixes", "mhc_post"])
+@pytest.mark.parametrize("op", OP_NAMES)
 def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
     inp = inputs()
     src = source(inp, "moe")
@@ -266,6 +267,7 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
         "mhc_pre_delayed": (*coeff, inp["pre"], None, inp["norm_weight"], 1e-20, "auto"),
         "mhc_mixes": (*coeff, None, "auto"),
         "mhc_post": (inp["x"], *epi, "auto"),
+        "collapse_norm": (inp["residual"], inp["pre"], inp["norm_weight"], 1e-20, "auto"),
     }[op]
     torch.library.opcheck(getattr(OPS, op), args)
 
@@ -410,7 +412,7 @@ def test_partial_args_cover_every_pending_form() -> None:
     assert ops.partial_args(moe) == (None, inp["permuted"], inp["weights"], inp["idx"], None)
 
 
-@pytest.mark.parametrize("name", ["boundary", "post_only", "final", "mhc_pre_delayed", "mhc_mixes", "mhc_post"])
+@pytest.mark.parametrize("name", OP_NAMES)
 def test_each_op_schema_names_its_implementations_arguments_in_order(name: str) -> None:
     """Each schema (inferred from the implementation, registered with torch.library.Library) names the
     implementation's parameters, in order, with the same defaults, and marks only the outputs written in place. (The
