@@ -103,7 +103,9 @@ def add_critical_path(row: dict[str, Any], boundaries: int) -> None:
 
 
 def print_critical_path(rows: list[dict]) -> None:
-    """The critical-path table: the V3 weight-read step with our boundaries and with output copies only."""
+    """The critical-path tables: the V3 weight-read step with our boundaries and with output copies only (TP 1), and
+    the boundaries-only step of simulated ranks likewise."""
+    print_simulated([r for r in rows if "copies_us" in r])
     rows = [r for r in rows if "v3_copies_us" in r]
     if not rows:
         return
@@ -125,4 +127,24 @@ def print_critical_path(rows: list[dict]) -> None:
         "before each sublayer's last kernel (EarlyJoin); inline: the coefficients inline; copies: every boundary only "
         "writes its outputs (bench.critical_path.OutputCopies); /bnd: (ours - copies) / boundaries, how much later each "
         "next sublayer starts because of its boundary"
+    )
+
+
+def print_simulated(rows: list[dict]) -> None:
+    """The simulated ranks' critical path: (their boundaries-only step - the same with output copies) / boundaries."""
+    if not rows:
+        return
+    print("\nboundaries on the critical path, SIMULATED TP ranks on one GPU (boundaries-only step), GPU us")
+    head = f"{'H':>5} {'TP':>2} {'rows':>4} {'bnd':>3} | {'copies':>8} | {'/bnd side':>9} {'/bnd inline':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['H']:>5} {r['tp']:>2} {r['rows']:>4} {r['boundaries']:>3} | {r['copies_us']:8.1f} | "
+            f"{r['critical_side_us']:9.2f} {r['critical_inline_us']:11.2f}"
+        )
+    print(
+        "copies: every rank's step with boundaries that only write their outputs, each rank on its own stream; /bnd: "
+        "(ours - copies) / boundaries with the coefficients on side streams / inline; W ranks share one GPU's SMs and "
+        "HBM: not a TP step's cost"
     )

@@ -274,6 +274,16 @@ class SimulatedStep:
         chains = [lambda m=m: decode_step(m, self.ref, tokens, step) for m in summed]
         return lambda: on_streams(self.streams, chains)
 
+    def copies_step(self, free: list[ToyModel], rows: int) -> Callable[[], object]:
+        """Every rank's step with boundaries that only write their outputs (critical_path.OutputCopies), each on its
+        own stream: what the ranks' steps cost without our boundaries."""
+        tokens = random_tokens(self.full[0], rows, 0)
+        step = DecodeStep(rows=rows, side_stream=False)
+        hidden, device = self.config.hidden_size, self.ranks[0].device
+        copies = [critical_path.OutputCopies(rows, hidden, device) for _ in self.ranks]
+        chains = [lambda m=m, c=c: decode_step(m, c, tokens, step) for m, c in zip(free, copies)]  # type: ignore[misc]
+        return lambda: on_streams(self.streams, chains)
+
     def check(self) -> None:
         """Raise if a simulated rank's boundary gave up waiting (its timings would be meaningless)."""
         for ar in self.ranks:
@@ -301,6 +311,10 @@ class SimulatedStep:
         row["inline_us"] = timer.per_call_us([self.ours_step(free, rows, False)])
         self.check()
         row["ours_us"] = min(row["overlap_us"], row["inline_us"])
+        # The critical path per boundary, as bench.critical_path's: here over the boundaries-only step (SIMULATED).
+        row["copies_us"] = timer.per_call_us([self.copies_step(free, rows)])
+        row["critical_side_us"] = (row["overlap_us"] - row["copies_us"]) / n
+        row["critical_inline_us"] = (row["inline_us"] - row["copies_us"]) / n
         row["eager_us"] = timer.per_call_us([self.baseline_step(free, rows)])
         row["x_eager"] = row["eager_us"] / row["ours_us"]
         if compiled is not None:

@@ -463,3 +463,39 @@ def test_early_join_is_our_boundaries_with_the_join_before_each_sublayers_last_k
     joined.clear()
     plain = decode_step(model, ours, tokens, DecodeStep(rows=2, side_stream=False))
     assert joined == [0, 0, 1, 1, 2, 2] and torch.equal(out.hidden, plain.hidden)
+
+
+def test_the_simulated_rows_carry_the_critical_path_over_output_copies(monkeypatch, capsys) -> None:
+    """A simulated row also times every rank's step with boundaries that only write their outputs, each rank's on
+    its own stream (here: in turn), and gives (ours - copies) / boundaries with side streams and inline."""
+    from bench import critical_path
+    from boundary import BoundaryAllReduce
+    from boundary.toy import ToyConfig, ToyModel
+
+    sim = object.__new__(step.SimulatedStep)
+    sim.config = ToyConfig(hidden_size=256, num_layers=2, vocab=16)
+    sim.ranks = [BoundaryAllReduce(256, max_rows=4, device=CPU) for _ in range(2)]
+    sim.full = [ToyModel(sim.config, rank=r, world_size=2) for r in range(2)]
+    sim.streams = [None, None]
+    ran: list[object] = []
+    monkeypatch.setattr(step, "on_streams", lambda streams, work: ran.extend(fn() for fn in work))
+    free = [step.boundaries_only(m, 2) for m in sim.full]
+    sim.copies_step(free, 2)()
+    assert len(ran) == 2 and all(out.hidden.shape == (2, 256) for out in ran)  # each rank's step, output copies
+
+    monkeypatch.setattr(sim, "ours_step", lambda models, rows, side: lambda: None)
+    monkeypatch.setattr(sim, "baseline_step", lambda models, rows: lambda: None)
+    monkeypatch.setattr(sim, "check", lambda: None)
+    times = iter([10.0, 8.0, 4.0, 50.0])  # side, inline, copies, eager
+
+    class Timer(OnceTimer):
+        def per_call_us(self, calls: Sequence[Callable[[], object]], calls_each: int = 1) -> float:
+            super().per_call_us(calls, calls_each)
+            return next(times)
+
+    row = sim.row(Timer(), 2)
+    assert row["copies_us"] == 4.0 and row["boundaries"] == 4
+    assert row["critical_side_us"] == (10.0 - 4.0) / 4 and row["critical_inline_us"] == (8.0 - 4.0) / 4
+    critical_path.print_critical_path([row])
+    out = capsys.readouterr().out
+    assert "SIMULATED TP ranks" in out and "  256  2    2   4 |      4.0 |      1.50        1.00" in out
