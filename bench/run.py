@@ -72,8 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--parts",
         nargs="+",
-        default=["boundary", "host", "allreduce", "coefficients", "step"],
-        choices=["boundary", "host", "allreduce", "coefficients", "step"],
+        default=["boundary", "host", "allreduce", "coefficients", "step", "v4"],
+        choices=["boundary", "host", "allreduce", "coefficients", "step", "v4"],
         help="what to measure",
     )
     p.add_argument("--world", type=int, nargs="+", help="world sizes of the allreduce part")
@@ -186,6 +186,11 @@ def run_parts(
         from bench import start_delay
 
         results["start_delay"] = start_delay.measure(device, arch)  # printed with the step's tables
+    if "v4" in args.parts:
+        from bench import v4
+
+        results["v4"] = v4.bench_v4(args, timer, copy_bw)
+        v4.print_v4(results["v4"])
 
 
 def main(argv: list[str] | None, *, arch: str) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import host, step
-from bench.kernels import boundary_inputs
+from bench.kernels import CALLS_PER_GRAPH, boundary_inputs
 from bench.run import parse_args
 
 CPU = torch.device("cpu")
@@ -48,7 +48,7 @@ def test_the_default_bench_is_a_few_shapes_of_every_part_and_full_is_the_sweep()
     from bench.run import DEFAULTS, FULL
 
     quick, full = parse_args([]), parse_args(["--full"])
-    assert quick.parts == full.parts == ["boundary", "host", "allreduce", "coefficients", "step"]
+    assert quick.parts == full.parts == ["boundary", "host", "allreduce", "coefficients", "step", "v4"]
     for name in DEFAULTS:
         if FULL[name] is not None:
             assert getattr(full, name) == FULL[name] and set(getattr(quick, name)) <= set(FULL[name]), name
@@ -499,3 +499,37 @@ def test_the_simulated_rows_carry_the_critical_path_over_output_copies(monkeypat
     critical_path.print_critical_path([row])
     out = capsys.readouterr().out
     assert "SIMULATED TP ranks" in out and "  256  2    2   4 |      4.0 |      1.50        1.00" in out
+
+
+def test_the_v4_part_times_ours_its_fp8_form_and_the_chains_per_shape(capsys) -> None:
+    """The V4 part (bench.v4) runs V4Boundaries.sublayer and the torch chain on every input set of each shape (the
+    CPU's reference path here), and prints one row per (H, rows)."""
+    from bench import chains, v4
+    from boundary import reference
+
+    args = parse_args(["--hidden", "512", "--rows", "1", "3", "--parts", "v4"])
+    args.no_compile = True
+    timer = OnceTimer()
+    rows = v4.bench_v4(args, timer, copy_bw=1e12)  # type: ignore[arg-type]
+    assert [(r["H"], r["rows"]) for r in rows] == [(512, 1), (512, 3)]
+    assert timer.calls == 2 * 3 * CALLS_PER_GRAPH  # ours, ours + FP8 1x128, eager, per shape
+    assert rows[1]["floor_us"] == v4.v4_bytes(3, 512) / 1e12 * 1e6
+    v4.print_v4(rows)
+    assert "DeepSeek-V4 boundary" in capsys.readouterr().out
+    # the chain is the reference's V4 boundary
+    inp = v4._inputs(2, 512, CPU, 0)
+    from boundary.toy import ToyConfig, ToyModel
+
+    layer = ToyModel(ToyConfig(hidden_size=512, num_layers=1, vocab=16)).layers[0]
+    got = v4._chain(chains.v4_chain, layer, inp)()
+    params = reference.MHCParams(layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, 1e-6, 1e-6, 1e-6, 2.0, 20)
+    want = reference.v4_boundary(
+        inp["y"],
+        inp["residual"],
+        inp["post"],
+        inp["comb"],
+        params,
+        layer.attn_norm.weight,
+        layer.attn_norm.variance_epsilon,
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
