@@ -202,13 +202,14 @@ def coefficient_inputs(
 def coefficients_call(
     inp: dict[str, Any],
     arch: str,
-    variant: str = "standard",
+    form: str = "standard",
     config: ck.CoefficientsConfig | None = None,
     sinkhorn_repeat: int = 20,
 ):
-    """A closure running the coefficients kernel (standard, broadcast or inline) on one input set (default config
-    unless `config`)."""
-    broadcast, inline = variant == "broadcast", variant == "inline"
+    """A closure running the coefficients kernel's variant of one tuning form (ck.FORM_VARIANTS: standard, broadcast
+    or inline) on one input set (default config unless `config`)."""
+    variant = ck.FORM_VARIANTS[form]
+    broadcast, inline = variant.broadcast, variant.inline
     x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
 
     def call() -> None:
@@ -238,11 +239,12 @@ def coefficients_call(
     return call
 
 
-def coefficients_bytes(rows: int, hidden: int, variant: str) -> int:
+def coefficients_bytes(rows: int, hidden: int, form: str) -> int:
     """The fewest bytes the coefficients move: fn, the projection input, the outputs (+ the layer input)."""
-    width = hidden if variant == "broadcast" else 4 * hidden
+    variant = ck.FORM_VARIANTS[form]
+    width = hidden if variant.broadcast else 4 * hidden
     total = 24 * width * 4 + rows * width * 2 + rows * 24 * 4 + 27 * 4
-    if variant == "inline":
+    if variant.inline:
         total += rows * hidden * 2 + hidden * 2
     return total
 
@@ -257,10 +259,10 @@ def bench_coefficients(args: argparse.Namespace, arch: str, timer: GraphTimer, c
         ws = ck.CoefficientsWorkspace(hidden, max(rows, 16), device)
         sets = [coefficient_inputs(rows, hidden, device, seed, ws) for seed in range(CALLS_PER_GRAPH)]
         row: dict[str, Any] = {"H": hidden, "rows": rows}
-        for variant in ("standard", "broadcast", "inline"):
-            us = timer.per_call_us([coefficients_call(s, arch, variant) for s in sets])
-            row[f"{variant}_us"] = us
-            row[f"{variant}_floor_us"] = coefficients_bytes(rows, hidden, variant) / copy_bw * 1e6
+        for form in ("standard", "broadcast", "inline"):
+            us = timer.per_call_us([coefficients_call(s, arch, form) for s in sets])
+            row[f"{form}_us"] = us
+            row[f"{form}_floor_us"] = coefficients_bytes(rows, hidden, form) / copy_bw * 1e6
         chain = lambda fn, s: lambda: fn(s["streams"], s["fn"], s["scale"], s["base"])  # noqa: E731
         row["eager_chain_us"] = timer.per_call_us([chain(chains.coefficients_chain, s) for s in sets])
         if compiled_chain is not None:

@@ -381,8 +381,8 @@ def _check_kernel_args(
     if rows > kernel_row_limit(hidden):
         raise ValueError(_too_many_rows(rows, hidden))
     broadcast = x is not None
-    mode = coefficients.layer_input_mode(broadcast, inline, pre_mix is not None, norm_weight is not None)
-    clusters = coefficients.grid_clusters(hidden, broadcast, mode, rows, arch=arch)
+    variant = coefficients.CoefficientsVariant.of(broadcast, inline, pre_mix is not None, norm_weight is not None)
+    clusters = coefficients.grid_clusters(hidden, variant, rows, arch=arch)
     if clusters > MAX_GRID_Y:
         raise ValueError(f"{rows} rows at H={hidden} need {clusters} clusters, more than the {MAX_GRID_Y} of a launch")
     checks.tensor("x" if broadcast else "residual", x if broadcast else residual, align=16)

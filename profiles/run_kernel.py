@@ -195,14 +195,14 @@ def coefficients_call(
 
     from bench.kernels import coefficient_inputs
     from bench.kernels import coefficients_call as bench_call
-    from cute_kernels.coefficients import CoefficientsConfig, coefficients_config
+    from cute_kernels.coefficients import FORM_VARIANTS, CoefficientsConfig, coefficients_config
 
     config = None
     if knobs:
         unknown = [field for field, _ in knobs if field not in CoefficientsConfig.__dataclass_fields__]
         if unknown:
             raise SystemExit(f"run_kernel: --knobs {unknown} are not CoefficientsConfig fields")
-        default = coefficients_config(hidden, variant == "broadcast", rows, variant == "inline", arch=arch)
+        default = coefficients_config(hidden, FORM_VARIANTS[variant], rows, arch=arch)
         config = replace(default, **dict(knobs))
     return bench_call(coefficient_inputs(rows, hidden, device, 0), arch, variant, config)
 

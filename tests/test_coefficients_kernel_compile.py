@@ -15,14 +15,21 @@ from cute_kernels.coefficients import api, tuning
 from cute_kernels.coefficients.config import CHUNK, CLUSTER, CoefficientsConfig, projection_width
 from cute_kernels.coefficients.layer_input import INLINE_BUDGET, INPUT_ONLY_BUDGET, norm_rows_per_cluster
 from cute_kernels.coefficients.projection import SENTINEL
+from cute_kernels.coefficients.variant import VARIANTS, CoefficientsVariant
 from tests.compile_cover import covering
 
 BF16, F32 = torch.bfloat16, torch.float32
-FORMS = (("standard", api.LAYER_INPUTS), ("broadcast", api.BROADCAST_LAYER_INPUTS))
+# The tables below name a variant by the two strings its kernels take (projection, layer input).
+FORMS = tuple((p, tuple(v.layer_input for v in VARIANTS if v.projection == p)) for p in ("standard", "broadcast"))
+
+
+def V(variant: str, mode: str) -> CoefficientsVariant:
+    """The variant whose kernels take `variant` and `mode`."""
+    return CoefficientsVariant(variant == "broadcast", mode.removesuffix("_unnormed"), not mode.endswith("_unnormed"))
 
 
 def default(H: int, variant: str, rows: int = 1, inline: bool = False, arch: str = "sm_90a") -> CoefficientsConfig:
-    return tuning.coefficients_config(H, variant == "broadcast", rows, inline, arch=arch)
+    return tuning.coefficients_config(H, CoefficientsVariant.of(variant == "broadcast", inline, True), rows, arch=arch)
 
 
 # --- the split along K (a function of H only) ----------------------------------------------------
@@ -96,19 +103,19 @@ def test_every_default_is_well_formed() -> None:
 def test_every_call_finds_its_default_among_the_warmup_jobs(H: int) -> None:
     # Every call of 1..512 rows, whatever its form, gets a config that the warmup compiles.
     jobs = api.warmup_jobs(H, arch="sm_90a", max_rows=512, unnormed=True)
-    compiled = {job.args[1:3] + job.args[4:] for job in jobs}
+    compiled = {(job.args[1], job.args[3]) for job in jobs if job.compile_fn is api.compile_coefficients}
     for variant, modes in FORMS:
         for mode in modes:
             for rows in range(1, 513):
-                assert (variant, mode, default(H, variant, rows, mode != "none")) in compiled, (variant, mode, rows)
+                assert (V(variant, mode), default(H, variant, rows, mode != "none")) in compiled, (variant, mode, rows)
 
 
 def test_the_warmup_compiles_for_the_layers_sinkhorn_count() -> None:
     """The Sinkhorn count is compiled into the coefficients kernels: warmup compiles the one it is given (the
     models' 20 unless told), so a model with another count loads nothing at its first call."""
-    default = [job.args[3] for job in mhc.warmup_jobs(7168, "sm_90a", 64) if job.compile_fn is api.compile_coefficients]
+    default = [job.args[2] for job in mhc.warmup_jobs(7168, "sm_90a", 64) if job.compile_fn is api.compile_coefficients]
     other = mhc.warmup_jobs(7168, "sm_90a", 64, sinkhorn_repeat=7)
-    assert set(default) == {20} and {job.args[3] for job in other if job.compile_fn is api.compile_coefficients} == {7}
+    assert set(default) == {20} and {job.args[2] for job in other if job.compile_fn is api.compile_coefficients} == {7}
     assert len(default) == sum(job.compile_fn is api.compile_coefficients for job in other)
 
 
@@ -116,11 +123,13 @@ def test_warmup_jobs_cover_every_call_path() -> None:
     jobs = api.warmup_jobs(7168, arch="sm_90a", max_rows=512, unnormed=True)
     # Without `unnormed` (the scheduler's warmup) the unnormed layer-input modes are left out, nothing else.
     normed = api.warmup_jobs(7168, arch="sm_90a", max_rows=512)
-    assert [j.args for j in normed] == [j.args for j in jobs if "unnormed" not in j.args[2]] and len(normed) == 20
+    assert [j.args for j in normed] == [j.args for j in jobs if j.args[1].normed] and len(normed) == 20
     keys = [job.args for job in jobs if job.compile_fn is api.compile_coefficients]
     # (variant, layer input, rows_per_tile, push_vec, row_split, schedule, stage_rows) of each compiled default
     assert [
-        (k[1], k[2], k[4].rows_per_tile, k[4].push_vec, k[4].row_split, k[4].schedule, k[4].stage_rows) for k in keys
+        (k[1].projection, k[1].layer_input, k[3].rows_per_tile, k[3].push_vec, k[3].row_split, k[3].schedule)
+        + (k[3].stage_rows,)
+        for k in keys
     ] == [
         ("standard", "none", 32, False, 2, "partials", False),
         ("standard", "none", 16, False, 1, "partials", False),
@@ -153,9 +162,9 @@ def test_warmup_jobs_cover_every_call_path() -> None:
     ]
     # Since v10 no default at H 7168 takes a launch bound (the broadcast 64-row tiles of 3 CTAs per SM lost
     # to split and staged 32-row tiles).
-    assert [(i, k[4].min_blocks) for i, k in enumerate(keys) if k[4].min_blocks] == []
+    assert [(i, k[3].min_blocks) for i, k in enumerate(keys) if k[3].min_blocks] == []
     # The staging ring with two buffers of warp sums: the standard projection's 256- and 512-row tiles.
-    assert [(i, k[4].stage_depth, k[4].sum_buffers) for i, k in enumerate(keys) if k[4].stage_depth] == [
+    assert [(i, k[3].stage_depth, k[3].sum_buffers) for i, k in enumerate(keys) if k[3].stage_depth] == [
         (3, 2, 2),
         (4, 2, 2),
     ]
@@ -169,7 +178,7 @@ def test_warmup_jobs_cover_every_call_path() -> None:
     assert default(7168, "broadcast", 512, inline=True).schedule == "tile"
     assert default(5120, "standard", 512, inline=True).schedule == "partials"
     assert default(4096, "standard", 300, inline=True).schedule == "tile"
-    assert all((H, repeat) == (7168, 20) for H, _variant, _mode, repeat, _config in keys)
+    assert all((H, repeat) == (7168, 20) for H, _variant, repeat, _config in keys)
     # Up to 16 rows: the split partials tile (standard and broadcast), the plain tile and the 32-row
     # partials tile (the inline forms, carried and one-hot, normalised or not; the first layer's only the plain
     # tile): 1 + 2 x 2 x 2 + 1 + 2.
@@ -178,22 +187,29 @@ def test_warmup_jobs_cover_every_call_path() -> None:
         assert len([job for job in few if job.compile_fn is api.compile_coefficients]) == 12
     # Then the layer-input-only kernels, in their three modes, normalised and not.
     assert [job.args for job in jobs if job.compile_fn is api.compile_layer_input] == [
-        (7168, "standard", "carried"),
-        (7168, "standard", "one_hot"),
-        (7168, "standard", "carried_unnormed"),
-        (7168, "standard", "one_hot_unnormed"),
-        (7168, "broadcast", "one_hot"),
-        (7168, "broadcast", "one_hot_unnormed"),
+        (7168, V("standard", "carried")),
+        (7168, V("standard", "one_hot")),
+        (7168, V("standard", "carried_unnormed")),
+        (7168, V("standard", "one_hot_unnormed")),
+        (7168, V("broadcast", "one_hot")),
+        (7168, V("broadcast", "one_hot_unnormed")),
     ]
     assert len(jobs) == len(keys) + 6 and all(dict(job.kwargs) == {"arch": "sm_90a"} for job in jobs)
     assert {job.compile_fn for job in jobs} == {api.compile_coefficients, api.compile_layer_input}
 
 
-def test_layer_input_mode() -> None:
-    assert api.layer_input_mode(False, False, True) == "none"
-    assert api.layer_input_mode(False, True, True) == "carried"
-    assert api.layer_input_mode(False, True, False) == "one_hot"
-    assert api.layer_input_mode(True, True, False) == "one_hot"
+def test_a_calls_variant_and_its_names() -> None:
+    """CoefficientsVariant.of decides a call's variant once; its kernels' strings, its tuning form and the warmup list
+    (VARIANTS: every valid one) follow from it."""
+    of = CoefficientsVariant.of
+    assert of(False, False, True) == CoefficientsVariant() and of(False, False, True).layer_input == "none"
+    assert of(False, True, True).layer_input == "carried" and of(False, True, True).form == "inline"
+    assert of(False, True, False).layer_input == "one_hot"
+    assert of(True, True, True) == CoefficientsVariant(True, "one_hot")  # the first layer's collapse: its embedding row
+    assert of(True, True, False, normed=False).layer_input == "one_hot_unnormed"
+    assert of(True, True, False).form == "first inline" and of(True, False, False).form == "broadcast"
+    assert {v.form for v in VARIANTS} == set(tuning.FORMS)
+    assert len(set(VARIANTS)) == len(VARIANTS) == 8
 
 
 # --- every variant compiles (sm_90a; sm_100a at the end of the section) --------------------------------------------------------
@@ -206,7 +222,7 @@ COMPILE_CASES += [(4096, "standard", "none"), (4096, "standard", "carried"), (40
 @pytest.mark.parametrize("H,variant,mode", COMPILE_CASES)
 def test_variant_compiles(H: int, variant: str, mode: str) -> None:
     config = default(H, variant, inline=mode != "none")
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
 # The defaults of v10 (default_bands) at the three model sizes, one row count per band that
@@ -246,7 +262,7 @@ ADDED_DEFAULTS = [
 @pytest.mark.parametrize("H,variant,mode,rows,inline", ADDED_DEFAULTS)
 def test_added_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool) -> None:
     config = default(H, variant, rows, inline)
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
 # Shipped knobs away from the defaults of their H (the GPU tests check these give the default's bits).
@@ -264,14 +280,14 @@ KNOBS = [
 @pytest.mark.parametrize("H,variant,mode,knobs", KNOBS)
 def test_knob_configs_compile(H: int, variant: str, mode: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", **knobs)
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
 @pytest.mark.parametrize("variant", ("standard", "broadcast"))
 def test_partials_schedule_compiles(variant: str) -> None:
     config = CoefficientsConfig.for_shape(7168, variant == "broadcast", 64, schedule="partials")
-    assert callable(api.compile_coefficients(7168, variant, "none", 20, config, arch="sm_90a"))
-    assert callable(api.compile_coefficients(7168, variant, "one_hot", 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(7168, V(variant, "none"), 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(7168, V(variant, "one_hot"), 20, config, arch="sm_90a"))
 
 
 TALL_AND_STAGED = [
@@ -289,7 +305,7 @@ TALL_AND_STAGED = [
 @pytest.mark.parametrize("H,variant,knobs", TALL_AND_STAGED)
 def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
-    assert callable(api.compile_coefficients(H, variant, "none", 20, config, arch="sm_90a"))
+    assert callable(api.compile_coefficients(H, V(variant, "none"), 20, config, arch="sm_90a"))
 
 
 def _all_compile_cases() -> list[tuple[int, str, str, CoefficientsConfig]]:
@@ -329,12 +345,12 @@ def test_the_sm100a_cases_make_every_choice_of_the_sm90a_ones() -> None:
 )
 def test_sm100a_compiles_every_choice(case: tuple[int, str, str, CoefficientsConfig]) -> None:
     H, variant, mode, config = case
-    assert callable(api.compile_coefficients(H, variant, mode, 20, config, arch="sm_100a"))
+    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_100a"))
 
 
 def test_compile_rejects_an_unknown_arch() -> None:
     with pytest.raises(ValueError, match="arch"):
-        api.compile_coefficients(4096, "standard", "none", 20, default(4096, "standard"), arch="sm_89")
+        api.compile_coefficients(4096, V("standard", "none"), 20, default(4096, "standard"), arch="sm_89")
     with pytest.raises(KeyError, match="sm_80"):  # no defaults table (the public edge passes a device's arch)
         api.warmup_jobs(7168, arch="sm_80", max_rows=16)
 
@@ -366,7 +382,7 @@ LAYER_INPUT_ARCH_CASES += [(*case, "sm_100a") for case in covering(LAYER_INPUT_C
 
 @pytest.mark.parametrize("H,variant,mode,arch", LAYER_INPUT_ARCH_CASES)
 def test_layer_input_kernel_compiles(H: int, variant: str, mode: str, arch: str) -> None:
-    assert callable(api.compile_layer_input(H, variant, mode, arch=arch))
+    assert callable(api.compile_layer_input(H, V(variant, mode), arch=arch))
 
 
 # --- the workspace ------------------------------------------------------------------------------
@@ -474,15 +490,15 @@ def test_the_edge_holds_the_cluster_limit() -> None:
     # Up to H 32768, at every row count up to the row limit, no shipped launch exceeds 65535 clusters ...
     for H in range(256, 32768 + 1, 256):
         limit = mhc.kernel_row_limit(H)
-        for broadcast, modes in ((False, api.LAYER_INPUTS), (True, ("none", "one_hot"))):
-            for mode in modes:
-                bands = tuning.default_bands(H, tuning.default_form(broadcast, mode != "none"), arch="sm_90a")
+        for variant in VARIANTS:
+            if variant.normed:
+                bands = tuning.default_bands(H, variant.form, arch="sm_90a")
                 # A band's largest count is at its last row.
                 for rows in [first - 1 for first, _ in bands[1:] if first - 1 <= limit] + [limit]:
-                    assert api.grid_clusters(H, broadcast, mode, rows, arch="sm_90a") <= mhc.MAX_GRID_Y, (H, mode, rows)
+                    assert api.grid_clusters(H, variant, rows, arch="sm_90a") <= mhc.MAX_GRID_Y, (H, variant, rows)
     # ... (the layer-input-only kernel runs one cluster per 1-16 rows) but above it some do: the broadcast
     # projection at H 33536 x 16008 rows (32-row staged tiles of 131 groups), or one row at H 2^25 (2^16 groups).
-    assert api.grid_clusters(33536, True, "none", 16008, arch="sm_90a") == 65631
+    assert api.grid_clusters(33536, V("broadcast", "none"), 16008, arch="sm_90a") == 65631
     for H, rows, clusters, broadcast in ((33536, 16008, 65631, True), (2**25, 1, 65536, False)):
         width = H if broadcast else 4 * H
         residual = torch.empty(rows, 4, H, dtype=BF16, device="meta")
@@ -494,6 +510,6 @@ def test_the_edge_holds_the_cluster_limit() -> None:
 
 def test_grid_clusters_counts_the_launch() -> None:
     # 100 rows at H 7168 inline: the 32-row tile with pushes, 4 tiles of 16 projection + 8 layer-input clusters.
-    assert api.grid_clusters(7168, False, "carried", 100, arch="sm_90a") == 4 * (16 + 8)
-    assert api.grid_clusters(7168, False, "none", 512, arch="sm_90a") == 16  # one 512-row ring tile
-    assert api.grid_clusters(7168, False, "none", 0, arch="sm_90a") == 0
+    assert api.grid_clusters(7168, V("standard", "carried"), 100, arch="sm_90a") == 4 * (16 + 8)
+    assert api.grid_clusters(7168, V("standard", "none"), 512, arch="sm_90a") == 16  # one 512-row ring tile
+    assert api.grid_clusters(7168, V("standard", "none"), 0, arch="sm_90a") == 0

@@ -22,6 +22,7 @@ from cute_kernels.coefficients import (
     mhc_layer_input,
 )
 from cute_kernels.coefficients.tuning import coefficients_config
+from cute_kernels.coefficients.variant import CoefficientsVariant
 from cute_kernels.compile import arch_for_device
 from tests.bf16 import bitwise_equal, max_ulp
 
@@ -505,7 +506,7 @@ def test_graph_replay_and_mixed_schedules_keep_the_workspace_clean() -> None:
     H, rows = 7168, 40
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
     config = CoefficientsConfig.for_shape(H, False, 64)  # the tile schedule's ticket handoff
-    other = coefficients_config(H, False, rows, arch=arch())  # the split partials tile
+    other = coefficients_config(H, CoefficientsVariant(), rows, arch=arch())  # the split partials tile
     x = streams(rows, H, seed=47)
     pre_mix = carried_pre(rows)
     out = call(x, inline=True, pre_mix=pre_mix, ws=ws, config=config)
@@ -713,7 +714,7 @@ def test_partials_schedule_inline_gives_the_default_bits(H: int, variant: str) -
     broadcast = variant == "first"
     ws = CoefficientsWorkspace(H, MAX_ROWS, "cuda")
     configs = (
-        coefficients_config(H, broadcast, 1, inline=True, arch=arch()),
+        coefficients_config(H, CoefficientsVariant.of(broadcast, True, True), 1, arch=arch()),
         partials_config(H, broadcast, 32),
         partials_config(H, broadcast, 64),
         partials_config(H, broadcast, 64, row_split=2),

@@ -31,7 +31,15 @@ import torch
 
 from bench.kernels import coefficient_inputs
 from bench.timing import GraphTimer
-from cute_kernels.coefficients import SENTINEL, CoefficientsConfig, CoefficientsWorkspace, api, tuning
+from cute_kernels.coefficients import (
+    FORM_VARIANTS,
+    SENTINEL,
+    CoefficientsConfig,
+    CoefficientsVariant,
+    CoefficientsWorkspace,
+    api,
+    tuning,
+)
 
 SETS = 20
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -122,7 +130,7 @@ def mark_default(
     cfgs: dict[str, CoefficientsConfig], H: int, broadcast: bool, rows: int, arch: str, inline: bool = False
 ) -> dict:
     """The same configs, with `*` after the label of the one the defaults pick for `rows` rows."""
-    default = tuning.coefficients_config(H, broadcast, rows, inline, arch=arch)
+    default = tuning.coefficients_config(H, CoefficientsVariant.of(broadcast, inline, carried=True), rows, arch=arch)
     return {f"{label}*" if cfg == default else label: cfg for label, cfg in cfgs.items()}
 
 
@@ -146,12 +154,8 @@ def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int, onl
         for variant in variants:
             if variant == "input-only":
                 continue
-            broadcast = variant == "broadcast"
-            cfgs = variant_configs(H, variant, only)
-            mode = "carried" if variant == "inline" else "none"
-            keys.update(
-                (H, "broadcast" if broadcast else "standard", mode, EPS["sinkhorn_repeat"], c) for c in cfgs.values()
-            )
+            form = FORM_VARIANTS[variant]
+            keys.update((H, form, EPS["sinkhorn_repeat"], c) for c in variant_configs(H, variant, only).values())
     if jobs <= 1 or not disk_cache_enabled():
         return
     t0 = time.time()

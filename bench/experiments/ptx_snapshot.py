@@ -181,7 +181,7 @@ def coefficients_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
 # the engine's variant space (2 y sources x shared x {residual-only, pre, pre+mxfp8, pre+fp8 1x128,
 # pre+fp8 1x128 ue8m0} x aux = 40; MXFP8 and FP8 1x128 at once, which no scheduler call asks for, compiles on
 # first use and is not snapshotted);
-# mhc_coefficients uses default_config(H, broadcast, rows, inline) with layer_input_mode(...), which
+# mhc_coefficients uses coefficients_config(H, variant, rows) with CoefficientsVariant.of(...), which
 # coefficients_warmup_keys covers for 1..max_rows rows (check_dispatch_coverage re-derives it); and
 # mhc_layer_input uses LayerInputConfig() in its 3 valid modes, which the coefficients warmup appends.
 # Add an entry (kind, callable(H, arch, max_rows) -> list of WarmupJob) if that ever changes.
@@ -259,6 +259,9 @@ def semantic_key(job: Any) -> dict[str, Any]:
                 raise RuntimeError(f"warmup job {job.name!r} has two config dataclasses")
             config_type = type(value).__name__
             config = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        elif isinstance(value, tuple) and hasattr(value, "projection") and hasattr(value, "layer_input"):
+            # a CoefficientsVariant: keyed by the two strings the kernel classes take, as before it existed
+            params["variant"], params["layer_input"] = value.projection, value.layer_input
         elif isinstance(value, tuple) and hasattr(value, "_asdict"):
             params.update(value._asdict())
         else:
@@ -348,25 +351,24 @@ def enumerate_jobs(
 
 def check_dispatch_coverage(hidden: Iterable[int], max_rows: int, entries: list[dict[str, Any]]) -> list[str]:
     """Re-derive every coefficients config the host dispatch picks for 1..max_rows rows (where the layout still
-    exposes default_config / layer_input_mode) and report any that no warmup job compiles."""
-    try:
-        from cute_kernels import coefficients_kernel as ck
-    except ImportError:
-        return ["dispatch coverage: not checked (cute_kernels.coefficients_kernel is gone)"]
-    if not all(hasattr(ck, f) for f in ("default_config", "layer_input_mode", "compile_coefficients")):
-        return ["dispatch coverage: not checked (default_config / layer_input_mode / compile_coefficients moved)"]
+    exposes CoefficientsVariant / coefficients_config) and report any that no warmup job compiles."""
+    from cute_kernels import coefficients as ck
+
+    if not all(hasattr(ck, f) for f in ("CoefficientsVariant", "coefficients_config", "compile_coefficients")):
+        return [
+            "dispatch coverage: not checked (CoefficientsVariant / coefficients_config / compile_coefficients moved)"
+        ]
     have = {e["name"] for e in entries}
     notes, checked = [], 0
     for H in hidden:
         for broadcast in (False, True):
             for inline, carried in ((False, False), (True, False), (True, True)):
-                mode = ck.layer_input_mode(broadcast, inline, carried)
-                variant = "broadcast" if broadcast else "standard"
+                variant = ck.CoefficientsVariant.of(broadcast, inline, carried)
                 for rows in range(1, max_rows + 1):
-                    config = ck.default_config(H, broadcast, rows, inline)
+                    config = ck.coefficients_config(H, variant, rows, arch="sm_90a")
                     probe = type("Probe", (), {})()
                     probe.name, probe.compile_fn = "dispatch", ck.compile_coefficients
-                    probe.args, probe.kwargs = (H, variant, mode, 20, config), (("arch", "sm_90a"),)
+                    probe.args, probe.kwargs = (H, variant, 20, config), (("arch", "sm_90a"),)
                     key = semantic_key(probe)
                     key["params"].pop("arch")
                     name = job_name("coefficients", key)

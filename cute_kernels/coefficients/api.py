@@ -14,29 +14,31 @@ from cutlass import BFloat16, Float32, Int32
 
 from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, CoefficientsConfig, projection_split
 from cute_kernels.coefficients.kernel import CoefficientsKernel
-from cute_kernels.coefficients.layer_input import UNNORMED, LayerInputKernel, collapse_of, normalizes
+from cute_kernels.coefficients.layer_input import LayerInputKernel
 from cute_kernels.coefficients.projection import SENTINEL
 from cute_kernels.coefficients.tuning import coefficients_config, default_row_classes
+from cute_kernels.coefficients.variant import VARIANTS, CoefficientsVariant
 from cute_kernels.compile import WarmupJob, compile_kernel, fake_stream, fake_tensor, jit_cache
 
 MAX_ROWS = 16384  # rows of the largest workspace (and so of a call)
-LAYER_INPUTS = ("none", "carried", "one_hot", "carried" + UNNORMED, "one_hot" + UNNORMED)
-BROADCAST_LAYER_INPUTS = ("none", "one_hot", "one_hot" + UNNORMED)  # the first layer's collapse is its embedding row
 
 
 @jit_cache
 def compile_coefficients(
-    H: int, variant: str, layer_input: str, sinkhorn_repeat: int, config: CoefficientsConfig, *, arch: str
+    H: int, variant: CoefficientsVariant, sinkhorn_repeat: int, config: CoefficientsConfig, *, arch: str
 ) -> Callable[..., Any]:
     """Compile one coefficients variant for `arch`; the row count and the workspace sizes stay dynamic."""
     kernel = CoefficientsKernel(
-        H, variant=variant, layer_input=layer_input, sinkhorn_repeat=sinkhorn_repeat, config=config
+        H,
+        variant=variant.projection,
+        layer_input=variant.layer_input,
+        sinkhorn_repeat=sinkhorn_repeat,
+        config=config,
     )
     T = cute.sym_int()
-    broadcast = variant == "broadcast"
-    x = fake_tensor(BFloat16, (T, H) if broadcast else (T, HC, H), divisibility=8)
+    x = fake_tensor(BFloat16, (T, H) if variant.broadcast else (T, HC, H), divisibility=8)
     f32 = lambda shape: fake_tensor(Float32, shape, divisibility=4)  # noqa: E731
-    inline = layer_input != "none"
+    inline = variant.inline
     args = (
         x,
         f32((MIX, kernel.projection.K)),
@@ -47,8 +49,8 @@ def compile_coefficients(
         fake_tensor(Float32, (T, HC), divisibility=1),
         fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), NV), divisibility=1),
         fake_tensor(Int32, (cute.sym_int(),), divisibility=1),
-        f32((T, HC)) if collapse_of(layer_input) == "carried" else None,
-        fake_tensor(BFloat16, (H,), divisibility=8) if inline and normalizes(layer_input) else None,
+        f32((T, HC)) if variant.collapse == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8) if inline and variant.normed else None,
         fake_tensor(BFloat16, (T, H), divisibility=8) if inline else None,
         Float32(0.0),
         Float32(0.0),
@@ -60,14 +62,14 @@ def compile_coefficients(
 
 
 @jit_cache
-def compile_layer_input(H: int, variant: str, layer_input: str, *, arch: str) -> Callable[..., Any]:
-    """Compile the layer-input-only kernel for `arch`; the row count stays dynamic."""
-    kernel = LayerInputKernel(H, variant=variant, layer_input=layer_input)
+def compile_layer_input(H: int, variant: CoefficientsVariant, *, arch: str) -> Callable[..., Any]:
+    """Compile the layer-input-only kernel of an inline variant for `arch`; the row count stays dynamic."""
+    kernel = LayerInputKernel(H, variant=variant.projection, layer_input=variant.layer_input)
     T = cute.sym_int()
     args = (
         fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8),
-        fake_tensor(Float32, (T, HC), divisibility=4) if collapse_of(layer_input) == "carried" else None,
-        fake_tensor(BFloat16, (H,), divisibility=8) if normalizes(layer_input) else None,
+        fake_tensor(Float32, (T, HC), divisibility=4) if variant.collapse == "carried" else None,
+        fake_tensor(BFloat16, (H,), divisibility=8) if variant.normed else None,
         fake_tensor(BFloat16, (T, H), divisibility=8),
         Float32(0.0),
     )
@@ -75,22 +77,13 @@ def compile_layer_input(H: int, variant: str, layer_input: str, *, arch: str) ->
 
 
 @functools.cache
-def _kernel(H: int, variant: str, layer_input: str, config: CoefficientsConfig) -> CoefficientsKernel:
-    return CoefficientsKernel(H, variant=variant, layer_input=layer_input, config=config)
+def _kernel(H: int, variant: CoefficientsVariant, config: CoefficientsConfig) -> CoefficientsKernel:
+    return CoefficientsKernel(H, variant=variant.projection, layer_input=variant.layer_input, config=config)
 
 
-def grid_clusters(H: int, broadcast: bool, layer_input: str, rows: int, *, arch: str) -> int:
+def grid_clusters(H: int, variant: CoefficientsVariant, rows: int, *, arch: str) -> int:
     """The first launch's grid y extent of a call of `rows` rows with the shipped config (at most 65535)."""
-    config = coefficients_config(H, broadcast, rows, layer_input != "none", arch=arch)
-    return _kernel(H, "broadcast" if broadcast else "standard", layer_input, config).grid_clusters(rows)
-
-
-def layer_input_mode(broadcast: bool, inline: bool, carried: bool, normalize: bool = True) -> str:
-    """The compile-time layer-input mode: none, the carried pre-mix collapse, or the one-hot stream 0; RMSNorm'd,
-    or (`normalize` False: no norm weight) the collapse itself."""
-    if not inline:
-        return "none"
-    return ("carried" if carried and not broadcast else "one_hot") + ("" if normalize else UNNORMED)
+    return _kernel(H, variant, coefficients_config(H, variant, rows, arch=arch)).grid_clusters(rows)
 
 
 def warmup_jobs(
@@ -99,34 +92,20 @@ def warmup_jobs(
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
     the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch.
     `unnormed`: the layer input without a norm weight too (the scheduler always passes one)."""
+    variants = [v for v in VARIANTS if unnormed or v.normed]
     jobs = []
-    for variant, modes in (("standard", LAYER_INPUTS), ("broadcast", BROADCAST_LAYER_INPUTS)):
-        broadcast = variant == "broadcast"
-        for mode in modes:
-            if not unnormed and mode != "none" and not normalizes(mode):
-                continue
-            inline = mode != "none"
-            for rows in default_row_classes(H, broadcast, inline, max_rows, arch=arch):
-                config = coefficients_config(H, broadcast, rows, inline, arch=arch)
-                name = f"coefficients H={H} {variant} layer_input={mode} tile={config.rows_per_tile}"
-                name += " split" if config.row_split > 1 else ""
-                key = (H, variant, mode, sinkhorn_repeat, config)
-                load = functools.partial(
-                    load_coefficients, H=H, broadcast=broadcast, mode=mode, rows=rows, config=config
-                )
-                jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
-    input_only = [("standard", mode) for mode in LAYER_INPUTS[1:]] + [
-        ("broadcast", m) for m in BROADCAST_LAYER_INPUTS[1:]
-    ]
-    for variant, mode in input_only:
-        if not unnormed and not normalizes(mode):
-            continue
-        load = functools.partial(load_layer_input, H=H, broadcast=variant == "broadcast", mode=mode)
-        jobs.append(
-            WarmupJob(
-                f"layer input H={H} {variant} {mode}", compile_layer_input, (H, variant, mode), (("arch", arch),), load
-            )
-        )
+    for variant in variants:
+        for rows in default_row_classes(H, variant, max_rows, arch=arch):
+            config = coefficients_config(H, variant, rows, arch=arch)
+            name = f"coefficients H={H} {variant.name} tile={config.rows_per_tile}"
+            name += " split" if config.row_split > 1 else ""
+            load = functools.partial(load_coefficients, H=H, variant=variant, rows=rows, config=config)
+            key = (H, variant, sinkhorn_repeat, config)
+            jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
+    for variant in (v for v in variants if v.inline):
+        load = functools.partial(load_layer_input, H=H, variant=variant)
+        name = f"layer input H={H} {variant.projection} {variant.layer_input}"
+        jobs.append(WarmupJob(name, compile_layer_input, (H, variant), (("arch", arch),), load))
     return jobs
 
 
@@ -135,8 +114,7 @@ def load_coefficients(
     device: Any,
     *,
     H: int,
-    broadcast: bool,
-    mode: str,
+    variant: CoefficientsVariant,
     rows: int,
     config: CoefficientsConfig,
 ) -> None:
@@ -144,11 +122,11 @@ def load_coefficients(
     that CUDA loads its module now."""
     f32 = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
     workspace = CoefficientsWorkspace(H, rows, device)
-    x = torch.zeros((rows, H) if broadcast else (rows, HC, H), dtype=torch.bfloat16, device=device)
-    inline = mode != "none"
+    x = torch.zeros((rows, H) if variant.broadcast else (rows, HC, H), dtype=torch.bfloat16, device=device)
+    inline = variant.inline
     compiled(
         x,
-        f32(MIX, H if broadcast else HC * H),
+        f32(MIX, H if variant.broadcast else HC * H),
         f32(3),
         f32(MIX),
         f32(rows, HC),
@@ -156,8 +134,8 @@ def load_coefficients(
         f32(rows, HC),
         workspace.rank_partials if config.schedule == "partials" else workspace.partials,
         workspace.counters,
-        f32(rows, HC) if collapse_of(mode) == "carried" else None,
-        torch.ones(H, dtype=torch.bfloat16, device=device) if inline and normalizes(mode) else None,
+        f32(rows, HC) if variant.collapse == "carried" else None,
+        torch.ones(H, dtype=torch.bfloat16, device=device) if inline and variant.normed else None,
         torch.empty(rows, H, dtype=torch.bfloat16, device=device) if inline else None,
         1e-6,
         1e-6,
@@ -167,11 +145,11 @@ def load_coefficients(
     )
 
 
-def load_layer_input(compiled: Callable[..., Any], device: Any, *, H: int, broadcast: bool, mode: str) -> None:
+def load_layer_input(compiled: Callable[..., Any], device: Any, *, H: int, variant: CoefficientsVariant) -> None:
     """Launch a compiled layer-input kernel once on one row of scratch inputs, so that CUDA loads its module now."""
-    x = torch.zeros((1, H) if broadcast else (1, HC, H), dtype=torch.bfloat16, device=device)
-    pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if collapse_of(mode) == "carried" else None
-    weight = torch.ones(H, dtype=torch.bfloat16, device=device) if normalizes(mode) else None
+    x = torch.zeros((1, H) if variant.broadcast else (1, HC, H), dtype=torch.bfloat16, device=device)
+    pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if variant.collapse == "carried" else None
+    weight = torch.ones(H, dtype=torch.bfloat16, device=device) if variant.normed else None
     compiled(x, pre_mix, weight, torch.empty(1, H, dtype=torch.bfloat16, device=device), 1e-6)
 
 
@@ -244,12 +222,12 @@ def mhc_coefficients(
     if rows == 0:
         return
     H = x.shape[-1]
-    if config is None:
-        config = coefficients_config(H, broadcast, rows, layer_input_out is not None, arch=arch)
-    mode = layer_input_mode(broadcast, layer_input_out is not None, pre_mix is not None, norm_weight is not None)
-    compiled = compile_coefficients(
-        H, "broadcast" if broadcast else "standard", mode, sinkhorn_repeat, config, arch=arch
+    variant = CoefficientsVariant.of(
+        broadcast, layer_input_out is not None, pre_mix is not None, norm_weight is not None
     )
+    if config is None:
+        config = coefficients_config(H, variant, rows, arch=arch)
+    compiled = compile_coefficients(H, variant, sinkhorn_repeat, config, arch=arch)
     if post_out.dim() == 3:
         post_out = post_out.view(rows, HC)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -263,8 +241,8 @@ def mhc_coefficients(
             pre_out,
             workspace.rank_partials if config.schedule == "partials" else workspace.partials,
             workspace.counters,
-            pre_mix if collapse_of(mode) == "carried" else None,
-            norm_weight if mode != "none" else None,
+            pre_mix if variant.collapse == "carried" else None,
+            norm_weight if variant.inline else None,
             layer_input_out,
             float(rms_eps),
             float(pre_eps),
@@ -295,7 +273,7 @@ def mhc_layer_input(
     """
     if x.shape[0] == 0:
         return
-    mode = layer_input_mode(broadcast, True, pre_mix is not None, norm_weight is not None)
-    compiled = compile_layer_input(x.shape[-1], "broadcast" if broadcast else "standard", mode, arch=arch)
+    variant = CoefficientsVariant.of(broadcast, True, pre_mix is not None, norm_weight is not None)
+    compiled = compile_layer_input(x.shape[-1], variant, arch=arch)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        compiled(x, pre_mix if collapse_of(mode) == "carried" else None, norm_weight, out, float(norm_eps))
+        compiled(x, pre_mix if variant.collapse == "carried" else None, norm_weight, out, float(norm_eps))

@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from cute_kernels.coefficients.config import CoefficientsConfig
+from cute_kernels.coefficients.variant import CoefficientsVariant
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ RING_P = Choice(512, row_split=4, schedule="partials", stage_rows=True, stage_de
 T256_RING_P = Choice(256, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
 
 Bands = tuple[tuple[int, Choice], ...]  # (first row, choice) in row order
-FORMS = ("standard", "broadcast", "inline", "first inline")
+FORMS = ("standard", "broadcast", "inline", "first inline")  # the values of CoefficientsVariant.form
 
 # form -> ((smallest H, bands), ...), largest H first; the last entry serves every H below.
 SM90A: dict[str, tuple[tuple[int, Bands], ...]] = {
@@ -76,14 +77,6 @@ SM90A: dict[str, tuple[tuple[int, Bands], ...]] = {
 TABLES = {"sm_90a": SM90A, "sm_100a": SM90A}
 
 
-def default_form(broadcast: bool, inline: bool) -> str:
-    """Which form's bands a call uses: "inline", "first inline" (broadcast with a layer input), "broadcast"
-    or "standard"."""
-    if inline:
-        return "first inline" if broadcast else "inline"
-    return "broadcast" if broadcast else "standard"
-
-
 def default_bands(H: int, form: str, *, arch: str) -> Bands:
     """The bands of one form at hidden size H on `arch`."""
     for smallest, bands in TABLES[arch][form]:
@@ -92,27 +85,26 @@ def default_bands(H: int, form: str, *, arch: str) -> Bands:
     raise AssertionError("every table's last entry serves H >= 0")
 
 
-def default_choice(H: int, broadcast: bool, inline: bool, rows: int, *, arch: str) -> Choice:
-    """The shipped choice for a call of `rows` rows at hidden size H on `arch`."""
+def default_choice(H: int, variant: CoefficientsVariant, rows: int, *, arch: str) -> Choice:
+    """The shipped choice for a call of `rows` rows of `variant` at hidden size H on `arch`."""
     choice = T32
-    for first, band in default_bands(H, default_form(broadcast, inline), arch=arch):
+    for first, band in default_bands(H, variant.form, arch=arch):
         if rows >= first:
             choice = band
     return choice
 
 
 @functools.cache
-def coefficients_config(
-    H: int, broadcast: bool, rows: int = 1, inline: bool = False, *, arch: str
-) -> CoefficientsConfig:
-    """The shipped config for a call of `rows` rows at hidden size H on `arch` (memoized: one lookup per call)."""
-    return default_choice(H, broadcast, inline, rows, arch=arch).config(H, broadcast)
+def coefficients_config(H: int, variant: CoefficientsVariant, rows: int = 1, *, arch: str) -> CoefficientsConfig:
+    """The shipped config for a call of `rows` rows of `variant` at hidden size H on `arch` (memoized: one lookup per
+    call)."""
+    return default_choice(H, variant, rows, arch=arch).config(H, variant.broadcast)
 
 
-def default_row_classes(H: int, broadcast: bool, inline: bool, max_rows: int, *, arch: str) -> list[int]:
-    """One row count per distinct default config of calls of 1..max_rows rows."""
+def default_row_classes(H: int, variant: CoefficientsVariant, max_rows: int, *, arch: str) -> list[int]:
+    """One row count per distinct default config of calls of 1..max_rows rows of `variant`."""
     seen: dict[Choice, int] = {}
-    for first, choice in default_bands(H, default_form(broadcast, inline), arch=arch):
+    for first, choice in default_bands(H, variant.form, arch=arch):
         if first <= max_rows:
             seen.setdefault(choice, first)
     return sorted(seen.values())
