@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	  $(VENV)/bin/python -m pip install -q --no-deps "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
 	  $(VENV)/bin/python -m pip install -q "$(TORCH)"; }
 	$(VENV)/bin/python -m pip install -q -e ".[test,bench,lint]"
+	@# DeepSeek's torch references for its TileLang mHC kernels, an oracle for tests/test_reference_oracle.py (the
+	@# wheel only, read as data, never installed: its package imports tilelang, and it asks for Python 3.12)
+	$(VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(VENV)/oracles \
+	  tile-kernels==2.1.0
 	@touch $@
 
 # The CPU suite on every core (pytest-xdist, where installed: the test extra has it); GPU tests stay on one worker.
