@@ -168,6 +168,9 @@ def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | No
     out = [] if out is None else out
     # First, alone on the GPU: its process must be gone before ours allocate their graphs.
     tilelang = run_tilelang(args) if args.tilelang_path is not None else None
+    from bench import precompile
+
+    precompile.precompile(args, timer.device)  # the compile baselines' cold compiles, side by side
     try:
         bench_step_tp1(args, timer, out)
         bench_step_tp(args, timer, out)

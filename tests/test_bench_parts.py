@@ -533,3 +533,45 @@ def test_the_v4_part_times_ours_its_fp8_form_and_the_chains_per_shape(capsys) ->
         layer.attn_norm.variance_epsilon,
     )
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_step_baselines_are_compiled_ahead_as_the_step_part_compiles_them(monkeypatch) -> None:
+    """One job per compile the step part makes (TP 1 per shape; one chain per row count for every simulated W), run in
+    a pool; a failure is reported and left to the step part; fewer than three compiles run nothing ahead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench import precompile
+
+    default = parse_args([])
+    assert precompile.jobs(default) == [precompile.Job("tp1", 7168, 1, 1), precompile.Job("tp1", 7168, 16, 1)]
+    full = parse_args(["--full"])
+    assert len(precompile.jobs(full)) == 2 * 6 * 2  # H 5120 / 7168 x 6 rows, TP 1 and the shared chain
+    assert precompile.Job("chain", 5120, 64, 2) in precompile.jobs(full)
+    full.no_compile = True
+    assert precompile.jobs(full) == []
+    ran: list[tuple] = []
+
+    def fake(job, layers, max_rows, device_index):
+        ran.append((job, layers, max_rows, device_index))
+        if job.rows == 16:
+            raise RuntimeError("out of memory")
+        return 1.0
+
+    monkeypatch.setattr(precompile, "compile_one", fake)
+    three = parse_args(["--step-compile-rows", "1", "16", "128"])
+    failed = precompile.precompile(three, CPU, pool=ThreadPoolExecutor)
+    assert sorted(r[0] for r in ran) == precompile.jobs(three) and {r[1:] for r in ran} == {(4, 128, 0)}
+    assert failed == [precompile.Job("tp1", 7168, 16, 1)]
+    ran.clear()
+    assert precompile.precompile(default, CPU, pool=ThreadPoolExecutor) == [] and ran == []  # two: none ahead
+
+
+@pytest.mark.parametrize("kind", ["tp1", "chain"])
+def test_a_compile_ahead_builds_and_runs_the_step_parts_graph(monkeypatch, kind: str) -> None:
+    """The worker builds the graph the step part compiles (here with torch.compile as the identity, on the CPU)."""
+    from bench import precompile
+
+    compiled: list[object] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    assert precompile.compile_one(precompile.Job(kind, 256, 2, 2), 2, 4, 0) > 0
+    assert {"dynamic": False} in compiled
