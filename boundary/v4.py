@@ -148,6 +148,9 @@ class V4Boundaries:
         checks.tensor("head.hc_head_base", base, dtype=torch.float32, shape=(hc,), device=ar.device)
         rms_eps = checks.finite_float("head.rms_norm_eps", rms_eps, minimum=0.0)
         hc_eps = checks.finite_float("head.hc_eps", hc_eps, minimum=0.0)
+        # The final norm too, before the reduction consumes state.pending: a refused call consumes nothing.
+        checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
+        norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
         residual = self._boundaries.post_only(state)
         # The head's four weights are torch ops (one fp32 GEMV of the streams); the collapse and the norm one launch.
         p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)

@@ -154,6 +154,9 @@ def test_errors_name_the_argument() -> None:
         b.final(state, NoHead(), model.final_norm)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="eps is missing"):
         b.final(state, model, model.final_norm.weight)
+    with pytest.raises(TypeError, match="norm_weight"):
+        b.final(state, model, model.final_norm.weight.float(), 1e-6)
+    assert state.pending is not None  # a refused final consumes nothing either
     with pytest.raises(TypeError, match="step must be a DecodeStep"):
         b.first(model.layers[0], model.embed[:2], 2)  # type: ignore[arg-type]
     assert isinstance(state, BoundaryState)
