@@ -45,7 +45,7 @@ gpu-test: $(DEPS)
 
 # A few representative shapes of every part by default; FULL=1 (python -m bench --full) the whole sweep.
 # TILELANG=DIR (or $$MHC_TILELANG_PATH): a folder holding tile_kernels (the pack-tilelang bundle, unpacked): the step
-# table then gains DeepSeek's TileLang kernels, measured in a process of their own.
+# and V4 tables then gain DeepSeek's TileLang kernels, measured in a process of their own.
 bench: $(DEPS)
 	$(PYTHON) -m bench $(if $(FULL),--full) $(if $(TILELANG),--tilelang-path $(TILELANG))
 

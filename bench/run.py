@@ -96,8 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tilelang-path",
         type=Path,
         default=os.environ.get("MHC_TILELANG_PATH") or None,
-        help="a folder holding tile_kernels and tilelang (e.g. the unpacked pack-tilelang bundle): the step part runs "
-        "bench.tilelang_step there in its own process first and adds its column (default: $MHC_TILELANG_PATH)",
+        help="a folder holding tile_kernels and tilelang (e.g. the unpacked pack-tilelang bundle): the step and v4 "
+        "parts run bench.tilelang_step there in a process of its own first and add its column (default: "
+        "$MHC_TILELANG_PATH)",
     )
     p.add_argument(
         "--step-tp",

@@ -167,8 +167,30 @@ def simulated_step_call(
     return lambda: on_streams(streams, work)
 
 
+BOUNDARY_SETS = 20  # input sets per graph of the one-boundary timing (bench.kernels.CALLS_PER_GRAPH)
+
+
+def boundary_rows(hidden: list[int], rows: list[int], timer: GraphTimer, device: torch.device) -> list[dict]:
+    """One TileLang boundary on a ready partial (post, TF32 projection, pre with its own pre-mix, RMSNorm: the
+    DeepSeek-V4 chain) per (H, rows), us per call over BOUNDARY_SETS rotating input sets, as bench.v4 times ours."""
+    out = []
+    for h in hidden:
+        for r in sorted(rows):
+            print(f"TileLang V4 boundary: H {h}, {r} rows", file=sys.stderr, flush=True)
+            row: dict[str, Any] = {"H": h, "rows": r}
+            try:
+                sets = [boundary_inputs(r, h, device, seed) for seed in range(BOUNDARY_SETS)]
+                row["tilelang_us"] = timer.per_call_us([lambda s=s: tilelang_boundary(s, ready=True) for s in sets])
+            except Exception as exc:  # one shape's failure must not cost the others their numbers
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                torch.cuda.synchronize(device)
+            out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Time the TileLang step at each hidden size and row count; write the rows as JSON."""
+    """Time the TileLang step at each hidden size and row count (or, with --boundary, one boundary); write the rows
+    as JSON."""
     p = argparse.ArgumentParser(prog="python -m bench.tilelang_step", description=__doc__.splitlines()[0])
     p.add_argument("--step-hidden", type=int, nargs="+", default=[5120, 7168])
     p.add_argument("--step-rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 512])
@@ -179,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--boundary",
+        action="store_true",
+        help="time one boundary per (--step-hidden, --step-rows) instead of the step (bench's v4 part's column)",
+    )
     args = p.parse_args(argv)
     try:
         import tile_kernels.mhc  # noqa: F401
@@ -191,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda", torch.cuda.current_device())
     timer = GraphTimer(device, replays=args.replays)
+    if args.boundary:
+        got = boundary_rows(args.step_hidden, args.step_rows, timer, device)
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": got}, indent=1))
+        for r in got:
+            print(f"H {r['H']:>5} rows {r['rows']:>4}: " + (r.get("error") or f"{r['tilelang_us']:8.2f} us"))
+        return 1 if all("error" in r for r in got) else 0
     boundaries = 2 * args.step_layers  # as bench.step.boundaries_per_step: two per layer
     rows_out = []
     plan = [(h, w, r) for h in args.step_hidden for w in args.step_tp for r in sorted(args.step_rows)]

@@ -6,6 +6,12 @@ and the copy-bandwidth floor, per (H, rows); GPU time as the other parts (bench/
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,9 +57,32 @@ def _chain(fn: Any, layer: Any, inp: dict[str, Any]):
     return lambda: fn(*args, layer.hc_attn_base, layer.attn_norm.weight, layer.attn_norm.variance_epsilon)
 
 
+def tilelang_rows(args: argparse.Namespace) -> dict[tuple[int, int], float]:
+    """DeepSeek's TileLang V4 chain per (H, rows), us per call, from bench.tilelang_step --boundary in a process of
+    its own (its tvm-ffi differs from CuTe DSL's), with `args.tilelang_path` first on its path; raises with its
+    output if it measures nothing."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(args.tilelang_path), str(root)]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tilelang-v4.json"
+        command = [sys.executable, "-m", "bench.tilelang_step", "--boundary", "--out", str(out)]
+        command += ["--step-hidden", *map(str, args.hidden), "--step-rows", *map(str, args.rows)]
+        command += ["--replays", str(args.replays)]
+        print(f"TileLang V4 chain: its own process, tile_kernels from {args.tilelang_path}", flush=True)
+        done = subprocess.run(command, env=env, cwd=root, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"bench.tilelang_step --boundary failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
+            )
+        rows = json.loads(out.read_text())["rows"]
+    return {(r["H"], r["rows"]): r["tilelang_us"] for r in rows if "tilelang_us" in r}
+
+
 def bench_v4(args: argparse.Namespace, timer: GraphTimer, copy_bw: float) -> list[dict]:
-    """µs per V4 boundary call against the eager and compiled chains and the floor, per (H, rows)."""
+    """µs per V4 boundary call against DeepSeek's TileLang chain (with --tilelang-path), the eager and compiled
+    chains and the floor, per (H, rows)."""
     device = timer.device
+    tilelang = tilelang_rows(args) if getattr(args, "tilelang_path", None) is not None else {}
     compiled_chain = None if args.no_compile else chains.compiled(chains.v4_chain)
     out = []
     for hidden, rows in tqdm(
@@ -71,6 +100,9 @@ def bench_v4(args: argparse.Namespace, timer: GraphTimer, copy_bw: float) -> lis
             row["compile_us"] = timer.per_call_us([_chain(compiled_chain, layer, s) for s in sets])
             row["x_compile"] = row["compile_us"] / row["ours_us"]
         row["x_eager"] = row["eager_us"] / row["ours_us"]
+        if (hidden, rows) in tilelang:
+            row["tilelang_us"] = tilelang[hidden, rows]
+            row["x_tilelang"] = row["tilelang_us"] / row["ours_us"]
         row["floor_us"] = v4_bytes(rows, hidden) / copy_bw * 1e6
         row["x_floor"] = row["ours_us"] / row["floor_us"]
         out.append(row)
@@ -85,20 +117,23 @@ def print_v4(rows: list[dict]) -> None:
     nan = float("nan")
     print("\nDeepSeek-V4 boundary (V4Boundaries.sublayer: post, mixes of R', own-pre collapse, norm), GPU us per call")
     head = (
-        f"{'H':>5} {'rows':>4} | {'ours':>7} {'+fp8':>7} | {'eager':>8} {'compile':>8} | {'x eager':>7} "
-        f"{'x comp':>6} | {'floor':>6} {'x floor':>7}"
+        f"{'H':>5} {'rows':>4} | {'ours':>7} {'+fp8':>7} | {'TileLang':>8} {'eager':>8} {'compile':>8} | "
+        f"{'x TL':>5} {'x eager':>7} {'x comp':>6} | {'floor':>6} {'x floor':>7}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['H']:>5} {r['rows']:>4} | {r['ours_us']:7.2f} {r['ours_fp8_1x128_us'] - r['ours_us']:+7.2f} | "
-            f"{r['eager_us']:8.1f} {r.get('compile_us', nan):8.1f} | {r['x_eager']:7.1f} {r.get('x_compile', nan):6.1f} "
+            f"{r.get('tilelang_us', nan):8.2f} {r['eager_us']:8.1f} {r.get('compile_us', nan):8.1f} | "
+            f"{r.get('x_tilelang', nan):5.1f} {r['x_eager']:7.1f} {r.get('x_compile', nan):6.1f} "
             f"| {r['floor_us']:6.2f} {r['x_floor']:7.2f}"
         )
     print(
         "ours: the residual-only fused boundary, the coefficients of R' and the layer-input kernel (three kernels; the "
-        "two-launch fused V4 kernel is not built); +fp8: the FP8 1x128 form beside bf16 (torch ops today); eager / "
+        "two-launch fused V4 kernel is not built); +fp8: the FP8 1x128 form beside bf16 (torch ops today); TileLang: "
+        "DeepSeek's mhc_post_fwd + TF32 projection + mhc_pre_big_fuse_fwd + RMSNorm (bench.tilelang_step --boundary, "
+        "its own process; with --tilelang-path); eager / "
         "compile: the same boundary as torch ops (bench.chains.v4_chain; compiled once with dynamic shapes); floor: "
         "partial, streams in and out, layer input and fn at copy bandwidth"
     )

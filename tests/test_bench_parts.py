@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -575,3 +576,37 @@ def test_a_compile_ahead_builds_and_runs_the_step_parts_graph(monkeypatch, kind:
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
     assert precompile.compile_one(precompile.Job(kind, 256, 2, 2), 2, 4, 0) > 0
     assert {"dynamic": False} in compiled
+
+
+def test_the_v4_part_takes_tilelangs_chain_from_a_process_of_its_own(monkeypatch, tmp_path, capsys) -> None:
+    """With --tilelang-path the v4 part runs bench.tilelang_step --boundary (its shapes, its replays, tile_kernels
+    first on the path) and adds its column and ratio; a run that measures nothing fails loudly."""
+    import json
+    import subprocess
+
+    from bench import v4
+
+    (tmp_path / "tile_kernels").mkdir()
+    args = parse_args(["--hidden", "512", "--rows", "1", "3", "--parts", "v4", "--tilelang-path", str(tmp_path)])
+    args.no_compile = True
+    seen: dict = {}
+
+    def run(command, env, cwd, stdout, text):
+        seen["command"], seen["path"] = command, env["PYTHONPATH"]
+        out = Path(command[command.index("--out") + 1])
+        out.write_text(
+            json.dumps({"rows": [{"H": 512, "rows": 1, "tilelang_us": 5.0}, {"H": 512, "rows": 3, "error": "x"}]})
+        )
+        return subprocess.CompletedProcess(command, 0, "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    rows = v4.bench_v4(args, OnceTimer(), copy_bw=1e12)  # type: ignore[arg-type]
+    assert seen["command"][2:4] == ["bench.tilelang_step", "--boundary"] and seen["path"].startswith(str(tmp_path))
+    assert seen["command"][seen["command"].index("--step-rows") + 1 :][:2] == ["1", "3"]
+    assert rows[0]["tilelang_us"] == 5.0 and rows[0]["x_tilelang"] == 5.0 / rows[0]["ours_us"]
+    assert "tilelang_us" not in rows[1]  # that shape failed there: no column, no ratio
+    v4.print_v4(rows)
+    assert "TileLang" in capsys.readouterr().out
+    monkeypatch.setattr(subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1, "boom"))
+    with pytest.raises(RuntimeError, match="tilelang_step --boundary failed"):
+        v4.bench_v4(args, OnceTimer(), copy_bw=1e12)  # type: ignore[arg-type]
