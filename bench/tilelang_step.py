@@ -188,6 +188,32 @@ def boundary_rows(hidden: list[int], rows: list[int], timer: GraphTimer, device:
     return out
 
 
+PARITY_KEYS = ("x", "residual", "post", "comb", "fn", "scale", "base", "norm_weight")
+
+
+def parity_cases(hidden: list[int], rows: list[int], device: torch.device) -> list[dict[str, Any]]:
+    """Per (H, rows), one boundary's inputs and TileLang's outputs (new streams, layer input, post, comb), on the CPU,
+    for bench.v4 to run ours on the same inputs (EPS's constants; the norm's eps is rms_eps)."""
+    cases = []
+    for h in hidden:
+        for r in sorted(rows):
+            inp = boundary_inputs(r, h, device, seed=12345)
+            layer_input = tilelang_boundary(inp, ready=True)
+            torch.cuda.synchronize(device)
+            outputs = dict(new_residual=inp["new_residual"], layer_input=layer_input, post=inp["post_out"])
+            outputs["comb"] = inp["comb_out"]
+            cases.append(
+                {
+                    "H": h,
+                    "rows": r,
+                    "inputs": {k: inp[k].cpu() for k in PARITY_KEYS},
+                    "outputs": {k: v.cpu() for k, v in outputs.items()},
+                    "eps": dict(EPS),
+                }
+            )
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time the TileLang step at each hidden size and row count (or, with --boundary, one boundary); write the rows
     as JSON."""
@@ -201,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--parity",
+        type=Path,
+        help="with --boundary: save one boundary's inputs and outputs per shape here (torch.save)",
+    )
     p.add_argument(
         "--boundary",
         action="store_true",
@@ -221,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.boundary:
         got = boundary_rows(args.step_hidden, args.step_rows, timer, device)
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": got}, indent=1))
+        if args.parity is not None:
+            torch.save(parity_cases(args.step_hidden, args.step_rows, device), args.parity)
         for r in got:
             print(f"H {r['H']:>5} rows {r['rows']:>4}: " + (r.get("error") or f"{r['tilelang_us']:8.2f} us"))
         return 1 if all("error" in r for r in got) else 0

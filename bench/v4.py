@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -57,15 +58,15 @@ def _chain(fn: Any, layer: Any, inp: dict[str, Any]):
     return lambda: fn(*args, layer.hc_attn_base, layer.attn_norm.weight, layer.attn_norm.variance_epsilon)
 
 
-def tilelang_rows(args: argparse.Namespace) -> dict[tuple[int, int], float]:
-    """DeepSeek's TileLang V4 chain per (H, rows), us per call, from bench.tilelang_step --boundary in a process of
-    its own (its tvm-ffi differs from CuTe DSL's), with `args.tilelang_path` first on its path; raises with its
-    output if it measures nothing."""
+def tilelang_rows(args: argparse.Namespace) -> tuple[dict[tuple[int, int], float], list[dict[str, Any]]]:
+    """DeepSeek's TileLang V4 chain per (H, rows), us per call, and one boundary's inputs and outputs per shape (the
+    parity cases), from bench.tilelang_step --boundary in a process of its own (its tvm-ffi differs from CuTe DSL's),
+    with `args.tilelang_path` first on its path; raises with its output if it measures nothing."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(args.tilelang_path), str(root)]))
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tilelang-v4.json"
-        command = [sys.executable, "-m", "bench.tilelang_step", "--boundary", "--out", str(out)]
+        out, cases = Path(tmp) / "tilelang-v4.json", Path(tmp) / "parity.pt"
+        command = [sys.executable, "-m", "bench.tilelang_step", "--boundary", "--out", str(out), "--parity", str(cases)]
         command += ["--step-hidden", *map(str, args.hidden), "--step-rows", *map(str, args.rows)]
         command += ["--replays", str(args.replays)]
         print(f"TileLang V4 chain: its own process, tile_kernels from {args.tilelang_path}", flush=True)
@@ -75,14 +76,69 @@ def tilelang_rows(args: argparse.Namespace) -> dict[tuple[int, int], float]:
                 f"bench.tilelang_step --boundary failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
             )
         rows = json.loads(out.read_text())["rows"]
-    return {(r["H"], r["rows"]): r["tilelang_us"] for r in rows if "tilelang_us" in r}
+        parity = torch.load(cases) if cases.exists() else []
+    return {(r["H"], r["rows"]): r["tilelang_us"] for r in rows if "tilelang_us" in r}, parity
+
+
+def float64_chain(inp: dict[str, torch.Tensor], eps: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A parity case's V4 boundary in float64, rounded nowhere: R' and the layer input."""
+    y, r = inp["x"][0].double(), inp["residual"][0].double()
+    post, comb = inp["post"][0, :, :, 0].double(), inp["comb"][0].double()
+    new = post[:, :, None] * y[:, None] + torch.einsum("tkj,tkh->tjh", comb, r)
+    x = new.flatten(1)
+    mixes = (x @ inp["fn"].double().t()) / torch.sqrt((x * x).mean(-1, keepdim=True) + eps["rms_eps"])
+    pre = torch.sigmoid(mixes[:, :4] * float(inp["scale"][0]) + inp["base"][:4].double()) + eps["mhc_pre_eps"]
+    c = (pre[:, :, None] * new).sum(1)
+    return new, c / torch.sqrt((c * c).mean(-1, keepdim=True) + eps["rms_eps"]) * inp["norm_weight"].double()
+
+
+def parity(case: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Ours on a parity case's inputs against TileLang's outputs: the bf16 words that differ, and each one's largest
+    error against the float64 value, relative to that value's largest magnitude."""
+    inp, eps, rows, hidden = case["inputs"], case["eps"], case["rows"], case["H"]
+    on = {k: v.to(device) for k, v in inp.items()}
+    norm = SimpleNamespace(weight=on["norm_weight"], variance_epsilon=eps["rms_eps"])
+    layer = SimpleNamespace(
+        hc_mult=4,
+        hc_attn_fn=on["fn"],
+        hc_attn_scale=on["scale"],
+        hc_attn_base=on["base"],
+        attn_norm=norm,
+        rms_norm_eps=eps["rms_eps"],
+        hc_eps=eps["mhc_pre_eps"],
+        hc_post_alpha=eps["mhc_post_mult_value"],
+        hc_sinkhorn_iters=eps["sinkhorn_repeat"],
+    )
+    post = on["post"][0, :, :, 0].contiguous()
+    state = BoundaryState(on["residual"][0].contiguous(), post, on["comb"][0].contiguous(), None, pending=on["x"][0])  # type: ignore[arg-type]
+    b = V4Boundaries(BoundaryAllReduce(hidden, max_rows=rows, device=device))
+    ours, layer_input, _ = b.sublayer(layer, False, state, DecodeStep(rows=rows, side_stream=False))
+    new64, out64 = float64_chain(inp, eps)
+    theirs = case["outputs"]
+
+    def err(got: torch.Tensor, exact: torch.Tensor) -> float:
+        return float((got.cpu().double() - exact).abs().max() / exact.abs().max())
+
+    def differ(a: torch.Tensor, b: torch.Tensor) -> int:
+        return int((a.cpu().view(torch.int16) != b.cpu().view(torch.int16)).sum())
+
+    return {
+        "parity_words": rows * hidden,
+        "residual_words_differ": differ(ours.residual, theirs["new_residual"][0]),
+        "layer_input_words_differ": differ(layer_input, theirs["layer_input"]),
+        "ours_residual_err": err(ours.residual, new64),
+        "tilelang_residual_err": err(theirs["new_residual"][0], new64),
+        "ours_layer_input_err": err(layer_input, out64),
+        "tilelang_layer_input_err": err(theirs["layer_input"], out64),
+    }
 
 
 def bench_v4(args: argparse.Namespace, timer: GraphTimer, copy_bw: float) -> list[dict]:
     """µs per V4 boundary call against DeepSeek's TileLang chain (with --tilelang-path), the eager and compiled
     chains and the floor, per (H, rows)."""
     device = timer.device
-    tilelang = tilelang_rows(args) if getattr(args, "tilelang_path", None) is not None else {}
+    tilelang, cases = tilelang_rows(args) if getattr(args, "tilelang_path", None) is not None else ({}, [])
+    parities = {(c["H"], c["rows"]): parity(c, device) for c in cases}
     compiled_chain = None if args.no_compile else chains.compiled(chains.v4_chain)
     out = []
     for hidden, rows in tqdm(
@@ -103,6 +159,7 @@ def bench_v4(args: argparse.Namespace, timer: GraphTimer, copy_bw: float) -> lis
         if (hidden, rows) in tilelang:
             row["tilelang_us"] = tilelang[hidden, rows]
             row["x_tilelang"] = row["tilelang_us"] / row["ours_us"]
+        row |= parities.get((hidden, rows), {})
         row["floor_us"] = v4_bytes(rows, hidden) / copy_bw * 1e6
         row["x_floor"] = row["ours_us"] / row["floor_us"]
         out.append(row)
@@ -136,4 +193,22 @@ def print_v4(rows: list[dict]) -> None:
         "its own process; with --tilelang-path); eager / "
         "compile: the same boundary as torch ops (bench.chains.v4_chain; compiled once with dynamic shapes); floor: "
         "partial, streams in and out, layer input and fn at copy bandwidth"
+    )
+    parity_rows = [r for r in rows if "parity_words" in r]
+    if not parity_rows:
+        return
+    print("\nV4 parity with TileLang's chain on the same inputs: bf16 words that differ; largest error against float64")
+    head = f"{'H':>5} {'rows':>4} | {'R diff':>8} {'x diff':>8} | {'R ours':>8} {'R TL':>8} | {'x ours':>8} {'x TL':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in parity_rows:
+        words = r["parity_words"]
+        print(
+            f"{r['H']:>5} {r['rows']:>4} | {r['residual_words_differ'] / (4 * words):8.2%} "
+            f"{r['layer_input_words_differ'] / words:8.2%} | {r['ours_residual_err']:8.1e} "
+            f"{r['tilelang_residual_err']:8.1e} | {r['ours_layer_input_err']:8.1e} {r['tilelang_layer_input_err']:8.1e}"
+        )
+    print(
+        "R: the new streams, x: the layer input; diff: the share of bf16 words that differ; ours / TL: max |value - "
+        "float64| over max |float64| (TileLang's projection is TF32)"
     )

@@ -610,3 +610,35 @@ def test_the_v4_part_takes_tilelangs_chain_from_a_process_of_its_own(monkeypatch
     monkeypatch.setattr(subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1, "boom"))
     with pytest.raises(RuntimeError, match="tilelang_step --boundary failed"):
         v4.bench_v4(args, OnceTimer(), copy_bw=1e12)  # type: ignore[arg-type]
+
+
+def test_the_v4_parity_counts_the_words_that_differ_and_both_errors_against_float64() -> None:
+    """A parity case (TileLang's layout and outputs; here its outputs are ours, then one word changed): the words that
+    differ, and each side's largest error against the float64 chain, small where both round as the contract does."""
+    from bench import v4
+    from boundary import reference
+    from boundary.params import MHCParams
+
+    rows, hidden = 3, 512
+    g = torch.Generator().manual_seed(3)
+    inp = dict(
+        x=torch.randn(1, rows, hidden, generator=g).to(torch.bfloat16),
+        residual=torch.randn(1, rows, 4, hidden, generator=g).to(torch.bfloat16),
+        post=torch.rand(1, rows, 4, 1, generator=g) * 2,
+        comb=torch.softmax(torch.randn(1, rows, 4, 4, generator=g), -1),
+        fn=torch.randn(24, 4 * hidden, generator=g) * 1e-2,
+        scale=torch.full((3,), 0.5),
+        base=torch.randn(24, generator=g) * 0.5,
+        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16),
+    )
+    eps = dict(rms_eps=1e-20, mhc_pre_eps=1e-6, mhc_sinkhorn_eps=1e-6, mhc_post_mult_value=2.0, sinkhorn_repeat=20)
+    params = MHCParams(inp["fn"], inp["scale"], inp["base"], 1e-20, 1e-6, 1e-6, 2.0, 20)
+    want = reference.v4_boundary(
+        inp["x"][0], inp["residual"][0], inp["post"][0, :, :, 0], inp["comb"][0], params, inp["norm_weight"], 1e-20
+    )
+    theirs = dict(new_residual=want.residual[None].clone(), layer_input=want.layer_input.clone())
+    theirs["layer_input"].view(-1)[7] += 1  # one word off
+    got = v4.parity({"H": hidden, "rows": rows, "inputs": inp, "outputs": theirs, "eps": eps}, CPU)
+    assert got["residual_words_differ"] == 0 and got["layer_input_words_differ"] == 1
+    assert got["ours_residual_err"] == got["tilelang_residual_err"] < 2**-8  # one bf16 rounding of R'
+    assert got["ours_layer_input_err"] < 2**-6 and got["parity_words"] == rows * hidden
