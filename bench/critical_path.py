@@ -109,7 +109,10 @@ def print_critical_path(rows: list[dict]) -> None:
     rows = [r for r in rows if "v3_copies_us" in r]
     if not rows:
         return
-    print("\nboundaries on the critical path (V3 weight-read step, TP 1, one CUDA graph, L2 flushed), GPU us")
+    print(
+        "\nboundaries on the critical path (V3 weight-read step, TP 1, one CUDA graph, L2 flushed; H 5120: V3's reads x "
+        "5120/7168), GPU us"
+    )
     head = (
         f"{'H':>5} {'rows':>4} {'bnd':>3} | {'side':>8} {'early':>8} {'inline':>8} {'copies':>8} | "
         f"{'/bnd side':>9} {'/bnd early':>10} {'/bnd inline':>11}"

@@ -214,12 +214,14 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
         side = DecodeStep.for_rows(rows).side_stream  # the engine's default step
         row["toy_step_us"] = timer.per_call_us([_step_call(model, ours_b, rows, side)])
         row["boundary_share"] = boundaries_us / row["toy_step_us"]
-        if hidden == weight_reads.HIDDEN:
+        scale = weight_reads.read_scale(hidden)
+        if scale is not None:
             reads = reads or weight_reads.WeightReads(device, max(args.step_rows))
-            v3 = reads.model(free, rows)
+            row["v3_scale"] = scale
+            v3 = reads.model(free, rows, scale=scale)
             row["v3_side_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, True)])
             early = critical_path.EarlyJoin(ours_b, DecodeStep(rows=rows, side_stream=True))
-            v3_early = reads.model(free, rows, before_last=early.before_last)
+            v3_early = reads.model(free, rows, before_last=early.before_last, scale=scale)
             row["v3_early_us"] = timer.per_call_us([_step_call(v3_early, early, rows, True)])  # type: ignore[arg-type]
             row["v3_inline_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, False)])
             copies = critical_path.OutputCopies(rows, hidden, device)
@@ -438,7 +440,8 @@ def print_step(rows: list[dict]) -> None:
         "TileLang (bench.tilelang_step, its own process): post + TF32 projection + pre + RMSNorm per boundary, at TP > 1 "
         "after each rank's exchange as the eager baseline's; "
         "V3 step (H 7168, TP 1): each sublayer reads the weight bytes a DeepSeek-V3 layer activates for the rows at FP8 "
-        "(bench.weight_reads; no KV cache), share: the boundaries-only step less the glue over it"
+        "(bench.weight_reads; no KV cache; at H 5120 those bytes times 5120/7168, a stand-in of V3's shape), share: "
+        "the boundaries-only step less the glue over it"
     )
 
 

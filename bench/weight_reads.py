@@ -29,6 +29,14 @@ ATTENTION_PARAMS = (
 O_PROJ_SHARE = O_PROJ_PARAMS / ATTENTION_PARAMS
 EXPERT_PARAMS = 3 * HIDDEN * 2048  # gate, up and down projections
 ROUTED_EXPERTS, TOP_K, SHARED_EXPERTS = 256, 8, 1
+SCALED_HIDDEN = 5120  # V4.1-Flash's H: V3's layer with its byte counts scaled by H / HIDDEN (no model's real sizes)
+
+
+def read_scale(hidden: int) -> float | None:
+    """The factor on V3's byte counts at `hidden`: 1 at V3's own H, H / HIDDEN at SCALED_HIDDEN, None elsewhere."""
+    if hidden == HIDDEN:
+        return 1.0
+    return hidden / HIDDEN if hidden == SCALED_HIDDEN else None
 
 
 def routed_experts_read(rows: int) -> float:
@@ -48,11 +56,20 @@ class WeightReads:
     def __init__(self, device: torch.device, max_rows: int) -> None:
         self.words = torch.zeros(max(layer_bytes(max_rows)) // 4, dtype=torch.float32, device=device)
 
-    def model(self, free: ToyModel, rows: int, before_last: Callable[[Any], object] | None = None) -> ToyModel:
-        """A copy of a boundaries-only model whose attention and MoE first read their layer's weight bytes, in two
-        kernels as a real sublayer ends in a GEMM of its own: attention's last reads o_proj, MoE's last the down
-        projections' third. `before_last(layer)`, where given, runs between the two (where an engine may join)."""
-        attention_words, moe_words = (n // 4 for n in layer_bytes(rows))
+    def model(
+        self,
+        free: ToyModel,
+        rows: int,
+        before_last: Callable[[Any], object] | None = None,
+        scale: float = 1.0,
+    ) -> ToyModel:
+        """A copy of a boundaries-only model whose attention and MoE first read their layer's weight bytes (times
+        `scale`, at most 1), in two kernels as a real sublayer ends in a GEMM of its own: attention's last reads
+        o_proj, MoE's last the down projections' third. `before_last(layer)`, where given, runs between the two (where
+        an engine may join)."""
+        if not 0 < scale <= 1:
+            raise ValueError(f"scale must be in (0, 1] (the buffer holds V3's reads), got {scale}")
+        attention_words, moe_words = (round(n * scale) // 4 for n in layer_bytes(rows))
         attention_split = attention_words - round(attention_words * O_PROJ_SHARE)
         moe_split = moe_words - moe_words // 3
         words = self.words

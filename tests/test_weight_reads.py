@@ -70,3 +70,21 @@ def test_the_step_part_adds_the_weight_read_step_at_v3s_hidden_size(monkeypatch,
     assert row["boundary_share"] == boundaries_us / row["toy_step_us"]
     step.print_step([row])
     assert "V3 step" in capsys.readouterr().out
+
+
+def test_h5120_reads_v3s_bytes_scaled_and_other_sizes_none(monkeypatch) -> None:
+    """At V4.1-Flash's H the step reads V3's layer bytes times 5120/7168 (a stand-in of V3's shape); at V3's own H all
+    of them; at other sizes there is no weight-read step."""
+    assert weight_reads.read_scale(7168) == 1.0 and weight_reads.read_scale(5120) == 5120 / 7168
+    assert weight_reads.read_scale(4096) is None
+    monkeypatch.setattr(weight_reads, "layer_bytes", lambda rows: (4000, 8000))
+    free = step.boundaries_only(ToyModel(ToyConfig(hidden_size=512, num_layers=2), device=CPU), 2)
+    reads = weight_reads.WeightReads(CPU, max_rows=2)
+    sizes: list[int] = []
+    real_amax = torch.amax
+    monkeypatch.setattr(torch, "amax", lambda t: (sizes.append(t.numel()), real_amax(t))[1])
+    x = torch.zeros(2, 512, dtype=torch.bfloat16)
+    reads.model(free, 2, scale=0.5).moe(free.layers[1], x)
+    assert sum(sizes) == 4000 // 4  # half of the MoE's 8000 bytes, in words
+    with pytest.raises(ValueError, match="scale"):
+        reads.model(free, 2, scale=1.5)
