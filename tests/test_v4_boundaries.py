@@ -229,3 +229,45 @@ def test_the_collapse_norm_op_has_a_fake_of_the_layer_inputs_shape() -> None:
             r, torch.empty(5, 4), torch.empty(512, dtype=torch.bfloat16), 1e-6, "auto"
         )
     assert out.shape == (5, 512) and out.dtype == torch.bfloat16
+
+
+def test_on_the_kernels_a_boundary_launches_the_mixes_then_the_layer_input_kernel_with_their_own_pre(
+    monkeypatch,
+) -> None:
+    """The kernel path's plumbing, with the two coefficients launches stubbed by the reference on the CPU: an entry is
+    the coefficients kernel with no layer input (broadcast at the first layer), then the layer-input kernel on the
+    streams with the very pre it returned; the step's bits are the reference path's."""
+    from boundary import mhc
+
+    calls: list[tuple] = []
+
+    def coefficients(x, fn, scale, base, *, broadcast, post_out, comb_out, pre_out, layer_input_out, **kw):
+        calls.append(("coefficients", broadcast, layer_input_out is not None, pre_out))
+        p = MHCParams(fn, scale, base, *(kw[k] for k in ("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult")), 20)
+        got = ref.coefficients(x if broadcast else x.reshape(x.shape[0], -1), p)
+        post_out.copy_(got.post), comb_out.copy_(got.comb), pre_out.copy_(got.pre)
+
+    def layer_input(x, pre_mix, norm_weight, norm_eps, out, *, arch, broadcast=False, stream=None):
+        calls.append(("layer input", broadcast, pre_mix))
+        out.copy_(ref.rms_norm(ref.collapse(x, pre_mix), norm_weight, norm_eps))
+
+    monkeypatch.setattr(mhc, "kernel_arch", lambda device, backend: None if backend == "reference" else "sm_90a")
+    monkeypatch.setattr(mhc, "prepare_workspace", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mhc, "mhc_coefficients", coefficients)
+    monkeypatch.setattr(mhc, "mhc_layer_input", layer_input)
+    model = ToyModel(CONFIG)
+    tokens = random_tokens(model, 3, 0)
+    step = DecodeStep(rows=3, side_stream=False)
+    kernels = v4()
+    kernels.backend = "kernel"  # the mixes and the layer input on the (stubbed) kernels; the reduction the reference's
+    state, x = kernels.first(model.layers[0], model.embed[tokens], step)
+    assert [c[:3] for c in calls] == [("coefficients", True, False), ("layer input", False, calls[0][3])]
+    assert calls[1][2] is calls[0][3] and torch.equal(state.pre, calls[0][3])  # collapsed with the pre it computed
+    calls.clear()
+    state.pending = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    _, x2, _ = kernels.sublayer(model.layers[0], True, state, step)
+    assert [c[:3] for c in calls] == [("coefficients", False, False), ("layer input", False, calls[0][3])]
+    calls.clear()
+    out = decode_step_v4(model, kernels, tokens, step)
+    assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
+    assert sum(c[0] == "coefficients" for c in calls) == 2 * len(model.layers)  # one per entry; the Engram one too
