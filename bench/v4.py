@@ -137,7 +137,7 @@ def bench_v4(args: argparse.Namespace, timer: GraphTimer, copy_bw: float) -> lis
     """µs per V4 boundary call against DeepSeek's TileLang chain (with --tilelang-path), the eager and compiled
     chains and the floor, per (H, rows)."""
     device = timer.device
-    tilelang, cases = tilelang_rows(args) if getattr(args, "tilelang_path", None) is not None else ({}, [])
+    tilelang, cases = tilelang_rows(args) if args.tilelang_path is not None else ({}, [])
     parities = {(c["H"], c["rows"]): parity(c, device) for c in cases}
     compiled_chain = None if args.no_compile else chains.compiled(chains.v4_chain)
     out = []

@@ -155,6 +155,20 @@ def _state_names(state: BoundaryState) -> dict[str, str]:
     return names
 
 
+def final_norm(norm: Norm | Tensor, eps: float | None) -> tuple[Tensor, float | None]:
+    """The final norm's weight and eps: from the norm object (its .weight and .variance_epsilon), or the weight and
+    eps as given (`final(state, norm_weight, eps)`)."""
+    if eps is not None or isinstance(norm, Tensor):
+        return norm, eps  # type: ignore[return-value]
+    try:
+        return norm.weight, norm.variance_epsilon
+    except AttributeError:
+        raise TypeError(
+            f"norm must be the final norm (with .weight and .variance_epsilon) or its weight tensor followed by eps, "
+            f"got {type(norm).__name__}"
+        ) from None
+
+
 def _missing(layer: Any, attrs: tuple[str, ...]) -> None:
     """Raise a TypeError naming the first of `attrs` (dotted paths) that `layer` lacks; return if it has them all."""
     for path in attrs:
@@ -275,15 +289,7 @@ class Boundaries:
         """
         if not isinstance(state, BoundaryState):
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
-        norm_weight = norm
-        if eps is None and not isinstance(norm, Tensor):
-            try:
-                norm_weight, eps = norm.weight, norm.variance_epsilon
-            except AttributeError:
-                raise TypeError(
-                    f"norm must be the final norm (with .weight and .variance_epsilon) or its weight tensor "
-                    f"followed by eps, got {type(norm).__name__}"
-                ) from None
+        norm_weight, eps = final_norm(norm, eps)
         self._check_state(state, None, pending=True)
         # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
         # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).

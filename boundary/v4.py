@@ -26,6 +26,7 @@ from boundary.scheduler import (
     DecodeStep,
     _layer_names,
     _Reads,
+    final_norm,
 )
 from boundary.types import (
     Fp8GroupActivation,
@@ -132,7 +133,9 @@ class V4Boundaries:
         """The last boundary on state.pending (which it consumes): R' = the post with the carried mixes, then hc_head
         and the final norm, h = RMSNorm(bf16(sum_i p_i * R'_i)). `head` holds the model's hc_head_* attributes (V4Head);
         `norm` is the final norm, or its weight followed by `eps`."""
-        norm_weight, norm_eps = _norm(norm, eps)
+        norm_weight, norm_eps = final_norm(norm, eps)
+        if norm_eps is None:
+            raise TypeError("final(state, head, norm_weight, eps): eps is missing after the norm weight")
         try:
             fn, scale, base = head.hc_head_fn, head.hc_head_scale, head.hc_head_base
             rms_eps, hc_eps = head.rms_norm_eps, head.hc_eps
@@ -193,18 +196,3 @@ class V4Boundaries:
                 "step.side_stream is set, but a V4 boundary's coefficients are on its critical path (its layer input "
                 "collapses with the pre it computes): use DecodeStep(rows, side_stream=False)"
             )
-
-
-def _norm(norm: Norm | Tensor, eps: float | None) -> tuple[Tensor, float]:
-    """The final norm's weight and eps, from a norm object or the two values."""
-    if eps is not None or isinstance(norm, Tensor):
-        if eps is None:
-            raise TypeError("final(state, head, norm_weight, eps): eps is missing after the norm weight")
-        return norm, eps  # type: ignore[return-value]
-    try:
-        return norm.weight, norm.variance_epsilon
-    except AttributeError:
-        raise TypeError(
-            f"norm must be the final norm (with .weight and .variance_epsilon) or its weight tensor followed by eps, "
-            f"got {type(norm).__name__}"
-        ) from None
