@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the TileLang step baseline's rows (python -m bench.tilelang_step, run in its own process): a step column",
     )
     p.add_argument(
+        "--tilelang-v4",
+        type=Path,
+        help="a folder with the TileLang V4 chain's rows and parity cases measured before in its own process "
+        "(python -m bench.tilelang_step --boundary --out DIR/tilelang-v4.json --parity DIR/parity.pt): the v4 "
+        "part's column and parity table",
+    )
+    p.add_argument(
         "--tilelang-path",
         type=Path,
         default=os.environ.get("MHC_TILELANG_PATH") or None,
@@ -131,8 +138,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.step_compile_rows = list(args.step_rows)
     if args.step_compile_tp is None:
         args.step_compile_tp = list(args.step_tp)
-    if args.tilelang_path is not None and args.tilelang_json is not None:
-        p.error("give --tilelang-path (measure TileLang now) or --tilelang-json (rows measured before), not both")
+    if args.tilelang_path is not None and (args.tilelang_json is not None or args.tilelang_v4 is not None):
+        p.error("give --tilelang-path (measure TileLang now) or --tilelang-json / --tilelang-v4 (measured before)")
+    if args.tilelang_v4 is not None and not (args.tilelang_v4 / "tilelang-v4.json").is_file():
+        p.error(f"--tilelang-v4 {args.tilelang_v4} holds no tilelang-v4.json")
     if args.tilelang_path is not None and not (args.tilelang_path / "tile_kernels").is_dir():
         p.error(f"--tilelang-path {args.tilelang_path} holds no tile_kernels package")
     return args
@@ -140,7 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> None:
     """Compile (in parallel, once per host) and load the one-rank kernels the parts launch, before any is timed: the
-    boundary with bf16, MXFP8 and FP8 1x128 layer inputs and the coefficients, at every hidden size of the run."""
+    boundary with bf16, MXFP8 and FP8 1x128 layer inputs and the coefficients (and the V4 part's quantized layer
+    inputs), at every hidden size of the run."""
     from boundary import mhc
     from cute_kernels.compile import warmup
 
@@ -148,10 +158,12 @@ def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> N
     hiddens |= set(args.step_hidden) if "step" in args.parts else set()
     rows = max(args.rows + args.step_rows)
     variants = boundary_api.engine_variants(("mxfp8", "fp8_1x128"))
+    # The V4 part's layer input in both quantized forms.
+    quantized = ("mxfp8", "fp8_1x128") if "v4" in args.parts else ()
     jobs = []
     for hidden in sorted(hiddens):
         jobs += boundary_api.warmup_jobs(hidden, arch=arch, variants=variants)
-        jobs += mhc.warmup_jobs(hidden, arch, min(rows, mhc.kernel_row_limit(hidden)))
+        jobs += mhc.warmup_jobs(hidden, arch, min(rows, mhc.kernel_row_limit(hidden)), quantized=quantized)
     warmup(jobs, desc=f"bench kernels H={sorted(hiddens)} {arch}", device=device)
 
 

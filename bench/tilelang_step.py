@@ -20,6 +20,7 @@ broadcast to the HC streams and one Engram injection (a gated table row added to
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -189,15 +190,25 @@ def boundary_rows(hidden: list[int], rows: list[int], timer: GraphTimer, device:
 
 
 PARITY_KEYS = ("x", "residual", "post", "comb", "fn", "scale", "base", "norm_weight")
+PARITY_SEED = 12345
+
+
+def digests(inputs: dict[str, torch.Tensor]) -> dict[str, str]:
+    """A SHA-1 of each parity input's bytes: the proof that inputs drawn again in another process are the same."""
+    return {
+        k: hashlib.sha1(inputs[k].detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+        for k in PARITY_KEYS
+    }
 
 
 def parity_cases(hidden: list[int], rows: list[int], device: torch.device) -> list[dict[str, Any]]:
     """Per (H, rows), one boundary's inputs and TileLang's outputs (new streams, layer input, post, comb), on the CPU,
-    for bench.v4 to run ours on the same inputs (EPS's constants; the norm's eps is rms_eps)."""
+    for bench.v4 to run ours on the same inputs (EPS's constants; the norm's eps is rms_eps). The inputs go with
+    their seed and digests, so that a case without them (`strip_inputs`: a few MB lighter) can draw them again."""
     cases = []
     for h in hidden:
         for r in sorted(rows):
-            inp = boundary_inputs(r, h, device, seed=12345)
+            inp = boundary_inputs(r, h, device, seed=PARITY_SEED)
             layer_input = tilelang_boundary(inp, ready=True)
             torch.cuda.synchronize(device)
             outputs = dict(new_residual=inp["new_residual"], layer_input=layer_input, post=inp["post_out"])
@@ -207,11 +218,34 @@ def parity_cases(hidden: list[int], rows: list[int], device: torch.device) -> li
                     "H": h,
                     "rows": r,
                     "inputs": {k: inp[k].cpu() for k in PARITY_KEYS},
+                    "seed": PARITY_SEED,
+                    "digests": digests(inp),
                     "outputs": {k: v.cpu() for k, v in outputs.items()},
                     "eps": dict(EPS),
                 }
             )
     return cases
+
+
+def strip_inputs(case: dict[str, Any]) -> dict[str, Any]:
+    """A parity case without its inputs, with their seed and digests (from the inputs themselves where missing)."""
+    out = {k: v for k, v in case.items() if k != "inputs"}
+    out.setdefault("seed", PARITY_SEED)
+    out.setdefault("digests", digests(case["inputs"]))
+    return out
+
+
+def parity_inputs(case: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """A parity case's inputs on `device`: its own, or drawn again from its seed on the same kind of GPU (the CUDA
+    generator's stream is the GPU's); raises if they are not the bytes TileLang ran on."""
+    if "inputs" in case:
+        return {k: v.to(device) for k, v in case["inputs"].items()}
+    inp = boundary_inputs(case["rows"], case["H"], device, seed=case["seed"])
+    if digests(inp) != case["digests"]:
+        raise RuntimeError(
+            f"the parity inputs of H {case['H']} x {case['rows']} rows drawn again differ from TileLang's"
+        )
+    return {k: inp[k] for k in PARITY_KEYS}
 
 
 def main(argv: list[str] | None = None) -> int:

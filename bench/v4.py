@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import chains
+from bench import chains, tilelang_step
 from bench.kernels import CALLS_PER_GRAPH
 from bench.timing import GraphTimer
 from boundary import BoundaryAllReduce, BoundaryState, DecodeStep, V4Boundaries
@@ -52,20 +52,42 @@ def _ours(b: V4Boundaries, layer: Any, inp: dict[str, Any], step: DecodeStep, qu
     return call
 
 
+def _final(b: V4Boundaries, model: Any, inp: dict[str, Any]):
+    """A closure making one V4 final call (the post, hc_head, the final norm) on an input set."""
+
+    def call() -> None:
+        inp["outputs"] = None
+        state = BoundaryState(inp["residual"], inp["post"], inp["comb"], None, pending=inp["y"])  # type: ignore[arg-type]
+        inp["outputs"] = b.final(state, model, model.final_norm)
+
+    return call
+
+
 def _chain(fn: Any, layer: Any, inp: dict[str, Any]):
     """A closure running the torch chain on an input set."""
     args = (inp["y"], inp["residual"], inp["post"], inp["comb"], layer.hc_attn_fn, layer.hc_attn_scale)
     return lambda: fn(*args, layer.hc_attn_base, layer.attn_norm.weight, layer.attn_norm.variance_epsilon)
 
 
+def measured_tilelang(folder: Path) -> tuple[dict[tuple[int, int], float], list[dict[str, Any]]]:
+    """tilelang_rows' answer from a run before (`--tilelang-v4`): its tilelang-v4.json and, if there, parity.pt."""
+    rows = json.loads((folder / "tilelang-v4.json").read_text())["rows"]
+    cases = folder / "parity.pt"
+    parity = torch.load(cases) if cases.exists() else []
+    return {(r["H"], r["rows"]): r["tilelang_us"] for r in rows if "tilelang_us" in r}, parity
+
+
 def tilelang_rows(args: argparse.Namespace) -> tuple[dict[tuple[int, int], float], list[dict[str, Any]]]:
     """DeepSeek's TileLang V4 chain per (H, rows), us per call, and one boundary's inputs and outputs per shape (the
     parity cases), from bench.tilelang_step --boundary in a process of its own (its tvm-ffi differs from CuTe DSL's),
-    with `args.tilelang_path` first on its path; raises with its output if it measures nothing."""
+    with `args.tilelang_path` first on its path (or read from `args.tilelang_v4`); raises with its output if it
+    measures nothing."""
+    if args.tilelang_v4 is not None:
+        return measured_tilelang(args.tilelang_v4)
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(args.tilelang_path), str(root)]))
     with tempfile.TemporaryDirectory() as tmp:
-        out, cases = Path(tmp) / "tilelang-v4.json", Path(tmp) / "parity.pt"
+        out, cases = Path(tmp) / "tilelang-v4.json", Path(tmp) / "parity.pt"  # measured_tilelang's names
         command = [sys.executable, "-m", "bench.tilelang_step", "--boundary", "--out", str(out), "--parity", str(cases)]
         command += ["--step-hidden", *map(str, args.hidden), "--step-rows", *map(str, args.rows)]
         command += ["--replays", str(args.replays)]
@@ -75,9 +97,7 @@ def tilelang_rows(args: argparse.Namespace) -> tuple[dict[tuple[int, int], float
             raise RuntimeError(
                 f"bench.tilelang_step --boundary failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
             )
-        rows = json.loads(out.read_text())["rows"]
-        parity = torch.load(cases) if cases.exists() else []
-    return {(r["H"], r["rows"]): r["tilelang_us"] for r in rows if "tilelang_us" in r}, parity
+        return measured_tilelang(Path(tmp))
 
 
 def float64_chain(inp: dict[str, torch.Tensor], eps: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +115,9 @@ def float64_chain(inp: dict[str, torch.Tensor], eps: dict[str, float]) -> tuple[
 def parity(case: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Ours on a parity case's inputs against TileLang's outputs: the bf16 words that differ, and each one's largest
     error against the float64 value, relative to that value's largest magnitude."""
-    inp, eps, rows, hidden = case["inputs"], case["eps"], case["rows"], case["H"]
-    on = {k: v.to(device) for k, v in inp.items()}
+    eps, rows, hidden = case["eps"], case["rows"], case["H"]
+    on = tilelang_step.parity_inputs(case, device)
+    inp = {k: v.cpu() for k, v in on.items()}
     norm = SimpleNamespace(weight=on["norm_weight"], variance_epsilon=eps["rms_eps"])
     layer = SimpleNamespace(
         hc_mult=4,
@@ -137,20 +158,24 @@ def bench_v4(args: argparse.Namespace, timer: GraphTimer, copy_bw: float) -> lis
     """µs per V4 boundary call against DeepSeek's TileLang chain (with --tilelang-path), the eager and compiled
     chains and the floor, per (H, rows)."""
     device = timer.device
-    tilelang, cases = tilelang_rows(args) if args.tilelang_path is not None else ({}, [])
+    measured = args.tilelang_path is not None or args.tilelang_v4 is not None
+    tilelang, cases = tilelang_rows(args) if measured else ({}, [])
     parities = {(c["H"], c["rows"]): parity(c, device) for c in cases}
     compiled_chain = None if args.no_compile else chains.compiled(chains.v4_chain)
     out = []
     for hidden, rows in tqdm(
         [(h, r) for h in args.hidden for r in sorted(args.rows)], desc="V4 boundary", unit="shape"
     ):
-        layer = ToyModel(ToyConfig(hidden_size=hidden, num_layers=1, vocab=16), device=device).layers[0]
+        model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=1, vocab=16), device=device)
+        layer = model.layers[0]
         b = V4Boundaries(BoundaryAllReduce(hidden, max_rows=rows, device=device))
         step = DecodeStep(rows=rows, side_stream=False)
         sets = [_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
         row: dict[str, Any] = {"H": hidden, "rows": rows}
         row["ours_us"] = timer.per_call_us([_ours(b, layer, s, step, False) for s in sets])
+        row["ours_mxfp8_us"] = timer.per_call_us([_ours(b, layer, s, step, "mxfp8") for s in sets])
         row["ours_fp8_1x128_us"] = timer.per_call_us([_ours(b, layer, s, step, "fp8_1x128") for s in sets])
+        row["final_us"] = timer.per_call_us([_final(b, model, s) for s in sets])
         row["eager_us"] = timer.per_call_us([_chain(chains.v4_chain, layer, s) for s in sets])
         if compiled_chain is not None:
             row["compile_us"] = timer.per_call_us([_chain(compiled_chain, layer, s) for s in sets])
@@ -174,21 +199,24 @@ def print_v4(rows: list[dict]) -> None:
     nan = float("nan")
     print("\nDeepSeek-V4 boundary (V4Boundaries.sublayer: post, mixes of R', own-pre collapse, norm), GPU us per call")
     head = (
-        f"{'H':>5} {'rows':>4} | {'ours':>7} {'+fp8':>7} | {'TileLang':>8} {'eager':>8} {'compile':>8} | "
+        f"{'H':>5} {'rows':>4} | {'ours':>7} {'+mxfp8':>7} {'+fp8':>7} {'final':>6} | {'TileLang':>8} {'eager':>8} {'compile':>8} | "
         f"{'x TL':>5} {'x eager':>7} {'x comp':>6} | {'floor':>6} {'x floor':>7}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['H']:>5} {r['rows']:>4} | {r['ours_us']:7.2f} {r['ours_fp8_1x128_us'] - r['ours_us']:+7.2f} | "
+            f"{r['H']:>5} {r['rows']:>4} | {r['ours_us']:7.2f} {r['ours_mxfp8_us'] - r['ours_us']:+7.2f} "
+            f"{r['ours_fp8_1x128_us'] - r['ours_us']:+7.2f} {r['final_us']:6.2f} | "
             f"{r.get('tilelang_us', nan):8.2f} {r['eager_us']:8.1f} {r.get('compile_us', nan):8.1f} | "
             f"{r.get('x_tilelang', nan):5.1f} {r['x_eager']:7.1f} {r.get('x_compile', nan):6.1f} "
             f"| {r['floor_us']:6.2f} {r['x_floor']:7.2f}"
         )
     print(
         "ours: the residual-only fused boundary, the coefficients of R' and the layer-input kernel (three kernels; the "
-        "two-launch fused V4 kernel is not built); +fp8: the FP8 1x128 form beside bf16 (torch ops today); TileLang: "
+        "two-launch fused V4 kernel is not built); +mxfp8 / +fp8: the MXFP8 / FP8 1x128 form beside bf16 (written by "
+        "the layer-input kernel); final: V4Boundaries.final (the residual-only boundary, hc_head's weights as torch ops, the "
+        "collapse and final norm); TileLang: "
         "DeepSeek's mhc_post_fwd + TF32 projection + mhc_pre_big_fuse_fwd + RMSNorm (bench.tilelang_step --boundary, "
         "its own process; with --tilelang-path); eager / "
         "compile: the same boundary as torch ops (bench.chains.v4_chain; compiled once with dynamic shapes); floor: "

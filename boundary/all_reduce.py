@@ -16,7 +16,7 @@ from torch import Tensor
 
 from boundary import checks, mhc, reference
 from boundary.backend import BACKENDS, kernel_arch
-from boundary.types import FP8_GROUP_QUANT_KEY, FP8_GROUP_UE8M0_QUANT_KEY, Fp8GroupActivation, QuantizedActivation
+from boundary.types import Fp8GroupActivation, QuantizedActivation, check_fp8_out, check_mxfp8_out
 from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
 from cute_kernels.allreduce.protocol import (
     ERROR_MISSING,
@@ -410,6 +410,7 @@ class BoundaryAllReduce:
         *,
         quantize: Sequence[str] | None = tuple(boundary_api.QUANTIZE_FORMS),
         unnormed_layer_input: bool = False,
+        own_pre: bool = False,
         sinkhorn_repeat: int = 20,
         progress: bool = True,
     ) -> None:
@@ -419,6 +420,7 @@ class BoundaryAllReduce:
         values; every form by default; None or () for bf16 only): an engine that writes one form warms up
         that one only, in about two thirds of the time. `unnormed_layer_input`: the coefficients' layer input
         without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it).
+        `own_pre`: DeepSeek-V4's own-pre layer input in the `quantize` forms too (`V4Boundaries.warmup` sets it).
         `sinkhorn_repeat`: the layers' Sinkhorn iterations (`hc_sinkhorn_iters`, compiled into the coefficients
         kernels; 20 in the V4 models).
         Call it before CUDA-graph capture: nothing can compile or allocate a workspace inside a capture.
@@ -428,6 +430,7 @@ class BoundaryAllReduce:
         self._check_rows(rows)
         quantize = () if quantize is None else quantize
         checks.flag("unnormed_layer_input", unnormed_layer_input)
+        checks.flag("own_pre", own_pre)
         sinkhorn_repeat = checks.positive_int("sinkhorn_repeat", sinkhorn_repeat)
         if not isinstance(quantize, (tuple, list)) or not all(q in boundary_api.QUANTIZE_FORMS for q in quantize):
             raise ValueError(
@@ -447,7 +450,12 @@ class BoundaryAllReduce:
             variants=boundary_api.engine_variants(tuple(quantize)),
             protocols=protocols,
         ) + mhc.warmup_jobs(
-            self.hidden_size, self.arch, rows, sinkhorn_repeat=sinkhorn_repeat, unnormed=unnormed_layer_input
+            self.hidden_size,
+            self.arch,
+            rows,
+            sinkhorn_repeat=sinkhorn_repeat,
+            unnormed=unnormed_layer_input,
+            quantized=tuple(quantize) if own_pre else (),
         )
         mhc.prepare_workspace(self.hidden_size, rows, self.device, self.rank if self.simulated_ranks else None)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
@@ -586,51 +594,11 @@ class BoundaryAllReduce:
             checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev, align=a16)
         norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
         if mxfp8_out is not None:
-            if not isinstance(mxfp8_out, QuantizedActivation):
-                raise TypeError(f"mxfp8_out must be a QuantizedActivation or None, got {type(mxfp8_out).__name__}")
-            checks.tensor(
-                "mxfp8_out.data",
-                mxfp8_out.data,
-                dtype=torch.float8_e4m3fn,
-                shape=(rows, hidden),
-                device=dev,
-                align=a16,
-            )
-            nbytes = reference.mxfp8_scale_bytes(rows, hidden)
-            scale = mxfp8_out.scale  # the kernel writes it a 4-byte word at a time
-            checks.tensor(
-                "mxfp8_out.scale", scale, dtype=torch.uint8, shape=(nbytes,), device=dev, align=self._align(4)
-            )
+            check_mxfp8_out("mxfp8_out", mxfp8_out, rows, hidden, dev, a16)
         checks.optional_tensor("aux_out", aux_out, dtype=BF16, shape=(rows, hidden), device=dev, align=a16)
         if fp8_out is not None:
-            self._check_fp8_out(rows, fp8_out)
+            check_fp8_out("fp8_out", fp8_out, rows, hidden, dev, a16)
         return post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out  # type: ignore[return-value]
-
-    def _check_fp8_out(self, rows: int, fp8_out: object) -> None:
-        if not isinstance(fp8_out, Fp8GroupActivation):
-            raise TypeError(f"fp8_out must be an Fp8GroupActivation or None, got {type(fp8_out).__name__}")
-        checks.tensor(
-            "fp8_out.data",
-            fp8_out.data,
-            dtype=torch.float8_e4m3fn,
-            shape=(rows, self.hidden_size),
-            device=self.device,
-            align=self._align(16),
-        )
-        checks.tensor(
-            "fp8_out.scale",
-            fp8_out.scale,
-            dtype=F32,
-            shape=(self.hidden_size // reference.FP8_GROUP, reference.fp8_group_scale_rows(rows)),
-            device=self.device,
-            align=self._align(16),  # TMA-aligned columns; the last row's scale and padding go as one 16-byte store
-        )
-        checks.flag("fp8_out.ue8m0", fp8_out.ue8m0)
-        key = FP8_GROUP_UE8M0_QUANT_KEY if fp8_out.ue8m0 else FP8_GROUP_QUANT_KEY
-        if fp8_out.quant_key != key:  # a GEMM reads the scales by the key, the kernel writes them by ue8m0
-            raise ValueError(
-                f"fp8_out.quant_key is {fp8_out.quant_key!r} but fp8_out.ue8m0 is {fp8_out.ue8m0}, whose key is {key!r}"
-            )
 
     def _kernel(
         self,

@@ -15,6 +15,7 @@ from torch import Tensor
 from boundary import checks, reference
 from boundary.backend import kernel_arch
 from boundary.params import MHCParams
+from boundary.types import Fp8GroupActivation, QuantizedActivation, check_fp8_out, check_mxfp8_out, quant_form
 from cute_kernels import coefficients
 from cute_kernels.boundary.api import fused_boundary
 from cute_kernels.boundary.args import BoundaryVariant
@@ -54,15 +55,24 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int |
 
 
 def warmup_jobs(
-    hidden: int, arch: str, max_rows: int, *, sinkhorn_repeat: int = 20, unnormed: bool = False
+    hidden: int,
+    arch: str,
+    max_rows: int,
+    *,
+    sinkhorn_repeat: int = 20,
+    unnormed: bool = False,
+    quantized: tuple[str, ...] = (),
 ) -> list[WarmupJob]:
     """The compiles every mHC coefficients call of hidden size H, up to `max_rows` rows and `sinkhorn_repeat`
-    Sinkhorn iterations (a compile-time constant) can need (`unnormed`: the layer input without a norm weight too)."""
+    Sinkhorn iterations (a compile-time constant) can need (`unnormed`: the layer input without a norm weight too;
+    `quantized`: collapse_norm's quantized forms, those of the `quantize=` names given)."""
     _check_kernel_shape(4, hidden)
     if max_rows > kernel_row_limit(hidden):
         raise ValueError(_too_many_rows(max_rows, hidden))
+    if quantized and hidden % QUANT_H_MULTIPLE:
+        quantized = ()  # collapse_norm refuses them at this H
     return coefficients.warmup_jobs(
-        hidden, arch=arch, max_rows=max_rows, sinkhorn_repeat=sinkhorn_repeat, unnormed=unnormed
+        hidden, arch=arch, max_rows=max_rows, sinkhorn_repeat=sinkhorn_repeat, unnormed=unnormed, quantized=quantized
     )
 
 
@@ -154,11 +164,18 @@ def _layer_input(
 
 
 def collapse_norm(
-    residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float, *, backend: str = "auto"
+    residual: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    *,
+    quantized_out: QuantizedActivation | Fp8GroupActivation | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """RMSNorm(bf16(sum_j pre[j] * R[j])) with the pre given: the V4 scheme's own-pre layer input and hc_head's
-    collapse and final norm (CONTRACT §4d). One launch on the kernels (the layer-input kernel), torch ops on the
-    reference."""
+    collapse and final norm (CONTRACT §4d); with `quantized_out` (from empty_quantized_layer_input or
+    empty_fp8_group_layer_input) also its MXFP8 or FP8 1x128 form, written there. One launch on the kernels (the
+    layer-input kernel; a quantized form needs H a multiple of 1024), torch ops on the reference."""
     residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
     rows, hc, hidden = residual.shape
     dev = residual.device
@@ -166,11 +183,34 @@ def collapse_norm(
     checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev)
     norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
     arch = kernel_arch(dev, backend)
-    if arch is not None:
-        _check_kernel_shape(hc, hidden)
-        for name, value in (("residual", residual), ("pre", pre), ("norm_weight", norm_weight)):
-            checks.tensor(name, value, align=16)
-    return _layer_input(residual, None, pre, norm_weight, norm_eps, arch)
+    align = 16 if arch is not None else 1
+    if isinstance(quantized_out, QuantizedActivation):
+        check_mxfp8_out("quantized_out", quantized_out, rows, hidden, dev, align)
+    elif quantized_out is not None:
+        check_fp8_out("quantized_out", quantized_out, rows, hidden, dev, align)
+    if arch is None:
+        out = delayed_layer_input(residual, pre, norm_weight, norm_eps)
+        if quantized_out is not None:
+            reference.quantize_into(out, quantized_out.data, quantized_out.scale, quant_form(quantized_out))
+        return out
+    _check_kernel_shape(hc, hidden)
+    if quantized_out is not None and hidden % QUANT_H_MULTIPLE:
+        raise ValueError(
+            f"the layer-input kernel writes a quantized form at H a multiple of {QUANT_H_MULTIPLE} (got H={hidden}); "
+            "pass backend='reference' for other shapes"
+        )
+    for name, value in (("residual", residual), ("pre", pre), ("norm_weight", norm_weight)):
+        checks.tensor(name, value, align=16)
+    out = torch.empty(rows, hidden, dtype=BF16, device=dev)
+    if quantized_out is None:
+        mhc_layer_input(residual, pre, norm_weight, norm_eps, out, arch=arch)
+    else:
+        data, scale = quantized_out.data, quantized_out.scale
+        form = quant_form(quantized_out)
+        mhc_layer_input(
+            residual, pre, norm_weight, norm_eps, out, arch=arch, quant=form, quant_data=data, quant_scale=scale
+        )
+    return out
 
 
 def delayed_layer_input(
@@ -350,6 +390,10 @@ def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
         arch=arch,
     )
     return new
+
+
+# H of a quantized layer input on the kernels: each of a cluster's 8 CTAs owns whole 128-column groups.
+QUANT_H_MULTIPLE = 1024
 
 
 def _check_kernel_shape(hc: int, hidden: int) -> None:

@@ -286,6 +286,30 @@ def collapse_norm(residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: 
     return mhc.collapse_norm(residual, pre, norm_weight, norm_eps, backend=backend)
 
 
+@_op(_layer_input, ("data", "scale"))
+def collapse_norm_quantized(
+    residual: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    data: Tensor,
+    scale: Tensor,
+    form: str,
+    backend: str = "auto",
+) -> Tensor:
+    """collapse_norm with the layer input's quantized form `form` ("mxfp8", "fp8_1x128" or "fp8_1x128_ue8m0") written
+    in place into `data` and `scale` (CONTRACT §4 / §4b layouts): `boundary.mhc.collapse_norm(quantized_out=)`."""
+    if form == "mxfp8":
+        out = QuantizedActivation(data, scale, BF16, data.shape, MXFP8_QUANT_KEY)
+    elif form in ("fp8_1x128", "fp8_1x128_ue8m0"):
+        ue8m0 = form == "fp8_1x128_ue8m0"
+        key = FP8_GROUP_UE8M0_QUANT_KEY if ue8m0 else FP8_GROUP_QUANT_KEY
+        out = Fp8GroupActivation(data, scale, BF16, data.shape, key, ue8m0)
+    else:
+        raise ValueError(f"form must be 'mxfp8', 'fp8_1x128' or 'fp8_1x128_ue8m0', got {form!r}")
+    return mhc.collapse_norm(residual, pre, norm_weight, norm_eps, quantized_out=out, backend=backend)
+
+
 @_op(_new_streams)
 def mhc_post(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     """The new streams from a reduced sublayer output: `boundary.mhc_post` as an op."""

@@ -191,6 +191,17 @@ def fp8_group_quantize(out: Tensor, *, ue8m0: bool = False) -> tuple[Tensor, Ten
     return data, scale
 
 
+def quantize_into(out: Tensor, data: Tensor, scale: Tensor, form: str) -> None:
+    """Write the quantized form `form` ("mxfp8", "fp8_1x128" or "fp8_1x128_ue8m0") of a [T, H] bf16 tensor into
+    `data` and `scale` (the layouts of mxfp8_quantize / fp8_group_quantize)."""
+    if form == "mxfp8":
+        q, sf = mxfp8_quantize(out)
+    else:
+        q, sf = fp8_group_quantize(out, ue8m0=form == "fp8_1x128_ue8m0")
+    data.copy_(q)
+    scale.copy_(sf)
+
+
 class BoundaryResult(NamedTuple):
     """What one boundary produces: the new streams and, unless residual-only, the next input."""
 

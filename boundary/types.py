@@ -96,6 +96,40 @@ def empty_fp8_group(num_tokens: int, hidden_size: int, device: torch.device, ue8
     return Fp8GroupActivation(data, scale, torch.bfloat16, torch.Size((num_tokens, hidden_size)), key, ue8m0)
 
 
+def check_mxfp8_out(name: str, out: object, rows: int, hidden: int, device: torch.device, align: int) -> None:
+    """Raise unless `out` is a QuantizedActivation for `rows` x `hidden` on `device` whose data start on `align`
+    bytes (the kernels write 16 bytes of data, 4 of scales, at a time; 1 on the torch path)."""
+    if not isinstance(out, QuantizedActivation):
+        raise TypeError(f"{name} must be a QuantizedActivation or None, got {type(out).__name__}")
+    fp8 = torch.float8_e4m3fn
+    checks.tensor(f"{name}.data", out.data, dtype=fp8, shape=(rows, hidden), device=device, align=align)
+    nbytes = mxfp8_scale_bytes(rows, hidden)
+    checks.tensor(f"{name}.scale", out.scale, dtype=torch.uint8, shape=(nbytes,), device=device, align=min(align, 4))
+
+
+def check_fp8_out(name: str, out: object, rows: int, hidden: int, device: torch.device, align: int) -> None:
+    """Raise unless `out` is an Fp8GroupActivation for `rows` x `hidden` on `device` whose data and scales start on
+    `align` bytes (TMA-aligned columns; the last row's scale and padding go as one 16-byte store), with the quant_key
+    of its ue8m0."""
+    if not isinstance(out, Fp8GroupActivation):
+        raise TypeError(f"{name} must be an Fp8GroupActivation or None, got {type(out).__name__}")
+    fp8 = torch.float8_e4m3fn
+    checks.tensor(f"{name}.data", out.data, dtype=fp8, shape=(rows, hidden), device=device, align=align)
+    shape = (hidden // FP8_GROUP, fp8_group_scale_rows(rows))
+    checks.tensor(f"{name}.scale", out.scale, dtype=torch.float32, shape=shape, device=device, align=align)
+    checks.flag(f"{name}.ue8m0", out.ue8m0)
+    key = FP8_GROUP_UE8M0_QUANT_KEY if out.ue8m0 else FP8_GROUP_QUANT_KEY
+    if out.quant_key != key:  # a GEMM reads the scales by the key, the kernel writes them by ue8m0
+        raise ValueError(f"{name}.quant_key is {out.quant_key!r} but {name}.ue8m0 is {out.ue8m0}, whose key is {key!r}")
+
+
+def quant_form(out: QuantizedActivation | Fp8GroupActivation) -> str:
+    """The `quantize=` name of a checked quantized layer input: "mxfp8", "fp8_1x128" or "fp8_1x128_ue8m0"."""
+    if isinstance(out, QuantizedActivation):
+        return "mxfp8"
+    return "fp8_1x128_ue8m0" if out.ue8m0 else "fp8_1x128"
+
+
 class Norm(Protocol):
     """An RMSNorm module as the boundary reads it."""
 

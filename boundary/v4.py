@@ -8,6 +8,7 @@ coefficients sit on the critical path: there is no side stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +36,7 @@ from boundary.types import (
     QuantizedActivation,
     empty_fp8_group,
     empty_quantized,
+    quant_form,
 )
 
 
@@ -68,12 +70,39 @@ class V4Boundaries:
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
         if self.custom_ops:
             self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
-            self._collapse_norm = lambda r, pre, w, eps: torch.ops.mhc_boundary.collapse_norm(
-                r, pre, w, eps, self.backend
-            )
         else:
             self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
-            self._collapse_norm = lambda r, pre, w, eps: mhc.collapse_norm(r, pre, w, eps, backend=self.backend)
+
+    def _collapse_norm(
+        self,
+        residual: Tensor,
+        pre: Tensor,
+        weight: Tensor,
+        eps: float,
+        quantized: QuantizedActivation | Fp8GroupActivation | None = None,
+    ) -> Tensor:
+        """The layer input collapsed with `pre` and normed (one launch), its quantized form into `quantized`."""
+        if not self.custom_ops:
+            return mhc.collapse_norm(residual, pre, weight, eps, quantized_out=quantized, backend=self.backend)
+        if quantized is None:
+            return torch.ops.mhc_boundary.collapse_norm(residual, pre, weight, eps, self.backend)
+        return torch.ops.mhc_boundary.collapse_norm_quantized(
+            residual, pre, weight, eps, quantized.data, quantized.scale, quant_form(quantized), self.backend
+        )
+
+    def warmup(
+        self,
+        max_rows: int | None = None,
+        *,
+        quantize: Sequence[str] | None = QUANTIZE,
+        sinkhorn_repeat: int = 20,
+        progress: bool = True,
+    ) -> None:
+        """`BoundaryAllReduce.warmup` with the V4 kernels too: the own-pre layer input in the `quantize` forms. The
+        arguments are that method's."""
+        self.all_reduce.warmup(
+            max_rows, quantize=quantize, own_pre=True, sinkhorn_repeat=sinkhorn_repeat, progress=progress
+        )
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; their mixes (from the embedding, with
@@ -166,28 +195,23 @@ class V4Boundaries:
         quantized form."""
         fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
         params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
+        quantized = self._quantized_out(residual.shape[0], quantize)
         try:
             post, comb, pre = self._mixes(residual, params, x)
-            layer_input = self._collapse_norm(residual, pre, weight, eps)
+            layer_input = self._collapse_norm(residual, pre, weight, eps, quantized)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             raise
-        return BoundaryState(residual, post, comb, pre), layer_input, self._quantized(layer_input, quantize)
+        return BoundaryState(residual, post, comb, pre), layer_input, quantized
 
-    def _quantized(self, layer_input: Tensor, form: str | None) -> QuantizedActivation | Fp8GroupActivation | None:
-        """The layer input in its quantized form (CONTRACT §4, §4b; torch ops, the same bytes as the kernels')."""
+    def _quantized_out(self, rows: int, form: str | None) -> QuantizedActivation | Fp8GroupActivation | None:
+        """An empty layer input in the quantized form `form` (None: none), for the collapse to write."""
         if form is None:
             return None
-        rows, hidden = layer_input.shape
+        ar = self.all_reduce
         if form == "mxfp8":
-            out = empty_quantized(rows, hidden, layer_input.device)
-            data, scale = reference.mxfp8_quantize(layer_input)
-        else:
-            out = empty_fp8_group(rows, hidden, layer_input.device, form == "fp8_1x128_ue8m0")
-            data, scale = reference.fp8_group_quantize(layer_input, ue8m0=out.ue8m0)
-        out.data.copy_(data)
-        out.scale.copy_(scale)
-        return out
+            return empty_quantized(rows, ar.hidden_size, ar.device)
+        return empty_fp8_group(rows, ar.hidden_size, ar.device, form == "fp8_1x128_ue8m0")
 
     def _check_step(self, step: object) -> None:
         self._boundaries._check_step(step)

@@ -4,6 +4,7 @@ a timer that calls each closure once), and their tables print: a part that break
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -277,9 +278,10 @@ def fake_tile_kernels(root) -> None:
 def test_the_tilelang_path_is_checked_before_anything_runs(tmp_path, capsys) -> None:
     for argv, says in (
         (["--tilelang-path", str(tmp_path)], "holds no tile_kernels package"),
-        (["--tilelang-path", str(tmp_path), "--tilelang-json", "t.json"], "not both"),
+        (["--tilelang-path", str(tmp_path), "--tilelang-json", "t.json"], "measured before"),
+        (["--tilelang-v4", str(tmp_path)], "holds no tilelang-v4.json"),
     ):
-        if "not both" in says:
+        if "measured before" in says:
             fake_tile_kernels(tmp_path)
         try:
             parse_args(argv)
@@ -288,6 +290,17 @@ def test_the_tilelang_path_is_checked_before_anything_runs(tmp_path, capsys) -> 
         else:
             raise AssertionError(f"{argv} was accepted")
         assert says in capsys.readouterr().err
+
+
+def test_the_v4_part_reads_a_tilelang_run_from_before(tmp_path) -> None:
+    """--tilelang-v4: the rows (failed shapes left out) and parity cases that bench.tilelang_step --boundary wrote."""
+    from bench import v4
+
+    rows = [{"H": 512, "rows": 1, "tilelang_us": 9.5}, {"H": 512, "rows": 4, "error": "RuntimeError: x"}]
+    (tmp_path / "tilelang-v4.json").write_text(json.dumps({"gpu": "test", "rows": rows}))
+    torch.save([{"H": 512, "rows": 1}], tmp_path / "parity.pt")
+    args = parse_args(["--tilelang-v4", str(tmp_path)])
+    assert v4.tilelang_rows(args) == ({(512, 1): 9.5}, [{"H": 512, "rows": 1}])
 
 
 def test_the_tilelang_process_gets_the_step_parts_shapes(tmp_path) -> None:
@@ -502,9 +515,9 @@ def test_the_simulated_rows_carry_the_critical_path_over_output_copies(monkeypat
     assert "SIMULATED TP ranks" in out and "  256  2    2   4 |      4.0 |      1.50        1.00" in out
 
 
-def test_the_v4_part_times_ours_its_fp8_form_and_the_chains_per_shape(capsys) -> None:
-    """The V4 part (bench.v4) runs V4Boundaries.sublayer and the torch chain on every input set of each shape (the
-    CPU's reference path here), and prints one row per (H, rows)."""
+def test_the_v4_part_times_ours_its_quantized_forms_final_and_the_chains_per_shape(capsys) -> None:
+    """The V4 part (bench.v4) runs V4Boundaries.sublayer (bf16, MXFP8, FP8 1x128), V4Boundaries.final and the torch
+    chain on every input set of each shape (the CPU's reference path here), and prints one row per (H, rows)."""
     from bench import chains, v4
     from boundary import reference
 
@@ -513,7 +526,8 @@ def test_the_v4_part_times_ours_its_fp8_form_and_the_chains_per_shape(capsys) ->
     timer = OnceTimer()
     rows = v4.bench_v4(args, timer, copy_bw=1e12)  # type: ignore[arg-type]
     assert [(r["H"], r["rows"]) for r in rows] == [(512, 1), (512, 3)]
-    assert timer.calls == 2 * 3 * CALLS_PER_GRAPH  # ours, ours + FP8 1x128, eager, per shape
+    assert timer.calls == 2 * 5 * CALLS_PER_GRAPH  # ours, + MXFP8, + FP8 1x128, final, eager, per shape
+    assert all(r["ours_mxfp8_us"] > 0 and r["final_us"] > 0 for r in rows)
     assert rows[1]["floor_us"] == v4.v4_bytes(3, 512) / 1e12 * 1e6
     v4.print_v4(rows)
     assert "DeepSeek-V4 boundary" in capsys.readouterr().out
@@ -610,6 +624,22 @@ def test_the_v4_part_takes_tilelangs_chain_from_a_process_of_its_own(monkeypatch
     monkeypatch.setattr(subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1, "boom"))
     with pytest.raises(RuntimeError, match="tilelang_step --boundary failed"):
         v4.bench_v4(args, OnceTimer(), copy_bw=1e12)  # type: ignore[arg-type]
+
+
+def test_a_parity_case_without_its_inputs_draws_them_again_and_checks_their_bytes() -> None:
+    """bench.tilelang_step.strip_inputs keeps a case's seed and digests; parity_inputs draws the same bytes again, and
+    refuses inputs that differ."""
+    from bench import tilelang_step
+
+    inp = tilelang_step.boundary_inputs(2, 256, CPU, seed=tilelang_step.PARITY_SEED)
+    case = {"H": 256, "rows": 2, "inputs": {k: inp[k] for k in tilelang_step.PARITY_KEYS}, "outputs": {}}
+    light = tilelang_step.strip_inputs(case)
+    assert "inputs" not in light and light["seed"] == tilelang_step.PARITY_SEED
+    again = tilelang_step.parity_inputs(light, CPU)
+    assert all(torch.equal(again[k], inp[k]) for k in tilelang_step.PARITY_KEYS)
+    light["digests"]["fn"] = "0" * 40
+    with pytest.raises(RuntimeError, match="differ from TileLang's"):
+        tilelang_step.parity_inputs(light, CPU)
 
 
 def test_the_v4_parity_counts_the_words_that_differ_and_both_errors_against_float64() -> None:

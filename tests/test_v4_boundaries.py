@@ -171,8 +171,8 @@ def test_the_v4_step_on_the_kernels_tracks_the_written_out_step(rows: int) -> No
     hidden = 4096
     model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), device="cuda")
     ar = BoundaryAllReduce(hidden, max_rows=16, device="cuda")
-    ar.warmup(progress=False, quantize=("mxfp8",))
     b = V4Boundaries(ar)
+    b.warmup(progress=False, quantize=("mxfp8",))
     tokens = random_tokens(model, rows, 0)
     out = decode_step_v4(model, b, tokens, DecodeStep(rows=rows, side_stream=False))
     plain = decode_step_v4_plain(model, tokens)
@@ -247,27 +247,31 @@ def test_on_the_kernels_a_boundary_launches_the_mixes_then_the_layer_input_kerne
         got = ref.coefficients(x if broadcast else x.reshape(x.shape[0], -1), p)
         post_out.copy_(got.post), comb_out.copy_(got.comb), pre_out.copy_(got.pre)
 
-    def layer_input(x, pre_mix, norm_weight, norm_eps, out, *, arch, broadcast=False, stream=None):
-        calls.append(("layer input", broadcast, pre_mix))
+    def layer_input(x, pre_mix, norm_weight, norm_eps, out, *, arch, quant=None, quant_data=None, quant_scale=None):
+        calls.append(("layer input", quant, pre_mix))
         out.copy_(ref.rms_norm(ref.collapse(x, pre_mix), norm_weight, norm_eps))
+        if quant is not None:
+            ref.quantize_into(out, quant_data, quant_scale, quant)
 
     monkeypatch.setattr(mhc, "kernel_arch", lambda device, backend: None if backend == "reference" else "sm_90a")
     monkeypatch.setattr(mhc, "prepare_workspace", lambda *args, **kwargs: None)
     monkeypatch.setattr(mhc, "mhc_coefficients", coefficients)
     monkeypatch.setattr(mhc, "mhc_layer_input", layer_input)
-    model = ToyModel(CONFIG)
+    model = ToyModel(ToyConfig(hidden_size=1024, num_layers=3, vocab=64))  # a quantized form on the kernels: H % 1024
     tokens = random_tokens(model, 3, 0)
     step = DecodeStep(rows=3, side_stream=False)
-    kernels = v4()
+    kernels = v4(1024)
     kernels.backend = "kernel"  # the mixes and the layer input on the (stubbed) kernels; the reduction the reference's
     state, x = kernels.first(model.layers[0], model.embed[tokens], step)
-    assert [c[:3] for c in calls] == [("coefficients", True, False), ("layer input", False, calls[0][3])]
+    assert [c[:3] for c in calls] == [("coefficients", True, False), ("layer input", None, calls[0][3])]
     assert calls[1][2] is calls[0][3] and torch.equal(state.pre, calls[0][3])  # collapsed with the pre it computed
     calls.clear()
-    state.pending = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    _, x2, _ = kernels.sublayer(model.layers[0], True, state, step)
-    assert [c[:3] for c in calls] == [("coefficients", False, False), ("layer input", False, calls[0][3])]
+    state.pending = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    _, x2, q = kernels.sublayer(model.layers[0], True, state, step, quantize="fp8_1x128_ue8m0")
+    assert [c[:3] for c in calls] == [("coefficients", False, False), ("layer input", "fp8_1x128_ue8m0", calls[0][3])]
+    assert q.ue8m0 and q.quant_key == "fp8_e4m3_ue8m0_1x128_colmajor"  # the kernel's form is the one asked for
     calls.clear()
     out = decode_step_v4(model, kernels, tokens, step)
     assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
+    assert ("layer input", "mxfp8") in [c[:2] for c in calls]  # the last MoE entry's MXFP8 from the same launch
     assert sum(c[0] == "coefficients" for c in calls) == 2 * len(model.layers)  # one per entry; the Engram one too

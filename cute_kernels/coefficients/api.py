@@ -10,8 +10,9 @@ from typing import Any
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8
 
+from cute_kernels import FP8_GROUP
 from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, CoefficientsConfig, projection_split
 from cute_kernels.coefficients.kernel import CoefficientsKernel
 from cute_kernels.coefficients.layer_input import LayerInputKernel
@@ -62,15 +63,24 @@ def compile_coefficients(
 
 
 @jit_cache
-def compile_layer_input(H: int, variant: CoefficientsVariant, *, arch: str) -> Callable[..., Any]:
-    """Compile the layer-input-only kernel of an inline variant for `arch`; the row count stays dynamic."""
-    kernel = LayerInputKernel(H, variant=variant.projection, layer_input=variant.layer_input)
+def compile_layer_input(
+    H: int, variant: CoefficientsVariant, quant: str | None = None, *, arch: str
+) -> Callable[..., Any]:
+    """Compile the layer-input-only kernel of an inline variant for `arch`, with the quantized form `quant` (None, or
+    one of QUANT_FORMS) beside bf16; the row count stays dynamic."""
+    kernel = LayerInputKernel(H, variant=variant.projection, layer_input=variant.layer_input, quant=quant)
     T = cute.sym_int()
+    if quant == "mxfp8":
+        scale = fake_tensor(Uint8, (cute.sym_int(),), divisibility=4)
+    elif quant is not None:
+        scale = fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=4)
     args = (
         fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8),
         fake_tensor(Float32, (T, HC), divisibility=4) if variant.collapse == "carried" else None,
         fake_tensor(BFloat16, (H,), divisibility=8) if variant.normed else None,
         fake_tensor(BFloat16, (T, H), divisibility=8),
+        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if quant is not None else None,
+        scale if quant is not None else None,
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
@@ -87,11 +97,19 @@ def grid_clusters(H: int, variant: CoefficientsVariant, rows: int, *, arch: str)
 
 
 def warmup_jobs(
-    H: int, *, arch: str, max_rows: int, sinkhorn_repeat: int = 20, unnormed: bool = False
+    H: int,
+    *,
+    arch: str,
+    max_rows: int,
+    sinkhorn_repeat: int = 20,
+    unnormed: bool = False,
+    quantized: tuple[str, ...] = (),
 ) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
     the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch.
-    `unnormed`: the layer input without a norm weight too (the scheduler always passes one)."""
+    `unnormed`: the layer input without a norm weight too (the scheduler always passes one). `quantized`: the
+    carried collapse's layer-input kernel with these QUANT_FORMS beside bf16 too (DeepSeek-V4's own-pre layer
+    input, V4Boundaries)."""
     variants = [v for v in VARIANTS if unnormed or v.normed]
     jobs = []
     for variant in variants:
@@ -106,6 +124,11 @@ def warmup_jobs(
         load = functools.partial(load_layer_input, H=H, variant=variant)
         name = f"layer input H={H} {variant.projection} {variant.layer_input}"
         jobs.append(WarmupJob(name, compile_layer_input, (H, variant), (("arch", arch),), load))
+    carried = CoefficientsVariant.of(False, True, carried=True)
+    for quant in quantized:
+        load = functools.partial(load_layer_input, H=H, variant=carried, quant=quant)
+        name = f"layer input H={H} {carried.projection} {carried.layer_input} {quant}"
+        jobs.append(WarmupJob(name, compile_layer_input, (H, carried, quant), (("arch", arch),), load))
     return jobs
 
 
@@ -145,12 +168,21 @@ def load_coefficients(
     )
 
 
-def load_layer_input(compiled: Callable[..., Any], device: Any, *, H: int, variant: CoefficientsVariant) -> None:
+def load_layer_input(
+    compiled: Callable[..., Any], device: Any, *, H: int, variant: CoefficientsVariant, quant: str | None = None
+) -> None:
     """Launch a compiled layer-input kernel once on one row of scratch inputs, so that CUDA loads its module now."""
     x = torch.zeros((1, H) if variant.broadcast else (1, HC, H), dtype=torch.bfloat16, device=device)
     pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if variant.collapse == "carried" else None
     weight = torch.ones(H, dtype=torch.bfloat16, device=device) if variant.normed else None
-    compiled(x, pre_mix, weight, torch.empty(1, H, dtype=torch.bfloat16, device=device), 1e-6)
+    q = scale = None
+    if quant is not None:
+        q = torch.empty(1, H, dtype=torch.float8_e4m3fn, device=device)
+        if quant == "mxfp8":
+            scale = torch.empty(128 * H // 32, dtype=torch.uint8, device=device)
+        else:
+            scale = torch.empty(H // FP8_GROUP, 4, dtype=torch.float32, device=device)
+    compiled(x, pre_mix, weight, torch.empty(1, H, dtype=torch.bfloat16, device=device), q, scale, 1e-6)
 
 
 class CoefficientsWorkspace:
@@ -262,10 +294,14 @@ def mhc_layer_input(
     arch: str,
     broadcast: bool = False,
     stream: torch.cuda.Stream | None = None,
+    quant: str | None = None,
+    quant_data: torch.Tensor | None = None,
+    quant_scale: torch.Tensor | None = None,
 ) -> None:
     """Write the layer input alone: out = RMSNorm_w(c), or c itself when `norm_weight` is None;
     c = bf16(sum_j pre_mix[t, j] * R[t, j]), or R[t, 0] exactly when `pre_mix` is None (the embedding row
-    itself with `broadcast`, x then [T, H]).
+    itself with `broadcast`, x then [T, H]). With `quant` (one of QUANT_FORMS; a normed carried collapse) also its
+    quantized form into `quant_data` [T, H] e4m3 and `quant_scale` (CONTRACT §4 / §4b layouts).
 
     The same bits as the inline form of `mhc_coefficients`, without the projection and without a
     workspace: the scheduler runs it on the main stream while the projection runs on a side stream
@@ -274,6 +310,14 @@ def mhc_layer_input(
     if x.shape[0] == 0:
         return
     variant = CoefficientsVariant.of(broadcast, True, pre_mix is not None, norm_weight is not None)
-    compiled = compile_layer_input(x.shape[-1], variant, arch=arch)
+    compiled = compile_layer_input(x.shape[-1], variant, quant, arch=arch)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        compiled(x, pre_mix if variant.collapse == "carried" else None, norm_weight, out, float(norm_eps))
+        compiled(
+            x,
+            pre_mix if variant.collapse == "carried" else None,
+            norm_weight,
+            out,
+            quant_data,
+            quant_scale,
+            float(norm_eps),
+        )

@@ -6,7 +6,9 @@ rounded c are exchanged across the cluster (DSMEM), then out = bf16(c * rsqrt(su
 
 The inline form of the coefficients kernel runs these clusters after the projection clusters of the tile
 that reads the same rows (so their stream reads hit L2); LayerInputKernel runs them alone, with the same
-bits, for a scheduler that runs the projection on a side stream.
+bits, for a scheduler that runs the projection on a side stream, and (DeepSeek-V4's own-pre layer input) with the
+normed layer input's MXFP8 or FP8 1x128 form written beside it (cute_kernels/quant.py: 16 adjacent lanes hold 128
+consecutive columns of one row, since a CTA's H/8 columns are whole 128-column groups).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from cute_kernels import FP8_GROUP, VEC, reduce
 from cute_kernels import ptx as prim
-from cute_kernels import reduce
 from cute_kernels.coefficients.config import CLUSTER, HC, WARP
+from cute_kernels.quant import Fp8GroupWriter, Mxfp8Writer
 
 LAYER_INPUT_WARPS = 8  # warps per CTA of the layer-input-only kernel
 INLINE_BUDGET = 2  # 16-byte vectors per thread of the inline form's layer-input clusters (x2 one-hot)
@@ -26,6 +29,7 @@ INPUT_ONLY_BUDGET = 2  # the same for the layer-input-only kernel
 
 
 UNNORMED = "_unnormed"  # the suffix of a layer-input mode that writes the collapse without the RMSNorm
+QUANT_FORMS = ("mxfp8", "fp8_1x128", "fp8_1x128_ue8m0")  # the quantized forms the layer-input kernel writes beside bf16
 
 
 def collapse_of(layer_input: str) -> str:
@@ -67,7 +71,9 @@ def cluster_prologue() -> tuple:
 class LayerInputRole:
     """The layer-input CTAs of one compile-time shape: NR rows per cluster, H/8 columns per CTA."""
 
-    def __init__(self, H: int, broadcast: bool, layer_input: str, cta_warps: int, budget: int) -> None:
+    def __init__(
+        self, H: int, broadcast: bool, layer_input: str, cta_warps: int, budget: int, quant: str | None = None
+    ) -> None:
         self.H = H
         self.collapse = collapse_of(layer_input)  # "carried" or "one_hot"
         self.normalize = normalizes(layer_input)
@@ -77,6 +83,18 @@ class LayerInputRole:
         self.vecs_per_row = H // (CLUSTER * 8)  # 8-column vectors of a CTA's columns
         self.norm_rows = norm_rows_per_cluster(H, self.threads, layer_input, budget)
         self.norm_vpt = -(-(self.norm_rows * self.vecs_per_row) // self.threads)
+        # The quantized form of the normed layer input: `quant` None, or one of QUANT_FORMS.
+        self.quant = quant
+        self.mxfp8 = self.fp8 = None
+        if quant is not None:
+            if quant not in QUANT_FORMS or not self.normalize:
+                raise ValueError(f"quant must be None or one of {QUANT_FORMS} with a normed layer input, got {quant!r}")
+            if (H // CLUSTER) % FP8_GROUP:
+                raise ValueError(f"a quantized layer input needs H a multiple of {CLUSTER * FP8_GROUP}, got {H}")
+            if quant == "mxfp8":
+                self.mxfp8 = Mxfp8Writer(H, H // CLUSTER, self.threads)
+            else:
+                self.fp8 = Fp8GroupWriter(H, ue8m0=quant == "fp8_1x128_ue8m0")
 
     @cute.jit
     def cluster_cta(
@@ -90,9 +108,13 @@ class LayerInputRole:
         norm_eps: Float32,
         rank: Int32,
         cluster: Int32,
+        mQ: cute.Tensor | None = None,
+        mScale: cute.Tensor | None = None,
+        clusters: Int32 | None = None,
     ):
         """One CTA of a layer-input cluster: collapse and RMSNorm (unnormed modes: the collapse) of H/8 columns of
-        NR rows."""
+        NR rows; with `quant` also their quantized form into mQ / mScale (MXFP8: `clusters` of them zero the scale
+        padding rows)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -131,6 +153,8 @@ class LayerInputRole:
         # memory round trip per vector); loads cannot move across a barrier.
         if const_expr(vpt > 1):
             cute.arch.sync_threads()
+        if const_expr(self.mxfp8 is not None):
+            self.mxfp8.zero_padding(mScale, rows, rank, tidx, cluster, clusters)
 
         c_words = []
         for k in cutlass.range_constexpr(vpt):
@@ -183,6 +207,14 @@ class LayerInputRole:
                     part = cute.arch.warp_reduction_sum(part)
                     if lane < CLUSTER:
                         reduce.push(sRecv.iterator + (rank * nr + r), part, mbar, lane)
+            # Where the quantized form goes, while the sums cross the cluster (as the boundary's epilogue does).
+            places = []
+            for k in cutlass.range_constexpr(vpt):
+                row = row0 + vec_row[k]
+                if const_expr(self.mxfp8 is not None):
+                    places.append(self.mxfp8.place(mQ, mScale, row, vec_col[k] // VEC))
+                if const_expr(self.fp8 is not None):
+                    places.append(self.fp8.place(mQ, mScale, row, rows, vec_col[k] // VEC))
             cute.arch.mbarrier_wait(mbar, 0)
 
             for k in cutlass.range_constexpr(vpt):
@@ -199,15 +231,21 @@ class LayerInputRole:
                 if vec_in[k]:
                     if row < rows:
                         prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(out))
+                # Every lane joins the group's shuffles: a tail vector's whole group of 16 lanes only skips the stores.
+                if const_expr(self.quant is not None):
+                    writer = self.mxfp8 if const_expr(self.mxfp8 is not None) else self.fp8
+                    writer.quantize_vector(out, places[k], cutlass.Boolean(vec_in[k] & (row < rows)))
 
 
 class LayerInputKernel:
     """The layer input alone (no projection, no workspace), for the scheduler's main stream while the
     projection runs beside it; the inline form's cluster code, so the same bits."""
 
-    def __init__(self, H: int, *, variant: str = "standard", layer_input: str = "carried") -> None:
+    def __init__(
+        self, H: int, *, variant: str = "standard", layer_input: str = "carried", quant: str | None = None
+    ) -> None:
         self.broadcast = variant == "broadcast"
-        self.role = LayerInputRole(H, self.broadcast, layer_input, LAYER_INPUT_WARPS, INPUT_ONLY_BUDGET)
+        self.role = LayerInputRole(H, self.broadcast, layer_input, LAYER_INPUT_WARPS, INPUT_ONLY_BUDGET, quant)
 
     @cute.jit
     def __call__(
@@ -216,11 +254,13 @@ class LayerInputKernel:
         mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (the carried collapse)
         mW: cute.Tensor | None,  # [H] bf16 norm weight (None: an unnormed mode)
         mOut: cute.Tensor,  # [T, H] bf16 layer input
+        mQ: cute.Tensor | None,  # [T, H] e4m3 (with `quant`)
+        mScale: cute.Tensor | None,  # MXFP8: [roundup(T, 128) * H/32] uint8, swizzled 128x4; FP8 1x128: [H/128, T_pad]
         norm_eps: Float32,
         stream: cuda.CUstream,
     ):
         clusters = (mX.shape[0] + (self.role.norm_rows - 1)) // self.role.norm_rows
-        self.kernel(mX, mPreMix, mW, mOut, norm_eps).launch(
+        self.kernel(mX, mPreMix, mW, mOut, mQ, mScale, norm_eps).launch(
             grid=[CLUSTER, clusters, 1],
             block=[self.role.threads, 1, 1],
             cluster=[CLUSTER, 1, 1],
@@ -237,7 +277,10 @@ class LayerInputKernel:
         mPreMix: cute.Tensor | None,
         mW: cute.Tensor | None,
         mOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
         norm_eps: Float32,
     ):
         rank, cluster_id, smem, mbar = cluster_prologue()
-        self.role.cluster_cta(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id)
+        _, clusters, _ = cute.arch.grid_dim()
+        self.role.cluster_cta(smem, mbar, mX, mPreMix, mW, mOut, norm_eps, rank, cluster_id, mQ, mScale, clusters)
