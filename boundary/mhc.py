@@ -7,6 +7,7 @@ checks here are the only ones: the kernels' host side trusts its callers.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -307,6 +308,61 @@ def mixes(
     if arch is not None:
         _check_kernel_args(residual, x, params.fn, None, None, arch, inline=False, layer_input_kernel=False)
     return _coefficients(residual, x, params, arch, workspace_owner)
+
+
+def head_mix(
+    residual: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    *,
+    sinkhorn_repeat: int = 20,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
+) -> Tensor:
+    """DeepSeek-V4's hc_head weights p [T, hc] = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + rms_eps) + base) +
+    hc_eps of the streams (`reference.hc_head_mix`; CONTRACT §4d). On the kernels it is the coefficients kernel's pre
+    (the same formula, the same order of operations) with `fn` and `base` as the first hc of its 24 mixes, the rest
+    zero: one launch, whose post and comb are dropped (`sinkhorn_repeat`: a variant already compiled, e.g. the
+    layers'). On the reference, torch ops."""
+    residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
+    rows, hc, hidden = residual.shape
+    dev = residual.device
+    checks.tensor("fn", fn, dtype=torch.float32, shape=(hc, hc * hidden), device=dev)
+    checks.tensor("scale", scale, dtype=torch.float32, shape=(1,), device=dev)
+    checks.tensor("base", base, dtype=torch.float32, shape=(hc,), device=dev)
+    if kernel_arch(dev, backend) is None:
+        return reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
+    fn24, scale3, base24 = _head_weights(fn, scale, base)
+    params = MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, sinkhorn_repeat)
+    return mixes(residual, params, backend=backend, workspace_owner=workspace_owner)[2]
+
+
+# hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),
+# with the fn itself (weakly) and the versions of the three tensors they were built from: an in-place update of any of
+# them builds them again.
+_HEAD_WEIGHTS: dict[int, tuple[weakref.ref, tuple[int, ...], tuple[Tensor, Tensor, Tensor]]] = {}
+
+
+def _head_weights(fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(fn [24, hc*H], scale [3], base [24]) whose pre is hc_head's weights: fn and base first, zeros after."""
+    key = (fn._version, id(scale), scale._version, id(base), base._version)
+    hit = _HEAD_WEIGHTS.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == key:
+        return hit[2]
+    hc = fn.shape[0]
+    mix = hc * (2 + hc)
+    fn24 = torch.zeros(mix, fn.shape[1], dtype=torch.float32, device=fn.device)
+    fn24[:hc] = fn
+    base24 = torch.zeros(mix, dtype=torch.float32, device=fn.device)
+    base24[:hc] = base
+    weights = (fn24, torch.cat([scale, torch.ones(2, dtype=torch.float32, device=fn.device)]), base24)
+    if hit is None or hit[0]() is not fn:
+        weakref.finalize(fn, _HEAD_WEIGHTS.pop, id(fn), None)
+    _HEAD_WEIGHTS[id(fn)] = (weakref.ref(fn), key, weights)
+    return weights
 
 
 def _coefficients(

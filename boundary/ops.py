@@ -286,6 +286,36 @@ def collapse_norm(residual: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: 
     return mhc.collapse_norm(residual, pre, norm_weight, norm_eps, backend=backend)
 
 
+def _head_weights(residual: Tensor, **_: object) -> Tensor:
+    return residual.new_empty(residual.shape[0], residual.shape[1], dtype=F32)
+
+
+@_op(_head_weights)
+def hc_head_mix(
+    residual: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_repeat: int = 20,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
+) -> Tensor:
+    """DeepSeek-V4's hc_head weights [T, hc]: `boundary.mhc.head_mix` as an op."""
+    return mhc.head_mix(
+        residual,
+        fn,
+        scale,
+        base,
+        rms_eps,
+        hc_eps,
+        sinkhorn_repeat=sinkhorn_repeat,
+        backend=backend,
+        workspace_owner=workspace_owner,
+    )
+
+
 @_op(_layer_input, ("data", "scale"))
 def collapse_norm_quantized(
     residual: Tensor,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from boundary import checks, mhc, reference
+from boundary import checks, mhc
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.params import MHCParams
 from boundary.scheduler import (
@@ -68,10 +68,18 @@ class V4Boundaries:
         self.custom_ops = self._boundaries.custom_ops
         self.backend = self._boundaries.backend
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
+        # The layers' Sinkhorn iterations: hc_head's weights run the coefficients variant the layers compiled.
+        self._sinkhorn_repeat = 20
         if self.custom_ops:
             self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
+            self._head_mix = lambda r, *w: torch.ops.mhc_boundary.hc_head_mix(
+                r, *w, self._sinkhorn_repeat, self.backend, self._owner
+            )
         else:
             self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
+            self._head_mix = lambda r, *w: mhc.head_mix(
+                r, *w, sinkhorn_repeat=self._sinkhorn_repeat, backend=self.backend, workspace_owner=self._owner
+            )
 
     def _collapse_norm(
         self,
@@ -184,8 +192,8 @@ class V4Boundaries:
         checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
         norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
         residual = self._boundaries.post_only(state)
-        # The head's four weights are torch ops (one fp32 GEMV of the streams); the collapse and the norm one launch.
-        p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
+        # The head's four weights (the coefficients kernel's pre), then the collapse and the norm: one launch each.
+        p = self._head_mix(residual, fn, scale, base, rms_eps, hc_eps)
         return self._collapse_norm(residual, p, norm_weight, norm_eps)
 
     def _enter(
@@ -198,6 +206,7 @@ class V4Boundaries:
         quantized = self._quantized_out(residual.shape[0], quantize)
         try:
             post, comb, pre = self._mixes(residual, params, x)
+            self._sinkhorn_repeat = int(iters)  # checked by the mixes
             layer_input = self._collapse_norm(residual, pre, weight, eps, quantized)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)

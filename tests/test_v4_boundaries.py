@@ -274,4 +274,45 @@ def test_on_the_kernels_a_boundary_launches_the_mixes_then_the_layer_input_kerne
     out = decode_step_v4(model, kernels, tokens, step)
     assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
     assert ("layer input", "mxfp8") in [c[:2] for c in calls]  # the last MoE entry's MXFP8 from the same launch
-    assert sum(c[0] == "coefficients" for c in calls) == 2 * len(model.layers)  # one per entry; the Engram one too
+    # One per entry (the Engram one too), and one for hc_head's weights (the coefficients kernel's pre), whose
+    # collapse and norm are the last layer-input launch.
+    assert sum(c[0] == "coefficients" for c in calls) == 2 * len(model.layers) + 1
+    assert calls[-2][0] == "coefficients" and calls[-1][0] == "layer input" and calls[-1][2] is calls[-2][3]
+
+
+def test_hc_heads_kernel_weights_are_built_once_per_head_and_again_after_an_in_place_update() -> None:
+    """mhc._head_weights: fn and base as the first hc of the 24 mixes, zeros after; cached per head fn, and built again
+    when fn, scale or base changed in place."""
+    from boundary import mhc
+
+    g = torch.Generator().manual_seed(5)
+    fn, scale, base = torch.randn(4, 4 * 256, generator=g), torch.tensor([0.5]), torch.randn(4, generator=g)
+    fn24, scale3, base24 = mhc._head_weights(fn, scale, base)
+    assert torch.equal(fn24[:4], fn) and not fn24[4:].any() and torch.equal(base24[:4], base) and not base24[4:].any()
+    assert scale3[0] == 0.5 and mhc._head_weights(fn, scale, base)[0] is fn24  # cached
+    fn.mul_(2)
+    assert torch.equal(mhc._head_weights(fn, scale, base)[0][:4], fn)  # built again
+    scale.fill_(0.25)
+    assert mhc._head_weights(fn, scale, base)[1][0] == 0.25
+    key = id(fn)
+    del fn
+    assert key not in mhc._HEAD_WEIGHTS  # the entry goes with its head
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_hc_heads_weights_on_the_kernels_are_the_references_within_fp32(hidden: int) -> None:
+    """mhc.head_mix on the kernels (the coefficients kernel's pre) against reference.hc_head_mix: the same formula, the
+    projection's fp32 order apart, at 1-512 rows."""
+    from boundary import mhc
+
+    model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=1), device="cuda")
+    BoundaryAllReduce(hidden, max_rows=512, device="cuda").warmup(progress=False, quantize=())
+    for rows in (1, 7, 16, 129, 512):
+        g = torch.Generator(device="cuda").manual_seed(rows)
+        residual = torch.randn(rows, 4, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        head = (model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.rms_norm_eps, model.hc_eps)
+        got = mhc.head_mix(residual, *head)
+        want = ref.hc_head_mix(residual, *head)
+        assert (got - want).abs().max() < 1e-5, rows
