@@ -215,7 +215,7 @@ def print_v4(rows: list[dict]) -> None:
     print(
         "ours: the residual-only fused boundary, the coefficients of R' and the layer-input kernel (three kernels; the "
         "two-launch fused V4 kernel is not built); +mxfp8 / +fp8: the MXFP8 / FP8 1x128 form beside bf16 (written by "
-        "the layer-input kernel); final: V4Boundaries.final (the residual-only boundary, hc_head's weights as torch ops, the "
+        "the layer-input kernel); final: V4Boundaries.final (the residual-only boundary, hc_head's weights by the coefficients kernel, the "
         "collapse and final norm); TileLang: "
         "DeepSeek's mhc_post_fwd + TF32 projection + mhc_pre_big_fuse_fwd + RMSNorm (bench.tilelang_step --boundary, "
         "its own process; with --tilelang-path); eager / "
