@@ -14,6 +14,7 @@ from boundary import mhc
 from boundary import reference as ref
 from boundary.types import empty_fp8_group, empty_quantized, quant_form
 from tests.bf16 import max_ulp
+from tests.inputs import boundary_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,12 +27,9 @@ EPS = 1e-6
 
 
 def inputs(rows: int, H: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Streams [T, 4, H] bf16, a pre [T, 4] fp32 and a norm weight [H] bf16."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    residual = torch.randn(rows, 4, H, device="cuda", generator=g).to(BF16)
-    pre = torch.rand(rows, 4, device="cuda", generator=g) + 1e-6
-    weight = (1.0 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(BF16)
-    return residual, pre, weight
+    """Streams [T, 4, H] bf16, a pre [T, 4] fp32 and a norm weight [H] bf16 (tests/inputs.py's)."""
+    inp = boundary_inputs(rows, H, seed, device="cuda")
+    return inp["residual"], inp["pre"] + 1e-6, inp["norm_weight"]
 
 
 def poisoned(rows: int, H: int, form: str):
