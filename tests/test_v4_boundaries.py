@@ -316,3 +316,46 @@ def test_hc_heads_weights_on_the_kernels_are_the_references_within_fp32(hidden: 
         got = mhc.head_mix(residual, *head)
         want = ref.hc_head_mix(residual, *head)
         assert (got - want).abs().max() < 1e-5, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("world", [2, 4])
+def test_v4_simulated_ranks_give_the_one_rank_steps_bits_on_the_rank_order_sums(world: int) -> None:
+    """W simulated ranks run the V4 step at once on one GPU (sublayers as fixed outputs), eagerly and captured in one
+    CUDA graph replayed on new tokens: every rank's step (hidden state and the last MoE input's MXFP8) is, bit for
+    bit, the one-rank kernel step whose sublayers return every rank's partial summed in rank order."""
+    from bench.step import boundaries_only, summed_sublayers
+
+    hidden, rows = 4096, 4
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=8, device="cuda", timeout_us=1_000_000)
+    V4Boundaries(ranks[0]).warmup(progress=False, quantize=("mxfp8",))
+    config = ToyConfig(hidden_size=hidden, num_layers=2)
+    models = [boundaries_only(ToyModel(config, rank=r, world_size=world, device="cuda"), rows) for r in range(world)]
+    torch.cuda.synchronize()
+    boundaries = [V4Boundaries(ar) for ar in ranks]
+    step = DecodeStep(rows=rows, side_stream=False)
+    static = random_tokens(models[0], rows, 0).clone()
+    one = V4Boundaries(BoundaryAllReduce(hidden, max_rows=8, device="cuda"))
+    summed = summed_sublayers(models)
+
+    def every_rank() -> list:
+        calls = [lambda ar: decode_step_v4(models[ar.rank], boundaries[ar.rank], static, step)] * world
+        return BoundaryAllReduce.run_simulated(ranks, calls)
+
+    eager = every_rank()  # also sizes each rank's coefficients workspace, outside the capture
+    torch.cuda.synchronize()
+    want = decode_step_v4(summed, one, static, step)
+    assert all(compare(out, want)["bitwise"] for out in eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = every_rank()
+    for index in range(1, 4):
+        static.copy_(random_tokens(models[0], rows, index))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = decode_step_v4(summed, one, static, step)
+        for r in range(world):
+            assert compare(outs[r], want)["bitwise"], (index, r)
+    for ar in ranks:
+        ar.check()
