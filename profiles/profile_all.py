@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # profiles/ (this script's folder) is on sys.path; run_kernel puts the repository root there too (bench, cute_kernels)
-from run_kernel import BOUNDARY_VARIANTS, COEFFICIENT_VARIANTS, PEER_WORLD_SIZES, PROTOCOLS
+from run_kernel import BOUNDARY_VARIANTS, COEFFICIENT_VARIANTS, LAYER_INPUT_VARIANTS, PEER_WORLD_SIZES, PROTOCOLS
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,7 +225,14 @@ def kernels(world: int) -> list[Kernel]:
         Kernel(f"coefficients-{v}", ("--kernel", "coefficients", "--variant", v), ABOUT[v])
         for v in COEFFICIENT_VARIANTS
     ]
-    plan.append(Kernel("layer-input", ("--kernel", "layer_input"), "the layer-input-only kernel (carried collapse)"))
+    plan += [
+        Kernel(
+            "layer-input" + ("" if v == "bf16" else f"-{v}"),
+            ("--kernel", "layer_input", "--variant", v),
+            "the layer-input-only kernel (carried collapse)" + ("" if v == "bf16" else f" + the {v} form (V4)"),
+        )
+        for v in LAYER_INPUT_VARIANTS
+    ]
     plan += [
         Kernel(
             f"peer-w{world}-{p}-SIMULATED",

@@ -37,7 +37,8 @@ from cute_kernels.allreduce.protocol import PEER_WORLD_SIZES, PROTOCOLS  # noqa:
 
 BOUNDARY_VARIANTS = ("bf16", "mxfp8", "fp8", "aux", "moe", "residual")
 COEFFICIENT_VARIANTS = ("standard", "inline", "broadcast")
-VARIANTS = {"boundary": BOUNDARY_VARIANTS, "coefficients": COEFFICIENT_VARIANTS}
+LAYER_INPUT_VARIANTS = ("bf16", "mxfp8", "fp8")  # the layer-input kernel's outputs: bf16, + MXFP8 or FP8 1x128
+VARIANTS = {"boundary": BOUNDARY_VARIANTS, "coefficients": COEFFICIENT_VARIANTS, "layer_input": LAYER_INPUT_VARIANTS}
 KERNELS = ("boundary", "final", "coefficients", "layer_input", "peer")
 QUANT = {"bf16": None, "mxfp8": "mxfp8", "fp8": "fp8_1x128"}  # bench.kernels.fused_call's layer-input forms
 EPS = 1e-6
@@ -66,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", choices=KERNELS, required=True)
     p.add_argument(
-        "--variant", help=f"boundary: one of {BOUNDARY_VARIANTS}; coefficients: one of {COEFFICIENT_VARIANTS}"
+        "--variant",
+        help=f"boundary: one of {BOUNDARY_VARIANTS}; coefficients: one of {COEFFICIENT_VARIANTS}; layer_input: one of "
+        f"{LAYER_INPUT_VARIANTS}",
     )
     p.add_argument("--hidden", type=int, default=7168, help="hidden size H (default 7168)")
     p.add_argument("--rows", type=int, default=16, help="rows of the call (default 16)")
@@ -207,14 +210,30 @@ def coefficients_call(
     return bench_call(coefficient_inputs(rows, hidden, device, 0), arch, variant, config)
 
 
-def layer_input_call(rows: int, hidden: int, device: Any, arch: str) -> Call:
-    """The layer-input-only kernel (first layer, Engram seams): RMSNorm of the carried pre-mix collapse."""
+def layer_input_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -> Call:
+    """The layer-input-only kernel (first layer, Engram seams, DeepSeek-V4's own pre): RMSNorm of the carried pre-mix
+    collapse, with the MXFP8 or FP8 1x128 form beside it (`variant` "mxfp8" / "fp8")."""
     from bench.kernels import coefficient_inputs
+    from boundary.types import empty_fp8_group, empty_quantized
     from cute_kernels.coefficients import mhc_layer_input
 
     inp = coefficient_inputs(rows, hidden, device, 0)
+    quant = QUANT[variant]
+    q = None
+    if quant == "mxfp8":
+        q = empty_quantized(rows, hidden, device)
+    elif quant is not None:
+        q = empty_fp8_group(rows, hidden, device, ue8m0=False)
     return lambda: mhc_layer_input(
-        inp["streams"], inp["pre_mix"], inp["norm_weight"], EPS, inp["layer_input"], arch=arch
+        inp["streams"],
+        inp["pre_mix"],
+        inp["norm_weight"],
+        EPS,
+        inp["layer_input"],
+        arch=arch,
+        quant=quant,
+        quant_data=None if q is None else q.data,
+        quant_scale=None if q is None else q.scale,
     )
 
 
@@ -264,7 +283,7 @@ def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]
     if args.kernel == "coefficients":
         return coefficients_call(args.variant, args.knobs, args.rows, args.hidden, device, arch), []
     if args.kernel == "layer_input":
-        return layer_input_call(args.rows, args.hidden, device, arch), []
+        return layer_input_call(args.variant, args.rows, args.hidden, device, arch), []
     return peer_call(args.world, args.protocol, args.rows, args.hidden, device, arch)
 
 
