@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> None:
     """Compile (in parallel, once per host) and load the one-rank kernels the parts launch, before any is timed: the
     boundary with bf16, MXFP8 and FP8 1x128 layer inputs and the coefficients (and the V4 part's quantized layer
-    inputs), at every hidden size of the run."""
+    inputs and hc_head's variant), at every hidden size of the run."""
     from boundary import mhc
     from cute_kernels.compile import warmup
 
@@ -158,12 +158,12 @@ def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> N
     hiddens |= set(args.step_hidden) if "step" in args.parts else set()
     rows = max(args.rows + args.step_rows)
     variants = boundary_api.engine_variants(("mxfp8", "fp8_1x128"))
-    # The V4 part's layer input in both quantized forms.
-    quantized = ("mxfp8", "fp8_1x128") if "v4" in args.parts else ()
+    v4 = "v4" in args.parts  # its layer input in both quantized forms, and hc_head's weights
     jobs = []
     for hidden in sorted(hiddens):
         jobs += boundary_api.warmup_jobs(hidden, arch=arch, variants=variants)
-        jobs += mhc.warmup_jobs(hidden, arch, min(rows, mhc.kernel_row_limit(hidden)), quantized=quantized)
+        limit = min(rows, mhc.kernel_row_limit(hidden))
+        jobs += mhc.warmup_jobs(hidden, arch, limit, own_pre=v4, quantized=("mxfp8", "fp8_1x128"))
     warmup(jobs, desc=f"bench kernels H={sorted(hiddens)} {arch}", device=device)
 
 

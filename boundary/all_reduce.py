@@ -420,7 +420,8 @@ class BoundaryAllReduce:
         values; every form by default; None or () for bf16 only): an engine that writes one form warms up
         that one only, in about two thirds of the time. `unnormed_layer_input`: the coefficients' layer input
         without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it).
-        `own_pre`: DeepSeek-V4's own-pre layer input in the `quantize` forms too (`V4Boundaries.warmup` sets it).
+        `own_pre`: DeepSeek-V4's kernels too, its own-pre layer input in the `quantize` forms and hc_head's weights
+        (`V4Boundaries.warmup` sets it).
         `sinkhorn_repeat`: the layers' Sinkhorn iterations (`hc_sinkhorn_iters`, compiled into the coefficients
         kernels; 20 in the V4 models).
         Call it before CUDA-graph capture: nothing can compile or allocate a workspace inside a capture.
@@ -455,7 +456,8 @@ class BoundaryAllReduce:
             rows,
             sinkhorn_repeat=sinkhorn_repeat,
             unnormed=unnormed_layer_input,
-            quantized=tuple(quantize) if own_pre else (),
+            own_pre=own_pre,
+            quantized=tuple(quantize),
         )
         mhc.prepare_workspace(self.hidden_size, rows, self.device, self.rank if self.simulated_ranks else None)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)

@@ -298,22 +298,11 @@ def hc_head_mix(
     base: Tensor,
     rms_eps: float,
     hc_eps: float,
-    sinkhorn_repeat: int = 20,
     backend: str = "auto",
     workspace_owner: int | None = None,
 ) -> Tensor:
     """DeepSeek-V4's hc_head weights [T, hc]: `boundary.mhc.head_mix` as an op."""
-    return mhc.head_mix(
-        residual,
-        fn,
-        scale,
-        base,
-        rms_eps,
-        hc_eps,
-        sinkhorn_repeat=sinkhorn_repeat,
-        backend=backend,
-        workspace_owner=workspace_owner,
-    )
+    return mhc.head_mix(residual, fn, scale, base, rms_eps, hc_eps, backend=backend, workspace_owner=workspace_owner)
 
 
 @_op(_layer_input, ("data", "scale"))

@@ -68,18 +68,12 @@ class V4Boundaries:
         self.custom_ops = self._boundaries.custom_ops
         self.backend = self._boundaries.backend
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
-        # The layers' Sinkhorn iterations: hc_head's weights run the coefficients variant the layers compiled.
-        self._sinkhorn_repeat = 20
         if self.custom_ops:
             self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
-            self._head_mix = lambda r, *w: torch.ops.mhc_boundary.hc_head_mix(
-                r, *w, self._sinkhorn_repeat, self.backend, self._owner
-            )
+            self._head_mix = lambda r, *w: torch.ops.mhc_boundary.hc_head_mix(r, *w, self.backend, self._owner)
         else:
             self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
-            self._head_mix = lambda r, *w: mhc.head_mix(
-                r, *w, sinkhorn_repeat=self._sinkhorn_repeat, backend=self.backend, workspace_owner=self._owner
-            )
+            self._head_mix = lambda r, *w: mhc.head_mix(r, *w, backend=self.backend, workspace_owner=self._owner)
 
     def _collapse_norm(
         self,
@@ -206,7 +200,6 @@ class V4Boundaries:
         quantized = self._quantized_out(residual.shape[0], quantize)
         try:
             post, comb, pre = self._mixes(residual, params, x)
-            self._sinkhorn_repeat = int(iters)  # checked by the mixes
             layer_input = self._collapse_norm(residual, pre, weight, eps, quantized)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)

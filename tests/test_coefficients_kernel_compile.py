@@ -198,6 +198,27 @@ def test_warmup_jobs_cover_every_call_path() -> None:
     assert {job.compile_fn for job in jobs} == {api.compile_coefficients, api.compile_layer_input}
 
 
+def test_the_v4_kernels_join_the_warmup_only_when_asked() -> None:
+    """mhc.warmup_jobs(own_pre=True): hc_head's standard variant with one Sinkhorn repeat (per row class, as the
+    layers' standard variant) and the carried layer input in each quantized form named; nothing of it by default, and
+    no quantized layer input at an H the kernel refuses them at."""
+    from boundary import mhc
+
+    plain = mhc.warmup_jobs(7168, "sm_90a", 512, quantized=("mxfp8", "fp8_1x128"))
+    v4 = mhc.warmup_jobs(7168, "sm_90a", 512, own_pre=True, quantized=("mxfp8", "fp8_1x128"))
+    added = [job.args for job in v4 if job.args not in [j.args for j in plain]]
+    standard = [
+        job.args for job in plain if job.compile_fn is api.compile_coefficients and job.args[1] == CoefficientsVariant()
+    ]
+    head = [(H, v, mhc.HEAD_SINKHORN_REPEAT, config) for H, v, _, config in standard]
+    carried = V("standard", "carried")
+    assert added == head + [(7168, carried, "mxfp8"), (7168, carried, "fp8_1x128")]
+    odd = mhc.warmup_jobs(1536, "sm_90a", 16, own_pre=True, quantized=("mxfp8",))
+    assert not [job for job in odd if len(job.args) == 3]  # H 1536: no quantized layer input
+    first = next(job for job in v4 if job.args == head[0])
+    assert callable(first.compile_fn(*first.args, **dict(first.kwargs)))  # one Sinkhorn repeat compiles
+
+
 def test_a_calls_variant_and_its_names() -> None:
     """CoefficientsVariant.of decides a call's variant once; its kernels' strings, its tuning form and the warmup list
     (VARIANTS: every valid one) follow from it."""

@@ -104,22 +104,18 @@ def warmup_jobs(
     sinkhorn_repeat: int = 20,
     unnormed: bool = False,
     quantized: tuple[str, ...] = (),
+    head_repeat: int | None = None,
 ) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
     the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch.
     `unnormed`: the layer input without a norm weight too (the scheduler always passes one). `quantized`: the
     carried collapse's layer-input kernel with these QUANT_FORMS beside bf16 too (DeepSeek-V4's own-pre layer
-    input, V4Boundaries)."""
+    input, V4Boundaries). `head_repeat`: the standard variant with that many Sinkhorn repeats too (hc_head's weights,
+    whose comb nobody reads)."""
     variants = [v for v in VARIANTS if unnormed or v.normed]
-    jobs = []
-    for variant in variants:
-        for rows in default_row_classes(H, variant, max_rows, arch=arch):
-            config = coefficients_config(H, variant, rows, arch=arch)
-            name = f"coefficients H={H} {variant.name} tile={config.rows_per_tile}"
-            name += " split" if config.row_split > 1 else ""
-            load = functools.partial(load_coefficients, H=H, variant=variant, rows=rows, config=config)
-            key = (H, variant, sinkhorn_repeat, config)
-            jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
+    jobs = [job for variant in variants for job in _coefficients_jobs(H, variant, sinkhorn_repeat, max_rows, arch)]
+    if head_repeat is not None:
+        jobs += _coefficients_jobs(H, CoefficientsVariant(), head_repeat, max_rows, arch)
     for variant in (v for v in variants if v.inline):
         load = functools.partial(load_layer_input, H=H, variant=variant)
         name = f"layer input H={H} {variant.projection} {variant.layer_input}"
@@ -129,6 +125,22 @@ def warmup_jobs(
         load = functools.partial(load_layer_input, H=H, variant=carried, quant=quant)
         name = f"layer input H={H} {carried.projection} {carried.layer_input} {quant}"
         jobs.append(WarmupJob(name, compile_layer_input, (H, carried, quant), (("arch", arch),), load))
+    return jobs
+
+
+def _coefficients_jobs(
+    H: int, variant: CoefficientsVariant, sinkhorn_repeat: int, max_rows: int, arch: str
+) -> list[WarmupJob]:
+    """One coefficients variant's WarmupJobs: a compile per shipped config of the row classes up to `max_rows`."""
+    jobs = []
+    for rows in default_row_classes(H, variant, max_rows, arch=arch):
+        config = coefficients_config(H, variant, rows, arch=arch)
+        name = f"coefficients H={H} {variant.name} tile={config.rows_per_tile}"
+        name += " split" if config.row_split > 1 else ""
+        name += f" repeat={sinkhorn_repeat}" if sinkhorn_repeat != 20 else ""
+        load = functools.partial(load_coefficients, H=H, variant=variant, rows=rows, config=config)
+        key = (H, variant, sinkhorn_repeat, config)
+        jobs.append(WarmupJob(name, compile_coefficients, key, (("arch", arch),), load))
     return jobs
 
 
