@@ -388,3 +388,19 @@ def test_v4_simulated_ranks_step_on_the_rank_order_sums(world: int, moe: str) ->
         static.copy_(random_tokens(models[0], rows, index))
         graph.replay()
         check(outs, index)
+
+
+def test_a_quantized_form_the_kernels_cannot_write_is_refused_before_the_reduction(monkeypatch) -> None:
+    """On the kernels a quantized layer input needs H a multiple of 1024: at H 512 sublayer(quantize=...) raises a
+    ValueError naming it, and state.pending is still there (a refused call consumes nothing)."""
+    from boundary import mhc
+
+    monkeypatch.setattr(mhc, "kernel_arch", lambda device, backend: "sm_90a")
+    model = ToyModel(CONFIG)
+    b = v4()
+    state = BoundaryState(*(torch.zeros(2, 4, 512, dtype=torch.bfloat16), torch.ones(2, 4), torch.ones(2, 4, 4)), None)
+    pending = torch.zeros(2, 512, dtype=torch.bfloat16)
+    state.pending = pending
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        b.sublayer(model.layers[0], True, state, DecodeStep(rows=2, side_stream=False), quantize="fp8_1x128")
+    assert state.pending is pending
