@@ -203,23 +203,33 @@ def collapse_norm(
             reference.quantize_into(out, quantized_out.data, quantized_out.scale, quant_form(quantized_out))
         return out
     _check_kernel_shape(hc, hidden)
-    if quantized_out is not None and hidden % QUANT_H_MULTIPLE:
-        raise ValueError(
-            f"the layer-input kernel writes a quantized form at H a multiple of {QUANT_H_MULTIPLE} (got H={hidden}); "
-            "pass backend='reference' for other shapes"
-        )
+    if quantized_out is not None:
+        check_quantizable(hidden)
     for name, value in (("residual", residual), ("pre", pre), ("norm_weight", norm_weight)):
         checks.tensor(name, value, align=16)
     out = torch.empty(rows, hidden, dtype=BF16, device=dev)
-    if quantized_out is None:
-        mhc_layer_input(residual, pre, norm_weight, norm_eps, out, arch=arch)
-    else:
-        data, scale = quantized_out.data, quantized_out.scale
-        form = quant_form(quantized_out)
-        mhc_layer_input(
-            residual, pre, norm_weight, norm_eps, out, arch=arch, quant=form, quant_data=data, quant_scale=scale
-        )
+    q = quantized_out
+    mhc_layer_input(
+        residual,
+        pre,
+        norm_weight,
+        norm_eps,
+        out,
+        arch=arch,
+        quant=None if q is None else quant_form(q),
+        quant_data=None if q is None else q.data,
+        quant_scale=None if q is None else q.scale,
+    )
     return out
+
+
+def check_quantizable(hidden: int) -> None:
+    """Raise unless the layer-input kernel can write a quantized form at hidden size H (a multiple of 1024)."""
+    if hidden % QUANT_H_MULTIPLE:
+        raise ValueError(
+            f"the layer-input kernel writes a quantized form at H a multiple of {QUANT_H_MULTIPLE} (got H={hidden}); "
+            "use quantize=False, or pass backend='reference' for other shapes"
+        )
 
 
 def delayed_layer_input(

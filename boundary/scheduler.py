@@ -270,9 +270,11 @@ class Boundaries:
 
     def post_only(self, state: BoundaryState) -> Tensor:
         """The residual-only boundary on state.pending (which it consumes): the new streams, with no layer input."""
-        if not isinstance(state, BoundaryState):
-            raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         self._check_state(state, None, pending=True)
+        return self._post(state)
+
+    def _post(self, state: BoundaryState) -> Tensor:
+        """post_only on a checked state: the residual-only boundary, state.pending consumed."""
         try:
             residual, _ = self._calls.boundary(state, None, None, 0.0, None, None, None)
         except (TypeError, ValueError) as exc:

@@ -149,17 +149,13 @@ class V4Boundaries:
         checks.flag("ffn", ffn)
         if quantize is not False:
             quantize = checks.quantize_form("quantize", quantize, QUANTIZE)
-        hidden = self.all_reduce.hidden_size
-        if quantize and hidden % mhc.QUANT_H_MULTIPLE and mhc.kernel_arch(self.all_reduce.device, self.backend):
+        if quantize and mhc.kernel_arch(self.all_reduce.device, self.backend):
             # Before the reduction consumes state.pending: a refused call consumes nothing.
-            raise ValueError(
-                f"quantize={quantize!r}: the layer-input kernel writes a quantized form at H a multiple of "
-                f"{mhc.QUANT_H_MULTIPLE} (this boundary's H is {hidden}); use quantize=False, or backend='reference'"
-            )
+            mhc.check_quantizable(self.all_reduce.hidden_size)
         self._boundaries._check_state(state, step, pending=True)
         reads = FFN if ffn else ATTN
         values = self._boundaries._layer(layer, reads)
-        residual = self._boundaries.post_only(state)
+        residual = self._boundaries._post(state)  # the state checked against the step above
         return self._enter(values, reads, residual, None, quantize or None)
 
     def post_only(self, state: BoundaryState) -> Tensor:
