@@ -223,6 +223,59 @@ def collapse_norm(
     return out
 
 
+def own_pre(
+    residual: Tensor,
+    params: MHCParams,
+    norm_weight: Tensor,
+    norm_eps: float,
+    *,
+    quantized_out: QuantizedActivation | Fp8GroupActivation | None = None,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(post, comb, pre, layer_input) of DeepSeek-V4's own-pre entry (CONTRACT §4d): the mixes of the streams, then
+    the layer input RMSNorm(bf16(sum_j pre[j] * R[j])) collapsed with that very pre; with `quantized_out` (from
+    empty_quantized_layer_input or empty_fp8_group_layer_input) also its MXFP8 or FP8 1x128 form, written there. On the
+    kernels one launch (the coefficients kernel's own-pre variant: the CTAs that finish the rows collapse them; a
+    quantized form needs H a multiple of 1024); torch ops on the reference, the very bits of `mixes` then
+    `collapse_norm`. `workspace_owner`: see prepare_workspace."""
+    params, norm_eps = checks.pre_delayed(residual, params, None, None, norm_weight, norm_eps)
+    if norm_weight is None:
+        raise TypeError("norm_weight must be a torch.Tensor, got None (the own-pre layer input is normed)")
+    rows, hc, hidden = residual.shape
+    dev = residual.device
+    arch = kernel_arch(dev, backend)
+    if isinstance(quantized_out, QuantizedActivation):
+        check_mxfp8_out("quantized_out", quantized_out, rows, hidden, dev, 16 if arch is not None else 1)
+    elif quantized_out is not None:
+        check_fp8_out("quantized_out", quantized_out, rows, hidden, dev, 16 if arch is not None else 1)
+    if arch is None:
+        post, comb, pre = reference.coefficients(residual.reshape(rows, -1), params)
+        layer_input = delayed_layer_input(residual, pre, norm_weight, norm_eps)
+        if quantized_out is not None:
+            reference.quantize_into(layer_input, quantized_out.data, quantized_out.scale, quant_form(quantized_out))
+        return post, comb, pre, layer_input
+    _check_kernel_args(
+        residual, None, params.fn, None, norm_weight, arch, inline=False, layer_input_kernel=True, own_pre=True
+    )
+    if quantized_out is not None:
+        check_quantizable(hidden)
+    layer_input = torch.empty(rows, hidden, dtype=BF16, device=dev)
+    post, comb, pre = _kernel_coefficients(
+        residual,
+        None,
+        params,
+        arch,
+        norm_weight=norm_weight,
+        norm_eps=norm_eps,
+        layer_input=layer_input,
+        quantized=quantized_out,
+        own_pre=True,
+        owner=workspace_owner,
+    )
+    return post, comb, pre, layer_input
+
+
 def check_quantizable(hidden: int) -> None:
     """Raise unless the layer-input kernel can write a quantized form at hidden size H (a multiple of 1024)."""
     if hidden % QUANT_H_MULTIPLE:
@@ -357,6 +410,38 @@ def head_mix(
     return mixes(residual, params, backend=backend, workspace_owner=workspace_owner)[2]
 
 
+def head_input(
+    residual: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    norm_weight: Tensor,
+    norm_eps: float,
+    *,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
+) -> Tensor:
+    """DeepSeek-V4's last step after the final post: hc_head's weights p (`head_mix`), then RMSNorm(bf16(sum_i p_i *
+    R_i)) with the final norm (CONTRACT §4d). On the kernels one launch (the own-pre variant with hc_head's weights as
+    its pre, one Sinkhorn repeat); torch ops on the reference: the bits of `head_mix` then `collapse_norm`."""
+    residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
+    rows, hc, hidden = residual.shape
+    dev = residual.device
+    checks.tensor("fn", fn, dtype=torch.float32, shape=(hc, hc * hidden), device=dev)
+    checks.tensor("scale", scale, dtype=torch.float32, shape=(1,), device=dev)
+    checks.tensor("base", base, dtype=torch.float32, shape=(hc,), device=dev)
+    if kernel_arch(dev, backend) is None:
+        checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev)
+        norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
+        p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
+        return delayed_layer_input(residual, p, norm_weight, norm_eps)
+    fn24, scale3, base24 = _head_weights(fn, scale, base)
+    params = MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
+    return own_pre(residual, params, norm_weight, norm_eps, backend=backend, workspace_owner=workspace_owner)[3]
+
+
 # hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),
 # with the fn itself (weakly) and the versions of the three tensors they were built from: an in-place update of any of
 # them builds them again.
@@ -401,9 +486,12 @@ def _kernel_coefficients(
     norm_weight: Tensor | None = None,
     norm_eps: float | None = None,
     layer_input: Tensor | None = None,
+    quantized: QuantizedActivation | Fp8GroupActivation | None = None,
+    own_pre: bool = False,
     owner: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One launch of the coefficients kernel (inline when `layer_input` is given); the args are checked."""
+    """One launch of the coefficients kernel (inline when `layer_input` is given; `own_pre`: collapsed with the pre
+    it computes, `quantized` written beside it); the args are checked."""
     rows, hc, hidden = residual.shape
     dev = residual.device
     post = torch.empty(rows, hc, dtype=F32, device=dev)
@@ -429,6 +517,10 @@ def _kernel_coefficients(
         norm_weight=norm_weight if inline else None,
         norm_eps=norm_eps if inline else None,
         layer_input_out=layer_input,
+        own_pre=own_pre,
+        quant=None if quantized is None else quant_form(quantized),
+        quant_data=None if quantized is None else quantized.data,
+        quant_scale=None if quantized is None else quantized.scale,
         arch=arch,
     )
     return post, comb, pre
@@ -489,6 +581,7 @@ def _check_kernel_args(
     *,
     inline: bool,
     layer_input_kernel: bool,
+    own_pre: bool = False,
 ) -> None:
     """What the coefficients kernels need beyond checks.pre_delayed (dtypes, shapes, contiguity and the
     device are checked there; the outputs and the workspace are allocated here): hc 4 and H a positive
@@ -501,6 +594,8 @@ def _check_kernel_args(
         raise ValueError(_too_many_rows(rows, hidden))
     broadcast = x is not None
     variant = coefficients.CoefficientsVariant.of(broadcast, inline, pre_mix is not None, norm_weight is not None)
+    if own_pre:
+        variant = coefficients.CoefficientsVariant.own()
     clusters = coefficients.grid_clusters(hidden, variant, rows, arch=arch)
     if clusters > MAX_GRID_Y:
         raise ValueError(f"{rows} rows at H={hidden} need {clusters} clusters, more than the {MAX_GRID_Y} of a launch")

@@ -305,6 +305,17 @@ def hc_head_mix(
     return mhc.head_mix(residual, fn, scale, base, rms_eps, hc_eps, backend=backend, workspace_owner=workspace_owner)
 
 
+def _quantized(data: Tensor, scale: Tensor, form: str) -> QuantizedActivation | Fp8GroupActivation:
+    """The layer input's quantized form `form` ("mxfp8", "fp8_1x128" or "fp8_1x128_ue8m0") over `data` and `scale`."""
+    if form == "mxfp8":
+        return QuantizedActivation(data, scale, BF16, data.shape, MXFP8_QUANT_KEY)
+    if form in ("fp8_1x128", "fp8_1x128_ue8m0"):
+        ue8m0 = form == "fp8_1x128_ue8m0"
+        key = FP8_GROUP_UE8M0_QUANT_KEY if ue8m0 else FP8_GROUP_QUANT_KEY
+        return Fp8GroupActivation(data, scale, BF16, data.shape, key, ue8m0)
+    raise ValueError(f"form must be 'mxfp8', 'fp8_1x128' or 'fp8_1x128_ue8m0', got {form!r}")
+
+
 @_op(_layer_input, ("data", "scale"))
 def collapse_norm_quantized(
     residual: Tensor,
@@ -318,15 +329,69 @@ def collapse_norm_quantized(
 ) -> Tensor:
     """collapse_norm with the layer input's quantized form `form` ("mxfp8", "fp8_1x128" or "fp8_1x128_ue8m0") written
     in place into `data` and `scale` (CONTRACT §4 / §4b layouts): `boundary.mhc.collapse_norm(quantized_out=)`."""
-    if form == "mxfp8":
-        out = QuantizedActivation(data, scale, BF16, data.shape, MXFP8_QUANT_KEY)
-    elif form in ("fp8_1x128", "fp8_1x128_ue8m0"):
-        ue8m0 = form == "fp8_1x128_ue8m0"
-        key = FP8_GROUP_UE8M0_QUANT_KEY if ue8m0 else FP8_GROUP_QUANT_KEY
-        out = Fp8GroupActivation(data, scale, BF16, data.shape, key, ue8m0)
-    else:
-        raise ValueError(f"form must be 'mxfp8', 'fp8_1x128' or 'fp8_1x128_ue8m0', got {form!r}")
+    out = _quantized(data, scale, form)
     return mhc.collapse_norm(residual, pre, norm_weight, norm_eps, quantized_out=out, backend=backend)
+
+
+def _own_pre_outputs(residual: Tensor, **_: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (*_mixes(residual), _layer_input(residual))
+
+
+@_op(_own_pre_outputs, ("data", "scale"))
+def mhc_own_pre(
+    residual: Tensor,
+    fn: Tensor,
+    hc_scale: Tensor,
+    hc_base: Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    norm_weight: Tensor,
+    norm_eps: float,
+    data: Tensor | None,
+    scale: Tensor | None,
+    form: str | None,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(post, comb, pre, layer_input) of DeepSeek-V4's own-pre entry, with the layer input's quantized form `form`
+    (None: none) written in place into `data` and `scale`: `boundary.mhc.own_pre` as an op."""
+    params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
+    out = None if form is None else _quantized(data, scale, form)
+    return mhc.own_pre(
+        residual, params, norm_weight, norm_eps, quantized_out=out, backend=backend, workspace_owner=workspace_owner
+    )
+
+
+@_op(_layer_input)
+def hc_head_input(
+    residual: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    norm_weight: Tensor,
+    norm_eps: float,
+    backend: str = "auto",
+    workspace_owner: int | None = None,
+) -> Tensor:
+    """DeepSeek-V4's final hidden state from the last streams (hc_head's weights, collapse, final norm):
+    `boundary.mhc.head_input` as an op."""
+    return mhc.head_input(
+        residual,
+        fn,
+        scale,
+        base,
+        rms_eps,
+        hc_eps,
+        norm_weight,
+        norm_eps,
+        backend=backend,
+        workspace_owner=workspace_owner,
+    )
 
 
 @_op(_new_streams)

@@ -2,8 +2,8 @@
 
 A V4 boundary reduces the pending partial into the streams with the mixes the state carries (the fused residual-only
 boundary: the all-reduce inside on the peer path, one launch), then computes the next sublayer's mixes from the new
-streams and collapses them with that very pre (the coefficients kernels, then the layer-input kernel). Its
-coefficients sit on the critical path: there is no side stream.
+streams and collapses them with that very pre (the coefficients kernel's own-pre variant, one launch: the CTAs that
+finish the rows write their layer input). Its coefficients sit on the critical path: there is no side stream.
 """
 
 from __future__ import annotations
@@ -70,10 +70,37 @@ class V4Boundaries:
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
         if self.custom_ops:
             self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
-            self._head_mix = lambda r, *w: torch.ops.mhc_boundary.hc_head_mix(r, *w, self.backend, self._owner)
+            self._head_input = lambda r, *w: torch.ops.mhc_boundary.hc_head_input(r, *w, self.backend, self._owner)
         else:
             self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
-            self._head_mix = lambda r, *w: mhc.head_mix(r, *w, backend=self.backend, workspace_owner=self._owner)
+            self._head_input = lambda r, *w: mhc.head_input(r, *w, backend=self.backend, workspace_owner=self._owner)
+
+    def _own_pre(
+        self,
+        residual: Tensor,
+        params: MHCParams,
+        weight: Tensor,
+        eps: float,
+        quantized: QuantizedActivation | Fp8GroupActivation | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(post, comb, pre, layer input) of the streams, the layer input collapsed with that pre (one launch), its
+        quantized form into `quantized`."""
+        if not self.custom_ops:
+            return mhc.own_pre(
+                residual,
+                params,
+                weight,
+                eps,
+                quantized_out=quantized,
+                backend=self.backend,
+                workspace_owner=self._owner,
+            )
+        data, scale, form = (
+            (None, None, None) if quantized is None else (quantized.data, quantized.scale, quant_form(quantized))
+        )
+        return torch.ops.mhc_boundary.mhc_own_pre(
+            residual, *params, weight, eps, data, scale, form, self.backend, self._owner
+        )
 
     def _collapse_norm(
         self,
@@ -189,9 +216,8 @@ class V4Boundaries:
         checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
         norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
         residual = self._boundaries.post_only(state)
-        # The head's four weights (the coefficients kernel's pre), then the collapse and the norm: one launch each.
-        p = self._head_mix(residual, fn, scale, base, rms_eps, hc_eps)
-        return self._collapse_norm(residual, p, norm_weight, norm_eps)
+        # The head's four weights (the coefficients kernel's pre), the collapse and the norm: one launch.
+        return self._head_input(residual, fn, scale, base, rms_eps, hc_eps, norm_weight, norm_eps)
 
     def _enter(
         self, values: tuple[Any, ...], reads: _Reads, residual: Tensor, x: Tensor | None, quantize: str | None
@@ -202,8 +228,11 @@ class V4Boundaries:
         params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
         quantized = self._quantized_out(residual.shape[0], quantize)
         try:
-            post, comb, pre = self._mixes(residual, params, x)
-            layer_input = self._collapse_norm(residual, pre, weight, eps, quantized)
+            if x is None:
+                post, comb, pre, layer_input = self._own_pre(residual, params, weight, eps, quantized)
+            else:  # the first layer: the mixes of the embedding, then the collapse of its broadcast streams
+                post, comb, pre = self._mixes(residual, params, x)
+                layer_input = self._collapse_norm(residual, pre, weight, eps, quantized)
         except (TypeError, ValueError) as exc:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             raise

@@ -15,7 +15,7 @@ from cute_kernels.coefficients import api, tuning
 from cute_kernels.coefficients.config import CHUNK, CLUSTER, CoefficientsConfig, projection_width
 from cute_kernels.coefficients.layer_input import INLINE_BUDGET, INPUT_ONLY_BUDGET, norm_rows_per_cluster
 from cute_kernels.coefficients.projection import SENTINEL
-from cute_kernels.coefficients.variant import VARIANTS, CoefficientsVariant
+from cute_kernels.coefficients.variant import OWN_VARIANTS, VARIANTS, CoefficientsVariant
 from tests.compile_cover import covering
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -211,10 +211,18 @@ def test_the_v4_kernels_join_the_warmup_only_when_asked() -> None:
         job.args for job in plain if job.compile_fn is api.compile_coefficients and job.args[1] == CoefficientsVariant()
     ]
     head = [(H, v, mhc.HEAD_SINKHORN_REPEAT, config) for H, v, _, config in standard]
+    own = [CoefficientsVariant.own(q) for q in (None, "mxfp8", "fp8_1x128")]
+    own_config = tuning.coefficients_config(7168, own[0], 1, arch="sm_90a")
+    assert own_config.schedule == "tile"  # one launch for the mixes and the layer input, at every row count
     carried = V("standard", "carried")
-    assert added == head + [(7168, carried, "mxfp8"), (7168, carried, "fp8_1x128")]
+    assert added == [(7168, v, 20, own_config) for v in own] + head + [
+        (7168, own[0], mhc.HEAD_SINKHORN_REPEAT, own_config),
+        (7168, carried, "mxfp8"),
+        (7168, carried, "fp8_1x128"),
+    ]
     odd = mhc.warmup_jobs(1536, "sm_90a", 16, own_pre=True, quantized=("mxfp8",))
     assert not [job for job in odd if len(job.args) == 3]  # H 1536: no quantized layer input
+    assert not [job for job in odd if len(job.args) == 4 and job.args[1].quant is not None]
     first = next(job for job in v4 if job.args == head[0])
     assert callable(first.compile_fn(*first.args, **dict(first.kwargs)))  # one Sinkhorn repeat compiles
 
@@ -229,8 +237,11 @@ def test_a_calls_variant_and_its_names() -> None:
     assert of(True, True, True) == CoefficientsVariant(True, "one_hot")  # the first layer's collapse: its embedding row
     assert of(True, True, False, normed=False).layer_input == "one_hot_unnormed"
     assert of(True, True, False).form == "first inline" and of(True, False, False).form == "broadcast"
-    assert {v.form for v in VARIANTS} == set(tuning.FORMS)
+    assert {v.form for v in VARIANTS + OWN_VARIANTS} == set(tuning.FORMS)
     assert len(set(VARIANTS)) == len(VARIANTS) == 8
+    own = CoefficientsVariant.own("fp8_1x128")
+    assert own.layer_input == "own" and own.form == "own" and own.inline and not own.clusters
+    assert own.name == "standard layer_input=own fp8_1x128"
 
 
 # --- every variant compiles (sm_90a; sm_100a at the end of the section) --------------------------------------------------------
@@ -244,6 +255,30 @@ COMPILE_CASES += [(4096, "standard", "none"), (4096, "standard", "carried"), (40
 def test_variant_compiles(H: int, variant: str, mode: str) -> None:
     config = default(H, variant, inline=mode != "none")
     assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
+
+
+@pytest.mark.parametrize("H,variant", [(H, v) for H in (4096, 7168) for v in OWN_VARIANTS] + [(5120, OWN_VARIANTS[0])])
+def test_own_pre_variants_compile(H: int, variant: CoefficientsVariant) -> None:
+    """DeepSeek-V4's own-pre variant, bf16 alone and with each quantized form, at its shipped tile config; and at the
+    partials schedule (its finish kernel collapses the row)."""
+    config = tuning.coefficients_config(H, variant, 1, arch="sm_90a")
+    assert callable(api.compile_coefficients(H, variant, 20, config, arch="sm_90a"))
+    if variant.quant in (None, "mxfp8"):
+        partials = tuning.Choice(32, schedule="partials").config(H, False)
+        assert callable(api.compile_coefficients(H, variant, 20, partials, arch="sm_90a"))
+
+
+def test_the_own_pre_variant_refuses_what_it_cannot_write() -> None:
+    """A quantized form at an H whose 8 column slices are not whole 128-column groups, a quantized form without the
+    own-pre layer input, the own-pre collapse of the broadcast embedding: ValueErrors naming the rule."""
+    from cute_kernels.coefficients.kernel import CoefficientsKernel
+
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        CoefficientsKernel(1536, layer_input="own", quant="mxfp8")
+    with pytest.raises(ValueError, match="needs the own-pre layer input"):
+        CoefficientsKernel(4096, layer_input="carried", quant="mxfp8")
+    with pytest.raises(ValueError, match="standard"):
+        CoefficientsKernel(4096, variant="broadcast", layer_input="own")
 
 
 # The defaults of v10 (default_bands) at the three model sizes, one row count per band that

@@ -231,21 +231,28 @@ def test_the_collapse_norm_op_has_a_fake_of_the_layer_inputs_shape() -> None:
     assert out.shape == (5, 512) and out.dtype == torch.bfloat16
 
 
-def test_on_the_kernels_a_boundary_launches_the_mixes_then_the_layer_input_kernel_with_their_own_pre(
-    monkeypatch,
-) -> None:
-    """The kernel path's plumbing, with the two coefficients launches stubbed by the reference on the CPU: an entry is
-    the coefficients kernel with no layer input (broadcast at the first layer), then the layer-input kernel on the
-    streams with the very pre it returned; the step's bits are the reference path's."""
+def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_with_its_own_pre(monkeypatch) -> None:
+    """The kernel path's plumbing, with the coefficients and layer-input launches stubbed by the reference on the CPU:
+    the first entry is the coefficients kernel on the embedding (no layer input), then the layer-input kernel with the
+    very pre it returned; every later entry and the final step are one coefficients launch of the own-pre variant
+    (its layer input, and its quantized form, from the pre it computes; hc_head's weights as the final's pre); the
+    step's bits are the reference path's."""
     from boundary import mhc
 
     calls: list[tuple] = []
 
     def coefficients(x, fn, scale, base, *, broadcast, post_out, comb_out, pre_out, layer_input_out, **kw):
-        calls.append(("coefficients", broadcast, layer_input_out is not None, pre_out))
-        p = MHCParams(fn, scale, base, *(kw[k] for k in ("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult")), 20)
+        own, quant = kw.get("own_pre", False), kw.get("quant")
+        calls.append(("coefficients", broadcast, own, quant, pre_out))
+        repeat = kw["sinkhorn_repeat"]
+        p = MHCParams(fn, scale, base, *(kw[k] for k in ("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult")), repeat)
         got = ref.coefficients(x if broadcast else x.reshape(x.shape[0], -1), p)
         post_out.copy_(got.post), comb_out.copy_(got.comb), pre_out.copy_(got.pre)
+        assert (layer_input_out is not None) == own  # only the own-pre variant writes a layer input here
+        if own:
+            layer_input_out.copy_(ref.rms_norm(ref.collapse(x, got.pre), kw["norm_weight"], kw["norm_eps"]))
+            if quant is not None:
+                ref.quantize_into(layer_input_out, kw["quant_data"], kw["quant_scale"], quant)
 
     def layer_input(x, pre_mix, norm_weight, norm_eps, out, *, arch, quant=None, quant_data=None, quant_scale=None):
         calls.append(("layer input", quant, pre_mix))
@@ -255,6 +262,7 @@ def test_on_the_kernels_a_boundary_launches_the_mixes_then_the_layer_input_kerne
 
     monkeypatch.setattr(mhc, "kernel_arch", lambda device, backend: None if backend == "reference" else "sm_90a")
     monkeypatch.setattr(mhc, "prepare_workspace", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mhc, "_check_kernel_args", lambda *args, **kwargs: None)
     monkeypatch.setattr(mhc, "mhc_coefficients", coefficients)
     monkeypatch.setattr(mhc, "mhc_layer_input", layer_input)
     model = ToyModel(ToyConfig(hidden_size=1024, num_layers=3, vocab=64))  # a quantized form on the kernels: H % 1024
@@ -263,21 +271,21 @@ def test_on_the_kernels_a_boundary_launches_the_mixes_then_the_layer_input_kerne
     kernels = v4(1024)
     kernels.backend = "kernel"  # the mixes and the layer input on the (stubbed) kernels; the reduction the reference's
     state, x = kernels.first(model.layers[0], model.embed[tokens], step)
-    assert [c[:3] for c in calls] == [("coefficients", True, False), ("layer input", None, calls[0][3])]
-    assert calls[1][2] is calls[0][3] and torch.equal(state.pre, calls[0][3])  # collapsed with the pre it computed
+    assert [c[:2] for c in calls] == [("coefficients", True), ("layer input", None)]
+    assert calls[1][2] is calls[0][4] and torch.equal(state.pre, calls[0][4])  # collapsed with the pre it computed
     calls.clear()
     state.pending = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     _, x2, q = kernels.sublayer(model.layers[0], True, state, step, quantize="fp8_1x128_ue8m0")
-    assert [c[:3] for c in calls] == [("coefficients", False, False), ("layer input", "fp8_1x128_ue8m0", calls[0][3])]
+    assert [c[:4] for c in calls] == [("coefficients", False, True, "fp8_1x128_ue8m0")]  # one launch
     assert q.ue8m0 and q.quant_key == "fp8_e4m3_ue8m0_1x128_colmajor"  # the kernel's form is the one asked for
     calls.clear()
     out = decode_step_v4(model, kernels, tokens, step)
     assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
-    assert ("layer input", "mxfp8") in [c[:2] for c in calls]  # the last MoE entry's MXFP8 from the same launch
-    # One per entry (the Engram one too), and one for hc_head's weights (the coefficients kernel's pre), whose
-    # collapse and norm are the last layer-input launch.
-    assert sum(c[0] == "coefficients" for c in calls) == 2 * len(model.layers) + 1
-    assert calls[-2][0] == "coefficients" and calls[-1][0] == "layer input" and calls[-1][2] is calls[-2][3]
+    assert ("coefficients", False, True, "mxfp8") in [c[:4] for c in calls]  # the last MoE entry's MXFP8
+    # The first entry's two launches, then one per later entry (the Engram seam's pre too) and one for the final step.
+    assert [c[0] for c in calls[:2]] == ["coefficients", "layer input"]
+    assert all(c[0] == "coefficients" and c[2] for c in calls[2:])
+    assert len(calls) == 2 + (2 * len(model.layers) - 1) + 1
 
 
 def test_hc_heads_kernel_weights_are_built_once_per_head_and_again_after_an_in_place_update() -> None:

@@ -126,11 +126,31 @@ def inline_configs(H: int) -> dict[str, CoefficientsConfig]:
     }
 
 
+def own_configs(H: int) -> dict[str, CoefficientsConfig]:
+    """DeepSeek-V4's own-pre alternatives (the finishing CTAs collapse their rows): tiles of 16-64 rows, 16-byte
+    pushes, two or four warps per chunk (more layer-input workers); the partials schedule (its finish kernel, one CTA
+    per row, collapses) for comparison, though it is two launches."""
+    f = functools.partial(CoefficientsConfig.for_shape, H, False)
+    return {
+        "tm16": f(16),
+        "tm16 rs2": f(16, row_split=2),
+        "tm32": f(32),
+        "tm32 vec": f(32, push_vec=True),
+        "tm32 vec rs2": f(32, push_vec=True, row_split=2),
+        "tm32 vec rs4": f(32, push_vec=True, row_split=4),
+        "tm64 vec": f(64, push_vec=True),
+        "tm64 vec rs2": f(64, push_vec=True, row_split=2),
+        "split partials": f(32, row_split=2, schedule="partials"),
+        "tm64 partials": f(64, schedule="partials"),
+    }
+
+
 def mark_default(
-    cfgs: dict[str, CoefficientsConfig], H: int, broadcast: bool, rows: int, arch: str, inline: bool = False
+    cfgs: dict[str, CoefficientsConfig], H: int, broadcast: bool, rows: int, arch: str, inline: bool = False, own=False
 ) -> dict:
     """The same configs, with `*` after the label of the one the defaults pick for `rows` rows."""
-    default = tuning.coefficients_config(H, CoefficientsVariant.of(broadcast, inline, carried=True), rows, arch=arch)
+    variant = CoefficientsVariant.own() if own else CoefficientsVariant.of(broadcast, inline, carried=True)
+    default = tuning.coefficients_config(H, variant, rows, arch=arch)
     return {f"{label}*" if cfg == default else label: cfg for label, cfg in cfgs.items()}
 
 
@@ -140,7 +160,9 @@ def selected(cfgs: dict[str, CoefficientsConfig], only: list[str] | None) -> dic
 
 
 def variant_configs(H: int, variant: str, only: list[str] | None) -> dict[str, CoefficientsConfig]:
-    """The configs timed for one projection variant (standard, broadcast or inline)."""
+    """The configs timed for one projection variant (standard, broadcast, inline or own)."""
+    if variant == "own":
+        return selected(own_configs(H), only)
     cfgs = inline_configs(H) if variant == "inline" else projection_configs(H, variant == "broadcast")
     return selected(cfgs, only)
 
@@ -181,7 +203,7 @@ def make_sets(rows: int, H: int, device: torch.device) -> tuple[list[dict[str, A
 
 
 def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str, config: CoefficientsConfig):
-    broadcast, inline = variant == "broadcast", variant == "inline"
+    broadcast, inline, own = variant == "broadcast", variant == "inline", variant == "own"
 
     def call() -> None:
         api.mhc_coefficients(
@@ -196,9 +218,10 @@ def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str,
             comb_out=s["comb"],
             pre_out=s["pre"],
             pre_mix=s["pre_mix"] if inline else None,
-            norm_weight=s["norm_weight"] if inline else None,
-            norm_eps=1e-20 if inline else None,
-            layer_input_out=s["layer_input"] if inline else None,
+            norm_weight=s["norm_weight"] if inline or own else None,
+            norm_eps=1e-20 if inline or own else None,
+            layer_input_out=s["layer_input"] if inline or own else None,
+            own_pre=own,
             arch=arch,
             config=config,
         )
@@ -228,7 +251,7 @@ def floor_us(rows: int, H: int, variant: str, bandwidth: float) -> float:
     else:
         width = H if variant == "broadcast" else 4 * H
         total = 24 * width * 4 + rows * (width * 2 + 24 * 4)
-        if variant == "inline":
+        if variant in ("inline", "own"):
             total += rows * (H * 2 + 16) + H * 2
     return total / bandwidth * 1e6
 
@@ -242,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="+",
         default=["standard", "broadcast", "inline", "input-only"],
-        choices=["standard", "broadcast", "inline", "input-only"],
+        choices=["standard", "broadcast", "inline", "input-only", "own"],
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="only standard and inline at H 7168 and 4096")
@@ -291,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     broadcast = variant == "broadcast"
                     cfgs = mark_default(
-                        variant_configs(H, variant, args.configs), H, broadcast, rows, arch, variant == "inline"
+                        variant_configs(H, variant, args.configs),
+                        H,
+                        broadcast,
+                        rows,
+                        arch,
+                        variant == "inline",
+                        variant == "own",
                     )
                     alts = {
                         label: [projection_call(s, ws, arch, variant, cfg) for s in sets] for label, cfg in cfgs.items()

@@ -35,11 +35,13 @@ def compile_coefficients(
         layer_input=variant.layer_input,
         sinkhorn_repeat=sinkhorn_repeat,
         config=config,
+        quant=variant.quant,
     )
     T = cute.sym_int()
     x = fake_tensor(BFloat16, (T, H) if variant.broadcast else (T, HC, H), divisibility=8)
     f32 = lambda shape: fake_tensor(Float32, shape, divisibility=4)  # noqa: E731
     inline = variant.inline
+    q, q_scale = _fake_quantized(H, variant.quant, T)
     args = (
         x,
         f32((MIX, kernel.projection.K)),
@@ -53,6 +55,8 @@ def compile_coefficients(
         f32((T, HC)) if variant.collapse == "carried" else None,
         fake_tensor(BFloat16, (H,), divisibility=8) if inline and variant.normed else None,
         fake_tensor(BFloat16, (T, H), divisibility=8) if inline else None,
+        q,
+        q_scale,
         Float32(0.0),
         Float32(0.0),
         Float32(0.0),
@@ -60,6 +64,16 @@ def compile_coefficients(
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
+
+
+def _fake_quantized(H: int, quant: str | None, T: Any) -> tuple[Any, Any]:
+    """The fake (data, scale) of a T-row layer input's quantized form `quant` (None: none)."""
+    if quant is None:
+        return None, None
+    data = fake_tensor(Float8E4M3FN, (T, H), divisibility=16)
+    if quant == "mxfp8":
+        return data, fake_tensor(Uint8, (cute.sym_int(),), divisibility=4)
+    return data, fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=4)
 
 
 @jit_cache
@@ -70,17 +84,14 @@ def compile_layer_input(
     one of QUANT_FORMS) beside bf16; the row count stays dynamic."""
     kernel = LayerInputKernel(H, variant=variant.projection, layer_input=variant.layer_input, quant=quant)
     T = cute.sym_int()
-    if quant == "mxfp8":
-        scale = fake_tensor(Uint8, (cute.sym_int(),), divisibility=4)
-    elif quant is not None:
-        scale = fake_tensor(Float32, (H // FP8_GROUP, cute.sym_int()), divisibility=4)
+    q, scale = _fake_quantized(H, quant, T)
     args = (
         fake_tensor(BFloat16, (T, H) if kernel.broadcast else (T, HC, H), divisibility=8),
         fake_tensor(Float32, (T, HC), divisibility=4) if variant.collapse == "carried" else None,
         fake_tensor(BFloat16, (H,), divisibility=8) if variant.normed else None,
         fake_tensor(BFloat16, (T, H), divisibility=8),
-        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if quant is not None else None,
-        scale if quant is not None else None,
+        q,
+        scale,
         Float32(0.0),
     )
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
@@ -108,14 +119,17 @@ def warmup_jobs(
 ) -> list[WarmupJob]:
     """WarmupJobs compiling every coefficients variant that a call of up to `max_rows` rows can need, and
     the layer-input-only kernels, of hidden size H for `arch`; each loads its kernel with one scratch launch.
-    `unnormed`: the layer input without a norm weight too (the scheduler always passes one). `quantized`: the
-    carried collapse's layer-input kernel with these QUANT_FORMS beside bf16 too (DeepSeek-V4's own-pre layer
-    input, V4Boundaries). `head_repeat`: the standard variant with that many Sinkhorn repeats too (hc_head's weights,
-    whose comb nobody reads)."""
+    `unnormed`: the layer input without a norm weight too (the scheduler always passes one). `head_repeat` (DeepSeek-V4's
+    kernels, V4Boundaries): the own-pre variant, with these `quantized` QUANT_FORMS beside bf16 too, and hc_head's
+    variants with that many Sinkhorn repeats (its comb nobody reads): the standard one (head_mix's weights) and the
+    own-pre one (the final boundary); `quantized` also the carried collapse's layer-input kernel in those forms."""
     variants = [v for v in VARIANTS if unnormed or v.normed]
     jobs = [job for variant in variants for job in _coefficients_jobs(H, variant, sinkhorn_repeat, max_rows, arch)]
     if head_repeat is not None:
+        for quant in (None, *quantized):
+            jobs += _coefficients_jobs(H, CoefficientsVariant.own(quant), sinkhorn_repeat, max_rows, arch)
         jobs += _coefficients_jobs(H, CoefficientsVariant(), head_repeat, max_rows, arch)
+        jobs += _coefficients_jobs(H, CoefficientsVariant.own(), head_repeat, max_rows, arch)
     for variant in (v for v in variants if v.inline):
         load = functools.partial(load_layer_input, H=H, variant=variant)
         name = f"layer input H={H} {variant.projection} {variant.layer_input}"
@@ -159,6 +173,7 @@ def load_coefficients(
     workspace = CoefficientsWorkspace(H, rows, device)
     x = torch.zeros((rows, H) if variant.broadcast else (rows, HC, H), dtype=torch.bfloat16, device=device)
     inline = variant.inline
+    q, q_scale = _scratch_quantized(rows, H, variant.quant, device)
     compiled(
         x,
         f32(MIX, H if variant.broadcast else HC * H),
@@ -172,12 +187,24 @@ def load_coefficients(
         f32(rows, HC) if variant.collapse == "carried" else None,
         torch.ones(H, dtype=torch.bfloat16, device=device) if inline and variant.normed else None,
         torch.empty(rows, H, dtype=torch.bfloat16, device=device) if inline else None,
+        q,
+        q_scale,
         1e-6,
         1e-6,
         1e-6,
         2.0,
         1e-6,
     )
+
+
+def _scratch_quantized(rows: int, H: int, quant: str | None, device: Any) -> tuple[Any, Any]:
+    """Empty (data, scale) of a `rows`-row layer input's quantized form `quant` (None: none)."""
+    if quant is None:
+        return None, None
+    data = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=device)
+    if quant == "mxfp8":
+        return data, torch.empty(-(-rows // 128) * 128 * H // 32, dtype=torch.uint8, device=device)
+    return data, torch.empty(H // FP8_GROUP, -(-rows // 4) * 4, dtype=torch.float32, device=device)
 
 
 def load_layer_input(
@@ -187,13 +214,7 @@ def load_layer_input(
     x = torch.zeros((1, H) if variant.broadcast else (1, HC, H), dtype=torch.bfloat16, device=device)
     pre_mix = torch.zeros(1, HC, dtype=torch.float32, device=device) if variant.collapse == "carried" else None
     weight = torch.ones(H, dtype=torch.bfloat16, device=device) if variant.normed else None
-    q = scale = None
-    if quant is not None:
-        q = torch.empty(1, H, dtype=torch.float8_e4m3fn, device=device)
-        if quant == "mxfp8":
-            scale = torch.empty(128 * H // 32, dtype=torch.uint8, device=device)
-        else:
-            scale = torch.empty(H // FP8_GROUP, 4, dtype=torch.float32, device=device)
+    q, scale = _scratch_quantized(1, H, quant, device)
     compiled(x, pre_mix, weight, torch.empty(1, H, dtype=torch.bfloat16, device=device), q, scale, 1e-6)
 
 
@@ -248,6 +269,10 @@ def mhc_coefficients(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
     layer_input_out: torch.Tensor | None = None,
+    own_pre: bool = False,
+    quant: str | None = None,
+    quant_data: torch.Tensor | None = None,
+    quant_scale: torch.Tensor | None = None,
     arch: str,
     config: CoefficientsConfig | None = None,
     stream: torch.cuda.Stream | None = None,
@@ -257,7 +282,10 @@ def mhc_coefficients(
     `x` is the streams [T, 4, H] bf16 with `fn` [24, 4H], or with `broadcast` the first layer's embedding
     [T, H] with `fn_broadcast` [24, H]. With `layer_input_out` [T, H] bf16 (inline form) the kernel also
     writes RMSNorm_w(c), or c itself when `norm_weight` is None: c = bf16(sum_j pre_mix[t, j] * R[t, j]), or
-    R[t, 0] exactly when `pre_mix` is None (the embedding row itself with `broadcast`). `config` None is the shipped config for the row
+    R[t, 0] exactly when `pre_mix` is None (the embedding row itself with `broadcast`). With `own_pre` (DeepSeek-V4,
+    the streams, a norm weight) c = bf16(sum_j pre[t, j] * R[t, j]) with the pre this launch writes, normed, and with
+    `quant` (one of QUANT_FORMS) also its quantized form into `quant_data` [T, H] e4m3 and `quant_scale` (CONTRACT §4 /
+    §4b layouts). `config` None is the shipped config for the row
     count. One launch (two with schedule "partials") on the current torch stream, or on `stream` when
     given (the caller orders `stream` after the producer of `x` and joins it before reading the
     outputs). Outputs may not alias inputs; `post_out` may also be [T, 4, 1].
@@ -266,9 +294,12 @@ def mhc_coefficients(
     if rows == 0:
         return
     H = x.shape[-1]
-    variant = CoefficientsVariant.of(
-        broadcast, layer_input_out is not None, pre_mix is not None, norm_weight is not None
-    )
+    if own_pre:
+        variant = CoefficientsVariant.own(quant)
+    else:
+        variant = CoefficientsVariant.of(
+            broadcast, layer_input_out is not None, pre_mix is not None, norm_weight is not None
+        )
     if config is None:
         config = coefficients_config(H, variant, rows, arch=arch)
     compiled = compile_coefficients(H, variant, sinkhorn_repeat, config, arch=arch)
@@ -288,6 +319,8 @@ def mhc_coefficients(
             pre_mix if variant.collapse == "carried" else None,
             norm_weight if variant.inline else None,
             layer_input_out,
+            quant_data if variant.quant is not None else None,
+            quant_scale if variant.quant is not None else None,
             float(rms_eps),
             float(pre_eps),
             float(sinkhorn_eps),

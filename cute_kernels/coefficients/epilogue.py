@@ -17,16 +17,33 @@ from cutlass import Float32, Int32, const_expr
 
 from cute_kernels import ptx as prim
 from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV, SINKHORN_UNROLL, WARP
+from cute_kernels.coefficients.own_input import OwnInputRole
 
 
 class EpilogueRole:
-    """post, comb and next pre of the rows a CTA finishes, from their summed partials in shared memory."""
+    """post, comb and next pre of the rows a CTA finishes, from their summed partials in shared memory; with
+    `own_input` (DeepSeek-V4's own-pre layer input of hidden size H, `quant` beside bf16) also the rows' layer input."""
 
-    def __init__(self, K: int, sinkhorn_repeat: int, threads: int, groups: int) -> None:
+    def __init__(
+        self,
+        K: int,
+        sinkhorn_repeat: int,
+        threads: int,
+        groups: int,
+        *,
+        own_input: int | None = None,
+        quant: str | None = None,
+    ) -> None:
         self.K = K  # columns of the projection (the mean square's divisor)
         self.repeat = sinkhorn_repeat
         self.threads = threads  # of the projection CTA: a one-warp CTA runs pre and post after comb
         self.groups = groups
+        # The own-pre layer input's role in a tile-schedule CTA and in a finish CTA (the same bits: its order is the
+        # layer-input kernel's whatever the CTA's shape).
+        self.own_tile = self.own_finish = None
+        if own_input is not None:
+            self.own_tile = OwnInputRole(own_input, threads, quant)
+            self.own_finish = OwnInputRole(own_input, self.finish_threads, quant)
 
     @cute.jit
     def finish_rows(
@@ -42,17 +59,27 @@ class EpilogueRole:
         pre_eps: Float32,
         sinkhorn_eps: Float32,
         post_mult: Float32,
+        own: OwnInputRole | None = None,
+        own_buffers: tuple | None = None,
+        own_args: tuple | None = None,
     ):
-        """The epilogue of the share rows: sMix [rows][25] partials, sParam [scale (3), base (24)]."""
+        """The epilogue of the share rows: sMix [rows][25] partials, sParam [scale (3), base (24)]; with `own` (the
+        role, its shared buffers and (mX, mW, mOut, mQ, mScale, norm_eps)) also their own-pre layer input, by warps
+        1.. while warp 0 runs the Sinkhorn chain."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx < WARP:
             self.row_comb(sMix, sParam, share_row0, share_rows, mComb, rms_eps, sinkhorn_eps)
         pre_post_lane = tidx
-        if const_expr(self.threads >= 2 * WARP):
+        if const_expr(own is not None or self.threads >= 2 * WARP):
             pre_post_lane = tidx - WARP
+        sPre = own_buffers[0] if const_expr(own is not None) else None
         if pre_post_lane >= 0 and pre_post_lane < share_rows:
             mixes = self.row_mixes(sMix, pre_post_lane, rms_eps, 2 * HC)
-            self.row_pre_post(mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult)
+            self.row_pre_post(
+                mixes, sParam, share_row0 + pre_post_lane, mPost, mPre, pre_eps, post_mult, sPre, pre_post_lane
+            )
+        if const_expr(own is not None):
+            own.rows(own_buffers, share_row0, share_rows, own_args)
 
     @cute.jit
     def row_scale(self, sMix: cute.Tensor, i: Int32, rms_eps: Float32) -> Float32:
@@ -75,11 +102,17 @@ class EpilogueRole:
         mPre: cute.Tensor,
         pre_eps: Float32,
         post_mult: Float32,
+        sPre: cute.Tensor | None = None,
+        i: Int32 | None = None,
     ):
-        """CONTRACT §3 steps 2-3 of one row: the next pre and this post (sigmoids)."""
+        """CONTRACT §3 steps 2-3 of one row: the next pre and this post (sigmoids); the pre also into sPre's share row
+        i when given (the own-pre layer input reads it there)."""
         for j in cutlass.range_constexpr(HC):
             z = mixes[j] * sParam[0] + sParam[3 + j]
-            mPre[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) + pre_eps
+            pre = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) + pre_eps
+            mPre[row, j] = pre
+            if const_expr(sPre is not None):
+                sPre[i * HC + j] = pre
         for j in cutlass.range_constexpr(HC):
             z = mixes[HC + j] * sParam[1] + sParam[3 + HC + j]
             mPost[row, j] = prim.rcp_approx(Float32(1.0) + prim.exp_approx(-z)) * post_mult
@@ -157,15 +190,59 @@ class EpilogueRole:
         sinkhorn_eps: Float32,
         post_mult: Float32,
     ):
-        """Schedule "partials", second launch: CTA b finishes row b. Thread (g, n) sums group g's 8 CTA
-        partials of element n in rank order (the cluster sum; 8 loads in flight), then 25 threads sum
-        the G groups in order (the finishing CTA's sum): the tile schedule's bits. Then the epilogue."""
+        """Schedule "partials", second launch: CTA b finishes row b (finish_row)."""
+        self.finish_row(mScale, mBase, mPost, mComb, mPre, mRank, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+
+    @cute.kernel
+    def own_finish_kernel(
+        self,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mRank: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mQScale: cute.Tensor | None,
+        norm_eps: Float32,
+    ):
+        """finish_kernel with the row's own-pre layer input (and its quantized form) written too."""
+        own_args = (mX, mW, mOut, mQ, mQScale, norm_eps)
+        self.finish_row(mScale, mBase, mPost, mComb, mPre, mRank, rms_eps, pre_eps, sinkhorn_eps, post_mult, own_args)
+
+    @cute.jit
+    def finish_row(
+        self,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mPre: cute.Tensor,
+        mRank: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        own_args: tuple | None = None,
+    ):
+        """CTA b finishes row b. Thread (g, n) sums group g's 8 CTA partials of element n in rank order (the cluster
+        sum; 8 loads in flight), then 25 threads sum the G groups in order (the finishing CTA's sum): the tile
+        schedule's bits. Then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         sGroup = smem.allocate_tensor(Float32, cute.make_layout(self.groups * NV), byte_alignment=16)
         sMix = smem.allocate_tensor(Float32, cute.make_layout(NV), byte_alignment=16)
         sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        own = self.own_finish if const_expr(own_args is not None) else None
+        own_buffers = own.allocate(smem, 1) if const_expr(own is not None) else None
         if tidx < 3:
             sParam[tidx] = mScale[tidx]
         if tidx < MIX:
@@ -187,4 +264,19 @@ class EpilogueRole:
                 total = total + sGroup[g * NV + tidx]
             sMix[tidx] = total
         cute.arch.sync_threads()
-        self.finish_rows(sMix, sParam, row, Int32(1), mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+        self.finish_rows(
+            sMix,
+            sParam,
+            row,
+            Int32(1),
+            mPost,
+            mComb,
+            mPre,
+            rms_eps,
+            pre_eps,
+            sinkhorn_eps,
+            post_mult,
+            own,
+            own_buffers,
+            own_args,
+        )

@@ -6,7 +6,9 @@ meet by the ticket handoff, and the last CTA of a row tile finishes its rows. Sc
 projection CTAs store their sums and exit, a second launch (PDL) of one CTA per row finishes them in the
 same order (the same bits); without a layer input the first launch has no clusters at all. With a layer
 input (the inline form) the first launch also runs the layer-input clusters, after the projection
-clusters of the tile whose rows they read.
+clusters of the tile whose rows they read. DeepSeek-V4's own-pre layer input ("own") is written by the CTAs that
+finish the rows, with the pre they compute (own_input.py): schedule "tile" is then one launch for the mixes and the
+layer input together.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ from cute_kernels.coefficients.epilogue import EpilogueRole
 from cute_kernels.coefficients.layer_input import INLINE_BUDGET, LayerInputRole, cluster_prologue
 from cute_kernels.coefficients.projection import ProjectionRole
 
+OWN = "own"  # the layer-input mode of DeepSeek-V4's own-pre layer input (CONTRACT §4d)
+
 
 class CoefficientsKernel:
     """post, comb and next pre of CONTRACT §3 (plus, inline, the layer input); variant and shape compile-time.
 
     `variant` "standard" projects the streams [T, 4, H], "broadcast" the first layer's embedding [T, H];
     `layer_input` "none", "carried" (the carried pre-mix collapse) or "one_hot" (stream 0 / the embedding
-    row), RMSNorm'd, or with the suffix "_unnormed" the collapse itself (no norm weight); `config` None is H's split with the default knobs (the shipped 32-row tile).
+    row), RMSNorm'd, or with the suffix "_unnormed" the collapse itself (no norm weight), or "own" (the streams
+    collapsed with the pre this launch computes, RMSNorm'd; with `quant` one of QUANT_FORMS beside bf16); `config`
+    None is H's split with the default knobs (the shipped 32-row tile).
     """
 
     def __init__(
@@ -38,16 +44,29 @@ class CoefficientsKernel:
         layer_input: str = "none",
         sinkhorn_repeat: int = 20,
         config: CoefficientsConfig | None = None,
+        quant: str | None = None,
     ) -> None:
         broadcast = variant == "broadcast"
         config = config if config is not None else CoefficientsConfig.for_shape(H, broadcast)
         self.layer_input = layer_input
         self.schedule = config.schedule
         self.min_blocks = config.min_blocks
-        self.epilogue = EpilogueRole(projection_width(H, broadcast), sinkhorn_repeat, config.threads, config.groups)
+        self.own = layer_input == OWN
+        if self.own and broadcast:
+            raise ValueError("the own-pre layer input collapses the streams: variant must be 'standard'")
+        if quant is not None and not self.own:
+            raise ValueError(f"quant {quant!r} needs the own-pre layer input (layer_input={OWN!r})")
+        self.epilogue = EpilogueRole(
+            projection_width(H, broadcast),
+            sinkhorn_repeat,
+            config.threads,
+            config.groups,
+            own_input=H if self.own else None,
+            quant=quant,
+        )
         self.projection = ProjectionRole(H, broadcast, config, self.epilogue)
-        self.inputs = None
-        if layer_input != "none":
+        self.inputs = None  # the layer-input clusters (the inline form)
+        if layer_input not in ("none", OWN):
             cta_warps = config.warps * config.row_split
             self.inputs = LayerInputRole(H, broadcast, layer_input, cta_warps, INLINE_BUDGET)
             self.norm_per_tile = config.rows_per_tile // self.inputs.norm_rows  # layer-input clusters per tile
@@ -56,7 +75,7 @@ class CoefficientsKernel:
         """The first launch's grid y extent for `rows` rows (an int, or the dynamic row count): per row tile
         its G projection clusters (CTA groups of schedule "partials"), then, inline, its layer-input clusters."""
         tiles = (rows + (self.projection.tm - 1)) // self.projection.tm
-        if self.layer_input == "none":
+        if self.inputs is None:
             return tiles * self.projection.groups
         return tiles * (self.projection.groups + self.norm_per_tile)
 
@@ -75,6 +94,8 @@ class CoefficientsKernel:
         mPreMix: cute.Tensor | None,  # [T, 4] fp32 carried pre (the carried collapse)
         mW: cute.Tensor | None,  # [H] bf16 norm weight (inline form, normalised)
         mOut: cute.Tensor | None,  # [T, H] bf16 layer input (inline form)
+        mQ: cute.Tensor | None,  # [T, H] e4m3 (own with quant)
+        mQScale: cute.Tensor | None,  # MXFP8: [roundup(T, 128) * H/32] uint8, swizzled; FP8 1x128: [H/128, T_pad] fp32
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -84,7 +105,7 @@ class CoefficientsKernel:
     ):
         proj = self.projection
         rows = mX.shape[0]
-        if const_expr(self.schedule == "partials" and self.layer_input == "none"):
+        if const_expr(self.schedule == "partials" and self.inputs is None):
             self.partials_kernel(mX, mFn, mPartial).launch(
                 grid=[CLUSTER, self.grid_clusters(rows), 1],
                 block=[proj.threads, 1, 1],
@@ -109,6 +130,8 @@ class CoefficientsKernel:
                 mPreMix,
                 mW,
                 mOut,
+                mQ,
+                mQScale,
                 rms_eps,
                 pre_eps,
                 sinkhorn_eps,
@@ -125,9 +148,12 @@ class CoefficientsKernel:
                 preferred_smem_carveout=100 if self.min_blocks > 1 else None,
             )
         if const_expr(self.schedule == "partials"):
-            self.epilogue.finish_kernel(
-                mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult
-            ).launch(
+            finish = (mScale, mBase, mPost, mComb, mPre, mPartial, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+            if const_expr(self.own):
+                finisher = self.epilogue.own_finish_kernel(*finish, mX, mW, mOut, mQ, mQScale, norm_eps)
+            else:
+                finisher = self.epilogue.finish_kernel(*finish)
+            finisher.launch(
                 grid=[rows, 1, 1],
                 block=[self.epilogue.finish_threads, 1, 1],
                 stream=stream,
@@ -149,6 +175,8 @@ class CoefficientsKernel:
         mPreMix: cute.Tensor | None,
         mW: cute.Tensor | None,
         mOut: cute.Tensor | None,
+        mQ: cute.Tensor | None,
+        mQScale: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -161,7 +189,7 @@ class CoefficientsKernel:
         # What a projection cluster takes besides its index among the projection clusters.
         tile_args = (smem, mbar, mX, mFn, mScale, mBase, mPost, mComb, mPre, mPartial, mCounter)
         tile_args += (rms_eps, pre_eps, sinkhorn_eps, post_mult, rank)
-        if const_expr(self.layer_input != "none"):
+        if const_expr(self.inputs is not None):
             # Which role this cluster plays, and its index among the clusters of that role.
             block = const_expr(self.projection.groups + self.norm_per_tile)
             tile = cluster_id // block
@@ -177,6 +205,8 @@ class CoefficientsKernel:
                 self.projection.partials_cta(smem, mX, mFn, mPartial, rank, proj_cluster)
             else:
                 self.projection.tile_cta(*tile_args, proj_cluster)
+        elif const_expr(self.own):
+            self.projection.tile_cta(*tile_args, cluster_id, (mX, mW, mOut, mQ, mQScale, norm_eps))
         else:
             self.projection.tile_cta(*tile_args, cluster_id)
 

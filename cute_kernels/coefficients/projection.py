@@ -110,8 +110,10 @@ class ProjectionRole:
         post_mult: Float32,
         rank: Int32,
         cluster: Int32,
+        own_args: tuple | None = None,
     ):
-        """One CTA of a projection cluster: its K slice of one row tile, then its share of the rows."""
+        """One CTA of a projection cluster: its K slice of one row tile, then its share of the rows (with `own_args`,
+        (mX, mW, mOut, mQ, mScale, norm_eps), also their own-pre layer input: EpilogueRole.finish_rows)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane, split, tile, group, row0, tile_rows, col = self.cta_coords(mX, rank, cluster)
         share_rows = cutlass.max(cutlass.min(tile_rows - rank * self.share, self.share), 0)
@@ -121,6 +123,8 @@ class ProjectionRole:
         sMix = smem.allocate_tensor(Float32, cute.make_layout(self.share * NV), byte_alignment=16)
         sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        own = self.epilogue.own_tile if const_expr(own_args is not None) else None
+        own_buffers = own.allocate(smem, self.share) if const_expr(own is not None) else None
 
         # Weights before the wait (the previous kernel does not write them): this warp's fn slice, and
         # scale / base for whichever CTA ends up running the epilogue.
@@ -183,7 +187,20 @@ class ProjectionRole:
             if consumer:
                 cute.arch.sync_threads()
                 self.epilogue.finish_rows(
-                    sMix, sParam, share_row0, share_rows, mPost, mComb, mPre, rms_eps, pre_eps, sinkhorn_eps, post_mult
+                    sMix,
+                    sParam,
+                    share_row0,
+                    share_rows,
+                    mPost,
+                    mComb,
+                    mPre,
+                    rms_eps,
+                    pre_eps,
+                    sinkhorn_eps,
+                    post_mult,
+                    own,
+                    own_buffers,
+                    own_args,
                 )
 
     @cute.jit

@@ -49,7 +49,7 @@ RING_P = Choice(512, row_split=4, schedule="partials", stage_rows=True, stage_de
 T256_RING_P = Choice(256, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
 
 Bands = tuple[tuple[int, Choice], ...]  # (first row, choice) in row order
-FORMS = ("standard", "broadcast", "inline", "first inline")  # the values of CoefficientsVariant.form
+FORMS = ("standard", "broadcast", "inline", "first inline", "own")  # the values of CoefficientsVariant.form
 
 # form -> ((smallest H, bands), ...), largest H first; the last entry serves every H below.
 SM90A: dict[str, tuple[tuple[int, Bands], ...]] = {
@@ -72,6 +72,9 @@ SM90A: dict[str, tuple[tuple[int, Bands], ...]] = {
         (0, ((1, T32), (192, T64_VEC))),
     ),
     "first inline": ((0, ((1, T32), (257, T64_VEC))),),
+    # DeepSeek-V4's own-pre layer input: schedule "tile" only, so that mixes and layer input are one launch; two
+    # warps per chunk give the finishing CTA's layer input more workers.
+    "own": ((0, ((1, SPLIT),)),),
 }
 # sm_100a has not been measured: it takes the sm_90a (H200) table.
 TABLES = {"sm_90a": SM90A, "sm_100a": SM90A}

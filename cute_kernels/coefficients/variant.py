@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from cute_kernels.coefficients.layer_input import UNNORMED
 
-COLLAPSES = ("none", "carried", "one_hot")
+COLLAPSES = ("none", "carried", "one_hot", "own")
 
 
 class CoefficientsVariant(NamedTuple):
@@ -19,13 +19,16 @@ class CoefficientsVariant(NamedTuple):
 
     `broadcast`: the projection reads the first layer's embedding [T, H] with fn_broadcast, else the streams
     [T, 4, H]. `collapse`: the layer input written in the same launch (the inline form): "none", "carried" (the
-    carried pre-mix collapse) or "one_hot" (stream 0, or the embedding row itself). `normed`: that layer input is
-    RMSNorm'd (False: the collapse itself, with no norm weight); True when there is none.
+    carried pre-mix collapse), "one_hot" (stream 0, or the embedding row itself) or "own" (DeepSeek-V4: the streams
+    collapsed with the pre the launch computes, by the CTAs that finish the rows). `normed`: that layer input is
+    RMSNorm'd (False: the collapse itself, with no norm weight); True when there is none. `quant`: "own" only, the
+    layer input's quantized form beside bf16 (None, or one of QUANT_FORMS).
     """
 
     broadcast: bool = False
     collapse: str = "none"
     normed: bool = True
+    quant: str | None = None
 
     @classmethod
     def of(cls, broadcast: bool, inline: bool, carried: bool = False, normed: bool = True) -> CoefficientsVariant:
@@ -35,10 +38,21 @@ class CoefficientsVariant(NamedTuple):
             return cls(broadcast)
         return cls(broadcast, "carried" if carried and not broadcast else "one_hot", normed)
 
+    @classmethod
+    def own(cls, quant: str | None = None) -> CoefficientsVariant:
+        """DeepSeek-V4's variant: the streams' mixes and the layer input collapsed with their own pre, normed, with
+        the quantized form `quant` beside bf16."""
+        return cls(False, "own", True, quant)
+
     @property
     def inline(self) -> bool:
         """Whether the launch writes a layer input."""
         return self.collapse != "none"
+
+    @property
+    def clusters(self) -> bool:
+        """Whether the launch runs layer-input clusters (the inline form's carried or one-hot collapse)."""
+        return self.collapse in ("carried", "one_hot")
 
     @property
     def projection(self) -> str:
@@ -52,7 +66,9 @@ class CoefficientsVariant(NamedTuple):
 
     @property
     def form(self) -> str:
-        """The tuning tables' key: "standard", "broadcast", "inline" or "first inline" (broadcast and inline)."""
+        """The tuning tables' key: "standard", "broadcast", "inline", "first inline" (broadcast and inline) or "own"."""
+        if self.collapse == "own":
+            return "own"
         if self.inline:
             return "first inline" if self.broadcast else "inline"
         return self.projection
@@ -60,7 +76,7 @@ class CoefficientsVariant(NamedTuple):
     @property
     def name(self) -> str:
         """How warmup jobs and messages name it."""
-        return f"{self.projection} layer_input={self.layer_input}"
+        return f"{self.projection} layer_input={self.layer_input}" + (f" {self.quant}" if self.quant else "")
 
 
 def _every() -> tuple[CoefficientsVariant, ...]:
@@ -73,13 +89,17 @@ def _every() -> tuple[CoefficientsVariant, ...]:
 
 
 VARIANTS = _every()
-"""Every variant: the streams with no layer input, the carried or one-hot collapse, normed or not; the embedding with
-no layer input or its one-hot row, normed or not."""
+"""Every variant of the V4.1 scheme: the streams with no layer input, the carried or one-hot collapse, normed or not;
+the embedding with no layer input or its one-hot row, normed or not (DeepSeek-V4's own-pre variants: `own`)."""
+
+OWN_VARIANTS = tuple(CoefficientsVariant.own(q) for q in (None, "mxfp8", "fp8_1x128", "fp8_1x128_ue8m0"))
+"""DeepSeek-V4's own-pre variants: bf16 alone and with each quantized form."""
 
 FORM_VARIANTS = {
     "standard": CoefficientsVariant(),
     "broadcast": CoefficientsVariant(True),
     "inline": CoefficientsVariant(False, "carried"),
     "first inline": CoefficientsVariant(True, "one_hot"),
+    "own": CoefficientsVariant.own(),
 }
 """The variant the bench and the tools time for each tuning form (normed; inline: the carried collapse)."""

@@ -1,0 +1,189 @@
+"""DeepSeek-V4's own-pre layer input, written by the CTAs that finish the rows (CONTRACT §4d): out =
+RMSNorm_w(bf16(sum_j pre[j] * R[j])) with the pre those CTAs have just computed, in the same launch as the mixes.
+
+A finishing CTA's warp 0 runs the Sinkhorn chain of its rows; warp 1 computes their pre and post and puts the pre in
+shared memory; then warps 1.. (the workers) collapse and normalise the rows one at a time while warp 0 is still busy.
+Per row: every worker thread collapses its 8-column vectors (the same operations and roundings as the layer-input
+kernel) into shared memory with each vector's sum of squares; warps sum the squares of the row's 8 column slices in
+the layer-input kernel's order (a slice's vectors in lane order, then the warp butterfly), the slices are added in
+slice order, and the normed row, with its MXFP8 or FP8 1x128 form, is written from the shared copy. The order is that
+of `LayerInputRole` (whose CTA r of a cluster owns slice r), whatever the CTA's shape, so this layer input has the
+layer-input kernel's bits, and a row's bits never depend on the schedule or the row count.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cute_kernels import VEC
+from cute_kernels import ptx as prim
+from cute_kernels.coefficients.config import CLUSTER, HC, WARP
+from cute_kernels.coefficients.layer_input import QUANT_FORMS
+from cute_kernels.quant import Fp8GroupWriter, Mxfp8Writer
+
+WORKERS_BARRIER = 1  # the named barrier of the worker warps (0 is __syncthreads)
+
+
+class OwnInputRole:
+    """The own-pre layer input of the rows a finishing CTA of `threads` threads holds (warps 1.. work)."""
+
+    def __init__(self, H: int, threads: int, quant: str | None = None) -> None:
+        if threads < 2 * WARP:
+            raise ValueError(
+                f"the own-pre layer input needs a finishing CTA of at least 2 warps, got {threads} threads"
+            )
+        if H % (CLUSTER * VEC):
+            raise ValueError(f"the own-pre layer input needs H a multiple of {CLUSTER * VEC}, got {H}")
+        self.H = H
+        self.workers = threads - WARP
+        self.vecs = H // VEC  # 8-column vectors of a row
+        self.slice_vecs = self.vecs // CLUSTER  # vectors of one of the 8 column slices
+        self.vpt = -(-self.vecs // self.workers)  # vectors per worker thread
+        self.quant = quant
+        self.mxfp8 = self.fp8 = None
+        if quant is not None:
+            if quant not in QUANT_FORMS:
+                raise ValueError(f"quant must be None or one of {QUANT_FORMS}, got {quant!r}")
+            if self.slice_vecs * VEC % 128:
+                raise ValueError(f"a quantized layer input needs H a multiple of {CLUSTER * 128}, got {H}")
+            if quant == "mxfp8":
+                # One CTA owns every column of its rows; the padding rows are zeroed by the CTA of the last row.
+                self.mxfp8 = Mxfp8Writer(H, H, self.workers)
+            else:
+                self.fp8 = Fp8GroupWriter(H, ue8m0=quant == "fp8_1x128_ue8m0")
+
+    def allocate(self, smem: cutlass.memory.SmemAllocator, rows: int) -> tuple:
+        """Shared memory of the role for a CTA finishing up to `rows` rows: (pre, collapse words, vector sums of
+        squares, slice sums)."""
+        sPre = smem.allocate_tensor(Float32, cute.make_layout(rows * HC), byte_alignment=16)
+        sC = smem.allocate_tensor(Int32, cute.make_layout(self.vecs * 4), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout(self.vecs), byte_alignment=16)
+        sSlice = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER), byte_alignment=16)
+        return sPre, sC, sSq, sSlice
+
+    @cute.jit
+    def sync(self):
+        """Barrier of the worker warps only (warp 0 may still be in its Sinkhorn chain)."""
+        cute.arch.barrier(barrier_id=WORKERS_BARRIER, number_of_threads=self.workers)
+
+    @cute.jit
+    def rows(self, buffers: tuple, share_row0: Int32, share_rows: Int32, args: tuple):
+        """The layer input of the share rows [share_row0, +share_rows), their pre in buffers[0]; `args` (mX, mW,
+        mOut, mQ, mScale, norm_eps). Every thread of the CTA calls it; the worker threads (tidx >= 32) run it, once warp 1
+        has put the pre in shared memory."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx >= WARP:
+            self.worker_rows(buffers, share_row0, share_rows, args)
+
+    @cute.jit
+    def worker_rows(self, buffers: tuple, share_row0: Int32, share_rows: Int32, args: tuple):
+        """rows() on a worker thread."""
+        sPre, sC, sSq, sSlice = buffers
+        mX, mW, mOut, mQ, mScale, norm_eps = args
+        tidx, _, _ = cute.arch.thread_idx()
+        wt = tidx - WARP
+        lane = cute.arch.lane_idx()
+        warp = wt // WARP
+        rows = mX.shape[0]
+        self.sync()  # the pre of the share rows is in sPre
+        if const_expr(self.mxfp8 is not None):
+            if share_row0 + share_rows == rows:  # this CTA holds the last row: it zeroes the scale padding
+                self.mxfp8.zero_padding(mScale, rows, Int32(0), wt, Int32(0), Int32(1))
+        for i in cutlass.range(share_rows):
+            row = share_row0 + i
+            self.collapse_row(sPre, sC, sSq, mX, row, i, wt)
+            self.sync()
+            self.slice_sums(sSq, sSlice, warp, lane)
+            self.sync()
+            self.write_row(sC, sSlice, mW, mOut, mQ, mScale, norm_eps, row, rows, wt)
+            self.sync()  # before the next row reuses the buffers
+
+    @cute.jit
+    def collapse_row(
+        self, sPre: cute.Tensor, sC: cute.Tensor, sSq: cute.Tensor, mX: cute.Tensor, row: Int32, i: Int32, wt: Int32
+    ):
+        """c = bf16(pre0*R0 + pre1*R1 + ...) of this thread's vectors of the row into sC, their sums of squares into
+        sSq (the layer-input kernel's operations)."""
+        pre = [sPre[i * HC + j] for j in range(HC)]
+        base = row * (HC * self.H)
+        loaded = []
+        for k in cutlass.range_constexpr(self.vpt):
+            g = cutlass.min(wt + k * self.workers, self.vecs - 1)
+            loaded.append([prim.ld_v4_i32(mX.iterator + (base + j * self.H + g * VEC)) for j in range(HC)])
+        for k in cutlass.range_constexpr(self.vpt):
+            g = wt + k * self.workers
+            streams = loaded[k]
+            cw = []
+            for e in cutlass.range_constexpr(4):
+                vals = []
+                for half in cutlass.range_constexpr(2):
+                    unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
+                    acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
+                    for j in cutlass.range_constexpr(1, HC):
+                        acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
+                    vals.append(acc)
+                cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
+            part = Float32(0.0)
+            for e in cutlass.range_constexpr(4):
+                c0 = prim.bf16_lo(cw[e])
+                c1 = prim.bf16_hi(cw[e])
+                part = part + c0 * c0 + c1 * c1
+            if const_expr(k * self.workers + self.workers <= self.vecs):
+                prim.st_v4_i32(sC.iterator + g * 4, tuple(cw))
+                sSq[g] = part
+            else:
+                if g < self.vecs:
+                    prim.st_v4_i32(sC.iterator + g * 4, tuple(cw))
+                    sSq[g] = part
+
+    @cute.jit
+    def slice_sums(self, sSq: cute.Tensor, sSlice: cute.Tensor, warp: Int32, lane: Int32):
+        """Each of the 8 column slices' sum of squares, by one warp: its vectors in lane order, then the butterfly."""
+        for s in cutlass.range(warp, CLUSTER, self.workers // WARP):
+            part = Float32(0.0)
+            for i in cutlass.range_constexpr(-(-self.slice_vecs // WARP)):
+                if lane + i * WARP < self.slice_vecs:
+                    part = part + sSq[s * self.slice_vecs + lane + i * WARP]
+            part = cute.arch.warp_reduction_sum(part)
+            if lane == 0:
+                sSlice[s] = part
+
+    @cute.jit
+    def write_row(
+        self,
+        sC: cute.Tensor,
+        sSlice: cute.Tensor,
+        mW: cute.Tensor,
+        mOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
+        norm_eps: Float32,
+        row: Int32,
+        rows: Int32,
+        wt: Int32,
+    ):
+        """out = bf16(c * rsqrt(sum / H + eps) * w) of this thread's vectors of the row, and its quantized form."""
+        total = sSlice[0]
+        for s in cutlass.range_constexpr(1, CLUSTER):
+            total = total + sSlice[s]
+        inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
+        for k in cutlass.range_constexpr(self.vpt):
+            g = wt + k * self.workers
+            gc = cutlass.min(g, self.vecs - 1)
+            cw = prim.ld_v4_i32(sC.iterator + gc * 4)
+            ww = prim.ld_v4_i32(mW.iterator + gc * VEC)
+            out = []
+            for e in cutlass.range_constexpr(4):
+                lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(cw[e]), inv), prim.bf16_lo(ww[e]))
+                hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(cw[e]), inv), prim.bf16_hi(ww[e]))
+                out.append(prim.cvt_bf16x2(lo_v, hi_v))
+            valid = g < self.vecs
+            if valid:
+                prim.st_v4_i32(mOut.iterator + (row * self.H + g * VEC), tuple(out))
+            # Every lane joins its group's shuffles: a tail's whole groups of 16 lanes only skip the stores.
+            if const_expr(self.mxfp8 is not None):
+                self.mxfp8.quantize_vector(out, self.mxfp8.place(mQ, mScale, row, gc), cutlass.Boolean(valid))
+            if const_expr(self.fp8 is not None):
+                self.fp8.quantize_vector(out, self.fp8.place(mQ, mScale, row, rows, gc), cutlass.Boolean(valid))
