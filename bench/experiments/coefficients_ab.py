@@ -134,14 +134,20 @@ def own_configs(H: int) -> dict[str, CoefficientsConfig]:
     return {
         "tm16": f(16),
         "tm16 rs2": f(16, row_split=2),
+        "tm16 rs4": f(16, row_split=4),
         "tm32": f(32),
+        "tm32 rs4": f(32, row_split=4),
         "tm32 vec": f(32, push_vec=True),
         "tm32 vec rs2": f(32, push_vec=True, row_split=2),
         "tm32 vec rs4": f(32, push_vec=True, row_split=4),
         "tm64 vec": f(64, push_vec=True),
         "tm64 vec rs2": f(64, push_vec=True, row_split=2),
+        "tm64 vec rs4": f(64, push_vec=True, row_split=4),
         "split partials": f(32, row_split=2, schedule="partials"),
+        "tm16 partials": f(16, schedule="partials"),
         "tm64 partials": f(64, schedule="partials"),
+        "tm256 rs4 ring2 sb2": f(256, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, schedule="partials"),
+        "tm512 rs4 ring2 sb2": f(512, row_split=4, stage_rows=True, stage_depth=2, sum_buffers=2, schedule="partials"),
     }
 
 

@@ -22,7 +22,8 @@ from cute_kernels.coefficients.own_input import OwnInputRole
 
 class EpilogueRole:
     """post, comb and next pre of the rows a CTA finishes, from their summed partials in shared memory; with
-    `own_input` (DeepSeek-V4's own-pre layer input of hidden size H, `quant` beside bf16) also the rows' layer input."""
+    `own_input` (DeepSeek-V4's own-pre layer input of hidden size H, `quant` beside bf16; `share`: rows a tile-schedule
+    CTA finishes) also the rows' layer input."""
 
     def __init__(
         self,
@@ -32,6 +33,7 @@ class EpilogueRole:
         groups: int,
         *,
         own_input: int | None = None,
+        share: int = 1,
         quant: str | None = None,
     ) -> None:
         self.K = K  # columns of the projection (the mean square's divisor)
@@ -42,8 +44,8 @@ class EpilogueRole:
         # layer-input kernel's whatever the CTA's shape).
         self.own_tile = self.own_finish = None
         if own_input is not None:
-            self.own_tile = OwnInputRole(own_input, threads, quant)
-            self.own_finish = OwnInputRole(own_input, self.finish_threads, quant)
+            self.own_tile = OwnInputRole(own_input, threads, share, quant)
+            self.own_finish = OwnInputRole(own_input, self.finish_threads, 1, quant)
 
     @cute.jit
     def finish_rows(

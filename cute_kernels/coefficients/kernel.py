@@ -62,6 +62,7 @@ class CoefficientsKernel:
             config.threads,
             config.groups,
             own_input=H if self.own else None,
+            share=config.rows_per_tile // CLUSTER,
             quant=quant,
         )
         self.projection = ProjectionRole(H, broadcast, config, self.epilogue)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from cute_kernels import VEC
 from cute_kernels import ptx as prim
@@ -24,12 +24,14 @@ from cute_kernels.coefficients.layer_input import QUANT_FORMS
 from cute_kernels.quant import Fp8GroupWriter, Mxfp8Writer
 
 WORKERS_BARRIER = 1  # the named barrier of the worker warps (0 is __syncthreads)
+PASS_VECTORS = 4  # 16-byte vectors of each stream a worker thread has in flight per pass (rows x its vectors)
 
 
 class OwnInputRole:
-    """The own-pre layer input of the rows a finishing CTA of `threads` threads holds (warps 1.. work)."""
+    """The own-pre layer input of the rows a finishing CTA of `threads` threads holds (warps 1.. work), up to `share`
+    of them, `rows_per_pass` of them at once (all their loads in flight together)."""
 
-    def __init__(self, H: int, threads: int, quant: str | None = None) -> None:
+    def __init__(self, H: int, threads: int, share: int, quant: str | None = None) -> None:
         if threads < 2 * WARP:
             raise ValueError(
                 f"the own-pre layer input needs a finishing CTA of at least 2 warps, got {threads} threads"
@@ -40,7 +42,9 @@ class OwnInputRole:
         self.workers = threads - WARP
         self.vecs = H // VEC  # 8-column vectors of a row
         self.slice_vecs = self.vecs // CLUSTER  # vectors of one of the 8 column slices
-        self.vpt = -(-self.vecs // self.workers)  # vectors per worker thread
+        self.vpt = -(-self.vecs // self.workers)  # vectors per worker thread and row
+        # Rows whose stream loads are in flight at once: up to 4 vectors of 4 streams per thread.
+        self.rows_per_pass = max(1, min(share, PASS_VECTORS // self.vpt))
         self.quant = quant
         self.mxfp8 = self.fp8 = None
         if quant is not None:
@@ -56,11 +60,12 @@ class OwnInputRole:
 
     def allocate(self, smem: cutlass.memory.SmemAllocator, rows: int) -> tuple:
         """Shared memory of the role for a CTA finishing up to `rows` rows: (pre, collapse words, vector sums of
-        squares, slice sums)."""
+        squares, slice sums), the last three for one pass of rows."""
+        rp = self.rows_per_pass
         sPre = smem.allocate_tensor(Float32, cute.make_layout(rows * HC), byte_alignment=16)
-        sC = smem.allocate_tensor(Int32, cute.make_layout(self.vecs * 4), byte_alignment=16)
-        sSq = smem.allocate_tensor(Float32, cute.make_layout(self.vecs), byte_alignment=16)
-        sSlice = smem.allocate_tensor(Float32, cute.make_layout(CLUSTER), byte_alignment=16)
+        sC = smem.allocate_tensor(Int32, cute.make_layout(rp * self.vecs * 4), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout(rp * self.vecs), byte_alignment=16)
+        sSlice = smem.allocate_tensor(Float32, cute.make_layout(rp * CLUSTER), byte_alignment=16)
         return sPre, sC, sSq, sSlice
 
     @cute.jit
@@ -79,7 +84,7 @@ class OwnInputRole:
 
     @cute.jit
     def worker_rows(self, buffers: tuple, share_row0: Int32, share_rows: Int32, args: tuple):
-        """rows() on a worker thread."""
+        """rows() on a worker thread: passes of rows_per_pass rows (collapse, slice sums, normalise and write)."""
         sPre, sC, sSq, sSlice = buffers
         mX, mW, mOut, mQ, mScale, norm_eps = args
         tidx, _, _ = cute.arch.thread_idx()
@@ -87,103 +92,125 @@ class OwnInputRole:
         lane = cute.arch.lane_idx()
         warp = wt // WARP
         rows = mX.shape[0]
+        # The norm weight of this thread's vectors, once for every row (the same columns), while warp 1 finishes the pre.
+        w_words = [
+            prim.ld_v4_i32(mW.iterator + cutlass.min(wt + k * self.workers, self.vecs - 1) * VEC)
+            for k in range(self.vpt)
+        ]
         self.sync()  # the pre of the share rows is in sPre
         if const_expr(self.mxfp8 is not None):
             if share_row0 + share_rows == rows:  # this CTA holds the last row: it zeroes the scale padding
                 self.mxfp8.zero_padding(mScale, rows, Int32(0), wt, Int32(0), Int32(1))
-        for i in cutlass.range(share_rows):
-            row = share_row0 + i
-            self.collapse_row(sPre, sC, sSq, mX, row, i, wt)
+        for p in cutlass.range(0, share_rows, self.rows_per_pass):
+            self.collapse_rows(sPre, sC, sSq, mX, share_row0, share_rows, p, wt)
             self.sync()
             self.slice_sums(sSq, sSlice, warp, lane)
             self.sync()
-            self.write_row(sC, sSlice, mW, mOut, mQ, mScale, norm_eps, row, rows, wt)
-            self.sync()  # before the next row reuses the buffers
+            self.write_rows(sC, sSlice, w_words, mOut, mQ, mScale, norm_eps, share_row0, share_rows, p, rows, wt)
+            self.sync()  # before the next pass reuses the buffers
 
     @cute.jit
-    def collapse_row(
-        self, sPre: cute.Tensor, sC: cute.Tensor, sSq: cute.Tensor, mX: cute.Tensor, row: Int32, i: Int32, wt: Int32
+    def collapse_rows(
+        self,
+        sPre: cute.Tensor,
+        sC: cute.Tensor,
+        sSq: cute.Tensor,
+        mX: cute.Tensor,
+        share_row0: Int32,
+        share_rows: Int32,
+        p: Int32,
+        wt: Int32,
     ):
-        """c = bf16(pre0*R0 + pre1*R1 + ...) of this thread's vectors of the row into sC, their sums of squares into
-        sSq (the layer-input kernel's operations)."""
-        pre = [sPre[i * HC + j] for j in range(HC)]
-        base = row * (HC * self.H)
+        """c = bf16(pre0*R0 + pre1*R1 + ...) of this thread's vectors of the pass's rows into sC, their sums of squares
+        into sSq (the layer-input kernel's operations); every load in flight before any math."""
         loaded = []
-        for k in cutlass.range_constexpr(self.vpt):
-            g = cutlass.min(wt + k * self.workers, self.vecs - 1)
-            loaded.append([prim.ld_v4_i32(mX.iterator + (base + j * self.H + g * VEC)) for j in range(HC)])
-        for k in cutlass.range_constexpr(self.vpt):
-            g = wt + k * self.workers
-            streams = loaded[k]
-            cw = []
-            for e in cutlass.range_constexpr(4):
-                vals = []
-                for half in cutlass.range_constexpr(2):
-                    unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
-                    acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
-                    for j in cutlass.range_constexpr(1, HC):
-                        acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
-                    vals.append(acc)
-                cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
-            part = Float32(0.0)
-            for e in cutlass.range_constexpr(4):
-                c0 = prim.bf16_lo(cw[e])
-                c1 = prim.bf16_hi(cw[e])
-                part = part + c0 * c0 + c1 * c1
-            if const_expr(k * self.workers + self.workers <= self.vecs):
-                prim.st_v4_i32(sC.iterator + g * 4, tuple(cw))
-                sSq[g] = part
-            else:
+        for rr in cutlass.range_constexpr(self.rows_per_pass):
+            live = p + rr < share_rows
+            base = Int64(share_row0 + p + rr) * (HC * self.H)
+            for k in cutlass.range_constexpr(self.vpt):
+                g = wt + k * self.workers
+                ok = live & (g < self.vecs)
+                addrs = [mX.iterator.toint() + (base + Int64(j * self.H) + Int64(g * VEC)) * 2 for j in range(HC)]
+                loaded.append([prim.ld_global_v4_pred(a, ok) for a in addrs])
+        for rr in cutlass.range_constexpr(self.rows_per_pass):
+            i = cutlass.min(p + rr, share_rows - 1)  # a pass's rows past the share: any pre (nothing stored)
+            pre = [sPre[i * HC + j] for j in range(HC)]
+            for k in cutlass.range_constexpr(self.vpt):
+                g = wt + k * self.workers
+                streams = loaded[rr * self.vpt + k]
+                cw = []
+                for e in cutlass.range_constexpr(4):
+                    vals = []
+                    for half in cutlass.range_constexpr(2):
+                        unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
+                        acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
+                        for j in cutlass.range_constexpr(1, HC):
+                            acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
+                        vals.append(acc)
+                    cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
+                part = Float32(0.0)
+                for e in cutlass.range_constexpr(4):
+                    c0 = prim.bf16_lo(cw[e])
+                    c1 = prim.bf16_hi(cw[e])
+                    part = part + c0 * c0 + c1 * c1
                 if g < self.vecs:
-                    prim.st_v4_i32(sC.iterator + g * 4, tuple(cw))
-                    sSq[g] = part
+                    prim.st_v4_i32(sC.iterator + (rr * self.vecs + g) * 4, tuple(cw))
+                    sSq[rr * self.vecs + g] = part
 
     @cute.jit
     def slice_sums(self, sSq: cute.Tensor, sSlice: cute.Tensor, warp: Int32, lane: Int32):
-        """Each of the 8 column slices' sum of squares, by one warp: its vectors in lane order, then the butterfly."""
-        for s in cutlass.range(warp, CLUSTER, self.workers // WARP):
+        """Each (row, column slice)'s sum of squares, by one warp: the slice's vectors in lane order, then the
+        butterfly (the layer-input kernel's order)."""
+        for t in cutlass.range(warp, self.rows_per_pass * CLUSTER, self.workers // WARP):
             part = Float32(0.0)
             for i in cutlass.range_constexpr(-(-self.slice_vecs // WARP)):
                 if lane + i * WARP < self.slice_vecs:
-                    part = part + sSq[s * self.slice_vecs + lane + i * WARP]
+                    # Task t is slice t % 8 of pass row t // 8: its vectors start at t * slice_vecs.
+                    part = part + sSq[t * self.slice_vecs + lane + i * WARP]
             part = cute.arch.warp_reduction_sum(part)
             if lane == 0:
-                sSlice[s] = part
+                sSlice[t] = part
 
     @cute.jit
-    def write_row(
+    def write_rows(
         self,
         sC: cute.Tensor,
         sSlice: cute.Tensor,
-        mW: cute.Tensor,
+        w_words: list,
         mOut: cute.Tensor,
         mQ: cute.Tensor | None,
         mScale: cute.Tensor | None,
         norm_eps: Float32,
-        row: Int32,
+        share_row0: Int32,
+        share_rows: Int32,
+        p: Int32,
         rows: Int32,
         wt: Int32,
     ):
-        """out = bf16(c * rsqrt(sum / H + eps) * w) of this thread's vectors of the row, and its quantized form."""
-        total = sSlice[0]
-        for s in cutlass.range_constexpr(1, CLUSTER):
-            total = total + sSlice[s]
-        inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
-        for k in cutlass.range_constexpr(self.vpt):
-            g = wt + k * self.workers
-            gc = cutlass.min(g, self.vecs - 1)
-            cw = prim.ld_v4_i32(sC.iterator + gc * 4)
-            ww = prim.ld_v4_i32(mW.iterator + gc * VEC)
-            out = []
-            for e in cutlass.range_constexpr(4):
-                lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(cw[e]), inv), prim.bf16_lo(ww[e]))
-                hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(cw[e]), inv), prim.bf16_hi(ww[e]))
-                out.append(prim.cvt_bf16x2(lo_v, hi_v))
-            valid = g < self.vecs
-            if valid:
-                prim.st_v4_i32(mOut.iterator + (row * self.H + g * VEC), tuple(out))
-            # Every lane joins its group's shuffles: a tail's whole groups of 16 lanes only skip the stores.
-            if const_expr(self.mxfp8 is not None):
-                self.mxfp8.quantize_vector(out, self.mxfp8.place(mQ, mScale, row, gc), cutlass.Boolean(valid))
-            if const_expr(self.fp8 is not None):
-                self.fp8.quantize_vector(out, self.fp8.place(mQ, mScale, row, rows, gc), cutlass.Boolean(valid))
+        """out = bf16(c * rsqrt(sum / H + eps) * w) of this thread's vectors of the pass's rows, and its quantized
+        form; the slices' sums added in slice order."""
+        for rr in cutlass.range_constexpr(self.rows_per_pass):
+            live = p + rr < share_rows
+            row = share_row0 + cutlass.min(p + rr, share_rows - 1)
+            total = sSlice[rr * CLUSTER]
+            for s in cutlass.range_constexpr(1, CLUSTER):
+                total = total + sSlice[rr * CLUSTER + s]
+            inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
+            for k in cutlass.range_constexpr(self.vpt):
+                g = wt + k * self.workers
+                gc = cutlass.min(g, self.vecs - 1)
+                cw = prim.ld_v4_i32(sC.iterator + (rr * self.vecs + gc) * 4)
+                ww = w_words[k]
+                out = []
+                for e in cutlass.range_constexpr(4):
+                    lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(cw[e]), inv), prim.bf16_lo(ww[e]))
+                    hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(cw[e]), inv), prim.bf16_hi(ww[e]))
+                    out.append(prim.cvt_bf16x2(lo_v, hi_v))
+                valid = live & (g < self.vecs)
+                if valid:
+                    prim.st_v4_i32(mOut.iterator + (row * self.H + g * VEC), tuple(out))
+                # Every lane joins its group's shuffles: a tail's whole groups of 16 lanes only skip the stores.
+                if const_expr(self.mxfp8 is not None):
+                    self.mxfp8.quantize_vector(out, self.mxfp8.place(mQ, mScale, row, gc), cutlass.Boolean(valid))
+                if const_expr(self.fp8 is not None):
+                    self.fp8.quantize_vector(out, self.fp8.place(mQ, mScale, row, rows, gc), cutlass.Boolean(valid))
