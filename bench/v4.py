@@ -213,10 +213,11 @@ def print_v4(rows: list[dict]) -> None:
             f"| {r['floor_us']:6.2f} {r['x_floor']:7.2f}"
         )
     print(
-        "ours: the residual-only fused boundary, the coefficients of R' and the layer-input kernel (three kernels; the "
-        "two-launch fused V4 kernel is not built); +mxfp8 / +fp8: the MXFP8 / FP8 1x128 form beside bf16 (written by "
-        "the layer-input kernel); final: V4Boundaries.final (the residual-only boundary, hc_head's weights by the coefficients kernel, the "
-        "collapse and final norm); TileLang: "
+        "ours: the residual-only fused boundary, then the coefficients kernel's own-pre variant (the mixes of R' and "
+        "the layer input collapsed with their pre by the CTAs that finish the rows: one launch at 1 row, the partials "
+        "schedule's two from 2 rows); +mxfp8 / +fp8: the MXFP8 / FP8 1x128 form beside bf16 (written by those CTAs); "
+        "final: V4Boundaries.final (the residual-only boundary, then the own-pre variant with hc_head's weights as its "
+        "pre: the collapse and the final norm); TileLang: "
         "DeepSeek's mhc_post_fwd + TF32 projection + mhc_pre_big_fuse_fwd + RMSNorm (bench.tilelang_step --boundary, "
         "its own process; with --tilelang-path); eager / "
         "compile: the same boundary as torch ops (bench.chains.v4_chain; compiled once with dynamic shapes); floor: "

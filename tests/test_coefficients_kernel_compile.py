@@ -212,11 +212,12 @@ def test_the_v4_kernels_join_the_warmup_only_when_asked() -> None:
     ]
     head = [(H, v, mhc.HEAD_SINKHORN_REPEAT, config) for H, v, _, config in standard]
     own = [CoefficientsVariant.own(q) for q in (None, "mxfp8", "fp8_1x128")]
-    own_config = tuning.coefficients_config(7168, own[0], 1, arch="sm_90a")
-    assert own_config.schedule == "tile"  # one launch for the mixes and the layer input, at every row count
+    classes = tuning.default_row_classes(7168, own[0], 512, arch="sm_90a")
+    configs = [tuning.coefficients_config(7168, own[0], rows, arch="sm_90a") for rows in classes]
+    assert configs[0].schedule == "tile"  # one launch for the mixes and the layer input at one row
     carried = V("standard", "carried")
-    assert added == [(7168, v, 20, own_config) for v in own] + head + [
-        (7168, own[0], mhc.HEAD_SINKHORN_REPEAT, own_config),
+    assert added == [(7168, v, 20, c) for v in own for c in configs] + head + [
+        *((7168, own[0], mhc.HEAD_SINKHORN_REPEAT, c) for c in configs),
         (7168, carried, "mxfp8"),
         (7168, carried, "fp8_1x128"),
     ]
