@@ -269,6 +269,18 @@ def test_own_pre_variants_compile(H: int, variant: CoefficientsVariant) -> None:
         assert callable(api.compile_coefficients(H, variant, 20, partials, arch="sm_90a"))
 
 
+def test_a_row_split_that_leaves_a_warp_without_m_tiles_is_refused() -> None:
+    """row_split must divide a batch's 16-row m-tiles (min(4, rows_per_tile / 16)): a 16-row tile split over two warps
+    would leave one warp's columns out of every row's mixes (an A/B timed such configs on 2026-12-04; the GPU test of
+    the own-pre variant caught their wrong mixes)."""
+    from cute_kernels.coefficients.kernel import CoefficientsKernel
+
+    for tm, split in ((16, 2), (16, 4), (32, 4)):
+        with pytest.raises(ValueError, match=f"row_split {split} must divide"):
+            CoefficientsKernel(4096, config=CoefficientsConfig.for_shape(4096, False, tm, row_split=split))
+    CoefficientsKernel(4096, config=CoefficientsConfig.for_shape(4096, False, 64, row_split=4))  # 4 m-tiles: fine
+
+
 def test_the_own_pre_variant_refuses_what_it_cannot_write() -> None:
     """A quantized form at an H whose 8 column slices are not whole 128-column groups, a quantized form without the
     own-pre layer input, the own-pre collapse of the broadcast embedding: ValueErrors naming the rule."""

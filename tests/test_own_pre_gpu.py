@@ -125,6 +125,7 @@ def test_every_schedule_gives_the_same_bits(H: int) -> None:
     p, weight = params(layer), layer.attn_norm.weight
     choices = (
         Choice(32, schedule="partials"),
+        Choice(32, push_vec=True, row_split=2),
         Choice(16),
         Choice(32),
         Choice(64, push_vec=True),

@@ -345,16 +345,16 @@ def ready_moe(model: ToyModel) -> ToyModel:
 
 def recorded_posts(boundaries: V4Boundaries, log: list) -> None:
     """Record each residual-only boundary of `boundaries` (every V4 boundary's reduction and post) outside a graph
-    capture: (its ready partial, the streams and mixes it read, the new streams)."""
+    capture: copies of its ready partial, the streams and mixes it read, and the new streams."""
     inner = boundaries._boundaries
     post = inner._post
 
     def recording(state):
         if torch.cuda.is_current_stream_capturing():
             return post(state)
-        args = (state.pending, state.residual, state.post, state.comb)
+        args = tuple(t.clone() for t in (state.pending, state.residual, state.post, state.comb))
         out = post(state)
-        log.append((*args, out))
+        log.append((*args, out.clone()))  # the step may inject into the new streams in place (an Engram seam)
         return out
 
     inner._post = recording

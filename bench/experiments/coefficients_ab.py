@@ -133,13 +133,9 @@ def own_configs(H: int) -> dict[str, CoefficientsConfig]:
     f = functools.partial(CoefficientsConfig.for_shape, H, False)
     return {
         "tm16": f(16),
-        "tm16 rs2": f(16, row_split=2),
-        "tm16 rs4": f(16, row_split=4),
         "tm32": f(32),
-        "tm32 rs4": f(32, row_split=4),
         "tm32 vec": f(32, push_vec=True),
         "tm32 vec rs2": f(32, push_vec=True, row_split=2),
-        "tm32 vec rs4": f(32, push_vec=True, row_split=4),
         "tm64 vec": f(64, push_vec=True),
         "tm64 vec rs2": f(64, push_vec=True, row_split=2),
         "tm64 vec rs4": f(64, push_vec=True, row_split=4),

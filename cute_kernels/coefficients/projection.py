@@ -78,6 +78,12 @@ class ProjectionRole:
         self.threads = config.threads
         self.share = self.tm // CLUSTER  # rows of a tile each CTA of a cluster finishes
         self.mtiles_per_batch = min(4, self.tm // 16)
+        if self.mtiles_per_batch % self.row_split:
+            # A warp would get no m-tile (or some none): its columns' products would be missing from every row.
+            raise ValueError(
+                f"row_split {self.row_split} must divide the {self.mtiles_per_batch} 16-row m-tiles of a batch "
+                f"(rows_per_tile {self.tm})"
+            )
         self.mtiles_per_warp = self.mtiles_per_batch // self.row_split
         self.batches = self.tm // (16 * self.mtiles_per_batch)
         self.batch_rows = 16 * self.mtiles_per_batch

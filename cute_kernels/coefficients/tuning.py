@@ -44,7 +44,6 @@ T32_P = Choice(32, schedule="partials")
 T64_P = Choice(64, schedule="partials")
 T64_MB3_P = Choice(64, min_blocks=3, schedule="partials")
 T32_STAGED_P = Choice(32, schedule="partials", stage_rows=True)
-T16_RS2 = Choice(16, row_split=2)
 # One 512- or 256-row tile, 4 warps per chunk, rows through a 2-batch staging ring, 2 buffers of warp sums.
 RING_P = Choice(512, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
 T256_RING_P = Choice(256, row_split=4, schedule="partials", stage_rows=True, stage_depth=2, sum_buffers=2)
@@ -73,13 +72,13 @@ SM90A: dict[str, tuple[tuple[int, Bands], ...]] = {
         (0, ((1, T32), (192, T64_VEC))),
     ),
     "first inline": ((0, ((1, T32), (257, T64_VEC))),),
-    # DeepSeek-V4's own-pre layer input (the finishing CTAs collapse their rows): at one row the 16-row tile with two
-    # warps per chunk, the mixes and the layer input in one launch; from two rows the partials schedule, whose finish
-    # kernel (one CTA per row) collapses its row: two launches, but 8 finishing CTAs per tile serialise their rows
-    # (docs/PERF.md decisions: own-pre bands).
+    # DeepSeek-V4's own-pre layer input (the finishing CTAs collapse their rows): at one row a 32-row tile, the mixes
+    # and the layer input in one launch; from two rows the partials schedule, whose finish kernel (one CTA per row)
+    # collapses its row: two launches, where a tile's 8 finishing CTAs would serialise their rows (docs/PERF.md
+    # decisions: own-pre bands).
     "own": (
-        (7168, ((1, T16_RS2), (2, SPLIT_P), (41, T16_P), (97, T256_RING_P), (257, RING_P))),
-        (0, ((1, T16_RS2), (2, SPLIT_P), (257, RING_P))),
+        (7168, ((1, T32_VEC), (2, SPLIT_P), (41, T16_P), (97, T256_RING_P), (257, RING_P))),
+        (0, ((1, SPLIT), (2, SPLIT_P), (257, RING_P))),
     ),
 }
 # sm_100a has not been measured: it takes the sm_90a (H200) table.
