@@ -231,6 +231,39 @@ def test_the_collapse_norm_op_has_a_fake_of_the_layer_inputs_shape() -> None:
     assert out.shape == (5, 512) and out.dtype == torch.bfloat16
 
 
+def test_the_own_pre_and_head_input_ops_have_fakes_of_their_outputs_shapes() -> None:
+    """mhc_own_pre: (post [T, hc], comb [T, hc, hc], pre [T, hc] fp32, layer input [T, H] bf16); hc_head_input: the
+    final hidden state [T, H] bf16."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        r = torch.empty(5, 4, 512, dtype=torch.bfloat16)
+        f32 = torch.float32
+        w = torch.empty(512, dtype=torch.bfloat16)
+        post, comb, pre, x = torch.ops.mhc_boundary.mhc_own_pre(
+            r,
+            torch.empty(24, 2048),
+            torch.empty(3),
+            torch.empty(24),
+            1e-6,
+            1e-6,
+            1e-6,
+            2.0,
+            20,
+            w,
+            1e-6,
+            None,
+            None,
+            None,
+        )
+        h = torch.ops.mhc_boundary.hc_head_input(
+            r, torch.empty(4, 2048), torch.empty(1), torch.empty(4), 1e-6, 1e-6, w, 1e-6
+        )
+    assert (post.shape, comb.shape, pre.shape, x.shape) == ((5, 4), (5, 4, 4), (5, 4), (5, 512))
+    assert post.dtype == comb.dtype == pre.dtype == f32 and x.dtype == torch.bfloat16
+    assert h.shape == (5, 512) and h.dtype == torch.bfloat16
+
+
 def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_with_its_own_pre(monkeypatch) -> None:
     """The kernel path's plumbing, with the coefficients and layer-input launches stubbed by the reference on the CPU:
     the first entry is the coefficients kernel on the embedding (no layer input), then the layer-input kernel with the
