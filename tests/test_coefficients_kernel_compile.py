@@ -269,6 +269,17 @@ def test_own_pre_variants_compile(H: int, variant: CoefficientsVariant) -> None:
         assert callable(api.compile_coefficients(H, variant, 20, partials, arch="sm_90a"))
 
 
+@pytest.mark.parametrize(
+    "quant,schedule", [(None, "tile"), ("mxfp8", "partials"), ("fp8_1x128", "tile"), ("fp8_1x128_ue8m0", "partials")]
+)
+def test_own_pre_variants_compile_for_sm100a(quant: str | None, schedule: str) -> None:
+    """The second target's cover of the own-pre variant: each quantized form once, the tile CTA's and the finish
+    kernel's layer input each twice."""
+    variant = CoefficientsVariant.own(quant)
+    config = tuning.Choice(32, push_vec=schedule == "tile", schedule=schedule).config(7168, False)
+    assert callable(api.compile_coefficients(7168, variant, 20, config, arch="sm_100a"))
+
+
 def test_a_row_split_that_leaves_a_warp_without_m_tiles_is_refused() -> None:
     """row_split must divide a batch's 16-row m-tiles (min(4, rows_per_tile / 16)): a 16-row tile split over two warps
     would leave one warp's columns out of every row's mixes (an A/B timed such configs on 2026-12-04; the GPU test of
