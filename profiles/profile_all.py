@@ -53,7 +53,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # profiles/ (this script's folder) is on sys.path; run_kernel puts the repository root there too (bench, cute_kernels)
-from run_kernel import BOUNDARY_VARIANTS, COEFFICIENT_VARIANTS, LAYER_INPUT_VARIANTS, PEER_WORLD_SIZES, PROTOCOLS
+from run_kernel import (
+    BOUNDARY_VARIANTS,
+    COEFFICIENT_VARIANTS,
+    LAYER_INPUT_VARIANTS,
+    OWN_PRE_VARIANTS,
+    PEER_WORLD_SIZES,
+    PROTOCOLS,
+)
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,6 +239,15 @@ def kernels(world: int) -> list[Kernel]:
             "the layer-input-only kernel (carried collapse)" + ("" if v == "bf16" else f" + the {v} form (V4)"),
         )
         for v in LAYER_INPUT_VARIANTS
+    ]
+    plan += [
+        Kernel(
+            "own-pre" + ("" if v == "bf16" else f"-{v}"),
+            ("--kernel", "own_pre", "--variant", v),
+            "DeepSeek-V4's own-pre coefficients variant (mixes, then the layer input collapsed with their pre)"
+            + ("" if v == "bf16" else f" + the {v} form"),
+        )
+        for v in OWN_PRE_VARIANTS
     ]
     plan += [
         Kernel(

@@ -38,8 +38,14 @@ from cute_kernels.allreduce.protocol import PEER_WORLD_SIZES, PROTOCOLS  # noqa:
 BOUNDARY_VARIANTS = ("bf16", "mxfp8", "fp8", "aux", "moe", "residual")
 COEFFICIENT_VARIANTS = ("standard", "inline", "broadcast")
 LAYER_INPUT_VARIANTS = ("bf16", "mxfp8", "fp8")  # the layer-input kernel's outputs: bf16, + MXFP8 or FP8 1x128
-VARIANTS = {"boundary": BOUNDARY_VARIANTS, "coefficients": COEFFICIENT_VARIANTS, "layer_input": LAYER_INPUT_VARIANTS}
-KERNELS = ("boundary", "final", "coefficients", "layer_input", "peer")
+OWN_PRE_VARIANTS = LAYER_INPUT_VARIANTS  # DeepSeek-V4's own-pre coefficients variant: its layer input's forms
+VARIANTS = {
+    "boundary": BOUNDARY_VARIANTS,
+    "coefficients": COEFFICIENT_VARIANTS,
+    "layer_input": LAYER_INPUT_VARIANTS,
+    "own_pre": OWN_PRE_VARIANTS,
+}
+KERNELS = ("boundary", "final", "coefficients", "layer_input", "own_pre", "peer")
 QUANT = {"bf16": None, "mxfp8": "mxfp8", "fp8": "fp8_1x128"}  # bench.kernels.fused_call's layer-input forms
 EPS = 1e-6
 MOE_TOP_K = 8  # experts per token of the MoE variant (DeepSeek-V3's)
@@ -237,6 +243,48 @@ def layer_input_call(variant: str, rows: int, hidden: int, device: Any, arch: st
     )
 
 
+def own_pre_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -> Call:
+    """DeepSeek-V4's own-pre entry: the coefficients kernel's own-pre variant on its shipped config (one launch at 1
+    row, two from 2), the layer input collapsed with the pre it computes, with the MXFP8 or FP8 1x128 form beside it
+    (`variant` "mxfp8" / "fp8")."""
+    from bench.kernels import coefficient_inputs
+    from boundary.types import empty_fp8_group, empty_quantized
+    from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients
+
+    inp = coefficient_inputs(rows, hidden, device, 0)
+    quant = QUANT[variant]
+    q = None
+    if quant == "mxfp8":
+        q = empty_quantized(rows, hidden, device)
+    elif quant is not None:
+        q = empty_fp8_group(rows, hidden, device, ue8m0=False)
+    ws = CoefficientsWorkspace(hidden, max(rows, 16), device)
+    return lambda: mhc_coefficients(
+        inp["streams"],
+        inp["fn"],
+        inp["scale"],
+        inp["base"],
+        rms_eps=EPS,
+        pre_eps=EPS,
+        sinkhorn_eps=EPS,
+        post_mult=2.0,
+        sinkhorn_repeat=20,
+        broadcast=False,
+        workspace=ws,
+        post_out=inp["post"],
+        comb_out=inp["comb"],
+        pre_out=inp["pre"],
+        norm_weight=inp["norm_weight"],
+        norm_eps=EPS,
+        layer_input_out=inp["layer_input"],
+        own_pre=True,
+        quant=quant,
+        quant_data=None if q is None else q.data,
+        quant_scale=None if q is None else q.scale,
+        arch=arch,
+    )
+
+
 def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, arch: str) -> tuple[Call, list]:
     """SIMULATED: W ranks of BoundaryAllReduce.simulated on this GPU, every call forced to `protocol`, each rank's
     kernel compiled and loaded first; the call replays one CUDA graph of every rank's boundary (run_simulated: each
@@ -284,6 +332,8 @@ def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]
         return coefficients_call(args.variant, args.knobs, args.rows, args.hidden, device, arch), []
     if args.kernel == "layer_input":
         return layer_input_call(args.variant, args.rows, args.hidden, device, arch), []
+    if args.kernel == "own_pre":
+        return own_pre_call(args.variant, args.rows, args.hidden, device, arch), []
     return peer_call(args.world, args.protocol, args.rows, args.hidden, device, arch)
 
 

@@ -19,11 +19,12 @@ def _run(*args: str, script: str = "profiles/profile_all.py") -> subprocess.Comp
 def test_the_plan_names_every_kernel_at_two_row_counts() -> None:
     out = _run("--list")
     assert out.returncode == 0, out.stderr
-    assert "15 kernels, 30 items in 5 ncu runs" in out.stdout
+    assert "18 kernels, 36 items in 5 ncu runs" in out.stdout
     for kernel in ("boundary-bf16", "boundary-fp8", "boundary-moe", "final", "coefficients-inline", "layer-input"):
         assert kernel in out.stdout
     assert "peer-w4-oneshot-SIMULATED" in out.stdout and "peer-w4-twoshot-SIMULATED" in out.stdout
     assert "layer-input-mxfp8" in out.stdout and "layer-input-fp8" in out.stdout  # the V4 layer input's forms
+    assert all(k in out.stdout for k in ("own-pre ", "own-pre-mxfp8", "own-pre-fp8"))  # DeepSeek-V4's one-launch entry
 
 
 def test_only_selects_kernels_by_name_and_refuses_a_name_it_lacks() -> None:
