@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,21 +168,42 @@ def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> N
     warmup(jobs, desc=f"bench kernels H={sorted(hiddens)} {arch}", device=device)
 
 
+class PartClock:
+    """Wall seconds per stage of the run (the warm-up, each part) into results["elapsed_s"], each printed as it ends."""
+
+    def __init__(self, results: dict[str, Any]) -> None:
+        self.elapsed = results.setdefault("elapsed_s", {})
+        self.start = time.perf_counter()
+        self.last = self.start
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.elapsed[stage] = round(now - self.last, 1)
+        self.elapsed["total"] = round(now - self.start, 1)
+        print(f"make bench: {stage} took {now - self.last:.0f} s ({now - self.start:.0f} s so far)", flush=True)
+        self.last = now
+
+
 def run_parts(
     args: argparse.Namespace, arch: str, timer: GraphTimer, copy_bw: float, results: dict[str, Any], stem: str
 ) -> None:
-    """Measure the selected parts into `results`, printing each part's table when it is done (the step's: by main)."""
+    """Measure the selected parts into `results`, printing each part's table when it is done (the step's: by main)
+    and the wall time each stage took."""
     device = timer.device
+    clock = PartClock(results)
     warm_kernels(args, arch, device)
+    clock.done("kernel warm-up")
     if "boundary" in args.parts:
         results["boundary"] = bench_boundary(args, arch, timer, copy_bw)
         print_boundary(results["boundary"], copy_bw)
         plot(results["boundary"], args.out / f"{stem}-boundary.png")
+        clock.done("boundary")
     if "host" in args.parts:
         from bench import host
 
         results["host"] = host.bench_host(args, lambda rows, hidden: boundary_inputs(rows, hidden, device, seed=0))
         host.print_host(results["host"])
+        clock.done("host")
     if "allreduce" in args.parts:
         from bench import allreduce
 
@@ -189,9 +211,11 @@ def run_parts(
             args, arch, timer, copy_bw, lambda label: args.out / f"{stem}-allreduce-{label}.png"
         )
         results[f"allreduce_{label}"] = rows
+        clock.done("allreduce")
     if "coefficients" in args.parts:
         results["coefficients"] = bench_coefficients(args, arch, timer, copy_bw)
         print_coefficients(results["coefficients"])
+        clock.done("coefficients")
     if "step" in args.parts:
         from bench import step
 
@@ -199,11 +223,13 @@ def run_parts(
         from bench import start_delay
 
         results["start_delay"] = start_delay.measure(device, arch)  # printed with the step's tables
+        clock.done("step")
     if "v4" in args.parts:
         from bench import v4
 
         results["v4"] = v4.bench_v4(args, timer, copy_bw)
         v4.print_v4(results["v4"])
+        clock.done("v4")
 
 
 def main(argv: list[str] | None, *, arch: str) -> int:

@@ -672,3 +672,22 @@ def test_the_v4_parity_counts_the_words_that_differ_and_both_errors_against_floa
     assert got["residual_words_differ"] == 0 and got["layer_input_words_differ"] == 1
     assert got["ours_residual_err"] == got["tilelang_residual_err"] < 2**-8  # one bf16 rounding of R'
     assert got["ours_layer_input_err"] < 2**-6 and got["parity_words"] == rows * hidden
+
+
+def test_the_run_prints_and_records_each_stages_wall_time(capsys) -> None:
+    """bench.run.PartClock: each stage's seconds and the running total land in results["elapsed_s"] and are printed
+    when the stage ends (how long FULL's parts take is read from there)."""
+    import time
+
+    from bench.run import PartClock
+
+    results: dict = {}
+    clock = PartClock(results)
+    time.sleep(0.05)
+    clock.done("kernel warm-up")
+    clock.done("boundary")
+    elapsed = results["elapsed_s"]
+    assert list(elapsed) == ["kernel warm-up", "total", "boundary"]
+    assert elapsed["kernel warm-up"] >= 0.0 and elapsed["total"] >= elapsed["kernel warm-up"]
+    out = capsys.readouterr().out
+    assert "make bench: kernel warm-up took" in out and "make bench: boundary took" in out
