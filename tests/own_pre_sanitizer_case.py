@@ -1,0 +1,60 @@
+"""A small case of DeepSeek-V4's own-pre entry for compute-sanitizer (memcheck, racecheck, synccheck, initcheck): the
+coefficients kernel's own-pre variant at 1 row (one launch: a tile's finishing CTA, its worker warps on a named barrier
+beside the Sinkhorn warp) and at 5 rows (the partials schedule's finish kernel), bf16 and with each quantized form.
+
+Run as `compute-sanitizer --tool racecheck python -m tests.own_pre_sanitizer_case`; exits non-zero on a result that is
+not the two-launch form's bits (`mhc.mixes`, then `mhc.collapse_norm`). The kernels are compiled (or loaded from the
+disk cache) before the sanitized launches.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from boundary import mhc
+from boundary.params import MHCParams
+from boundary.types import empty_fp8_group, empty_quantized
+from cute_kernels.compile import arch_for_device, warmup
+
+HIDDEN = 2048  # a multiple of 1024: every quantized form
+FORMS = (None, "mxfp8", "fp8_1x128")
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    jobs = mhc.warmup_jobs(HIDDEN, arch_for_device(dev), 8, own_pre=True, quantized=FORMS[1:])
+    warmup(jobs, progress=False, device=dev)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(24, 4 * HIDDEN, generator=g, device="cuda") * 1e-2
+    params = MHCParams(
+        fn, torch.full((3,), 0.5, device="cuda"), torch.randn(24, generator=g, device="cuda"), 1e-6, 1e-6, 1e-6, 2.0, 20
+    )
+    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).to(torch.bfloat16)
+    bad = 0
+    for rows in (1, 5):
+        residual = torch.randn(rows, 4, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+        for form in FORMS:
+            outs = []
+            for one_launch in (True, False):
+                q = None
+                if form == "mxfp8":
+                    q = empty_quantized(rows, HIDDEN, dev)
+                elif form is not None:
+                    q = empty_fp8_group(rows, HIDDEN, dev, False)
+                if one_launch:
+                    got = mhc.own_pre(residual, params, weight, 1e-6, quantized_out=q)
+                else:
+                    post, comb, pre = mhc.mixes(residual, params)
+                    got = (post, comb, pre, mhc.collapse_norm(residual, pre, weight, 1e-6, quantized_out=q))
+                outs.append([*got, *(() if q is None else (q.data, q.scale))])
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*outs))
+            print(f"own-pre rows={rows} form={form}: {'ok' if same else 'DIFFERS'}", flush=True)
+            bad += not same
+    torch.cuda.synchronize()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
