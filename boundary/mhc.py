@@ -67,8 +67,8 @@ def warmup_jobs(
 ) -> list[WarmupJob]:
     """The compiles every mHC coefficients call of hidden size H, up to `max_rows` rows and `sinkhorn_repeat`
     Sinkhorn iterations (a compile-time constant) can need (`unnormed`: the layer input without a norm weight too;
-    `own_pre`: DeepSeek-V4's too, head_mix's variant and collapse_norm's `quantized` forms, those of the `quantize=`
-    names given)."""
+    `own_pre`: DeepSeek-V4's too: own_pre's variant in bf16 and in the `quantized` forms, head_input's and head_mix's
+    variants, and collapse_norm's `quantized` forms, those of the `quantize=` names given)."""
     _check_kernel_shape(4, hidden)
     if max_rows > kernel_row_limit(hidden):
         raise ValueError(_too_many_rows(max_rows, hidden))
@@ -236,8 +236,9 @@ def own_pre(
     """(post, comb, pre, layer_input) of DeepSeek-V4's own-pre entry (CONTRACT §4d): the mixes of the streams, then
     the layer input RMSNorm(bf16(sum_j pre[j] * R[j])) collapsed with that very pre; with `quantized_out` (from
     empty_quantized_layer_input or empty_fp8_group_layer_input) also its MXFP8 or FP8 1x128 form, written there. On the
-    kernels one launch (the coefficients kernel's own-pre variant: the CTAs that finish the rows collapse them; a
-    quantized form needs H a multiple of 1024); torch ops on the reference, the very bits of `mixes` then
+    kernels one call of the coefficients kernel's own-pre variant (the CTAs that finish the rows collapse them; one
+    launch at 1 row, two from 2 rows: the partials schedule's finish kernel; a quantized form needs H a multiple of
+    1024); torch ops on the reference, the very bits of `mixes` then
     `collapse_norm`. `workspace_owner`: see prepare_workspace."""
     params, norm_eps = checks.pre_delayed(residual, params, None, None, norm_weight, norm_eps)
     if norm_weight is None:
@@ -424,8 +425,8 @@ def head_input(
     workspace_owner: int | None = None,
 ) -> Tensor:
     """DeepSeek-V4's last step after the final post: hc_head's weights p (`head_mix`), then RMSNorm(bf16(sum_i p_i *
-    R_i)) with the final norm (CONTRACT §4d). On the kernels one launch (the own-pre variant with hc_head's weights as
-    its pre, one Sinkhorn repeat); torch ops on the reference: the bits of `head_mix` then `collapse_norm`."""
+    R_i)) with the final norm (CONTRACT §4d). On the kernels one call of the own-pre variant with hc_head's weights as
+    its pre, one Sinkhorn repeat (one launch at 1 row, two from 2); torch ops on the reference: the bits of `head_mix` then `collapse_norm`."""
     residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
     rows, hc, hidden = residual.shape
     dev = residual.device

@@ -359,6 +359,11 @@ def mhc_own_pre(
     """(post, comb, pre, layer_input) of DeepSeek-V4's own-pre entry, with the layer input's quantized form `form`
     (None: none) written in place into `data` and `scale`: `boundary.mhc.own_pre` as an op."""
     params = MHCParams(fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat)
+    if (form is None) != (data is None) or (data is None) != (scale is None):
+        raise TypeError(
+            "mhc_own_pre: give form, data and scale together (a quantized layer input) or none of them, got "
+            f"form={form!r}, data {'None' if data is None else 'given'}, scale {'None' if scale is None else 'given'}"
+        )
     out = None if form is None else _quantized(data, scale, form)
     return mhc.own_pre(
         residual, params, norm_weight, norm_eps, quantized_out=out, backend=backend, workspace_owner=workspace_owner

@@ -2,8 +2,8 @@
 
 A V4 boundary reduces the pending partial into the streams with the mixes the state carries (the fused residual-only
 boundary: the all-reduce inside on the peer path, one launch), then computes the next sublayer's mixes from the new
-streams and collapses them with that very pre (the coefficients kernel's own-pre variant, one launch: the CTAs that
-finish the rows write their layer input). Its coefficients sit on the critical path: there is no side stream.
+streams and collapses them with that very pre (the coefficients kernel's own-pre variant, whose CTAs that finish
+the rows write their layer input: one launch at 1 row, two from 2 rows). Its coefficients sit on the critical path: there is no side stream.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class V4Boundaries:
         eps: float,
         quantized: QuantizedActivation | Fp8GroupActivation | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(post, comb, pre, layer input) of the streams, the layer input collapsed with that pre (one launch), its
-        quantized form into `quantized`."""
+        """(post, comb, pre, layer input) of the streams, the layer input collapsed with that pre (one call of the
+        own-pre variant), its quantized form into `quantized`."""
         if not self.custom_ops:
             return mhc.own_pre(
                 residual,
@@ -216,7 +216,7 @@ class V4Boundaries:
         checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
         norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
         residual = self._boundaries.post_only(state)
-        # The head's four weights (the coefficients kernel's pre), the collapse and the norm: one launch.
+        # The head's four weights (the coefficients kernel's pre), the collapse and the norm: one own-pre call.
         return self._head_input(residual, fn, scale, base, rms_eps, hc_eps, norm_weight, norm_eps)
 
     def _enter(

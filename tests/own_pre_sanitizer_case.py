@@ -18,31 +18,31 @@ from boundary.params import MHCParams
 from boundary.types import empty_fp8_group, empty_quantized
 from cute_kernels.compile import arch_for_device, warmup
 
-HIDDEN = 2048  # a multiple of 1024: every quantized form
+HIDDENS = (2048, 1024)  # multiples of 1024 (every quantized form); at 1024 a pass holds two rows
 FORMS = (None, "mxfp8", "fp8_1x128")
 
 
-def main() -> int:
-    dev = torch.device("cuda")
-    jobs = mhc.warmup_jobs(HIDDEN, arch_for_device(dev), 8, own_pre=True, quantized=FORMS[1:])
+def check(hidden: int, dev: torch.device) -> int:
+    """The own-pre case at one H: how many (rows, form) differ from the two-launch bits."""
+    jobs = mhc.warmup_jobs(hidden, arch_for_device(dev), 8, own_pre=True, quantized=FORMS[1:])
     warmup(jobs, progress=False, device=dev)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    fn = torch.randn(24, 4 * HIDDEN, generator=g, device="cuda") * 1e-2
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    fn = torch.randn(24, 4 * hidden, generator=g, device="cuda") * 1e-2
     params = MHCParams(
         fn, torch.full((3,), 0.5, device="cuda"), torch.randn(24, generator=g, device="cuda"), 1e-6, 1e-6, 1e-6, 2.0, 20
     )
-    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(torch.bfloat16)
     bad = 0
     for rows in (1, 5):
-        residual = torch.randn(rows, 4, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+        residual = torch.randn(rows, 4, hidden, generator=g, device="cuda").to(torch.bfloat16)
         for form in FORMS:
             outs = []
             for one_launch in (True, False):
                 q = None
                 if form == "mxfp8":
-                    q = empty_quantized(rows, HIDDEN, dev)
+                    q = empty_quantized(rows, hidden, dev)
                 elif form is not None:
-                    q = empty_fp8_group(rows, HIDDEN, dev, False)
+                    q = empty_fp8_group(rows, hidden, dev, False)
                 if one_launch:
                     got = mhc.own_pre(residual, params, weight, 1e-6, quantized_out=q)
                 else:
@@ -50,8 +50,14 @@ def main() -> int:
                     got = (post, comb, pre, mhc.collapse_norm(residual, pre, weight, 1e-6, quantized_out=q))
                 outs.append([*got, *(() if q is None else (q.data, q.scale))])
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*outs))
-            print(f"own-pre rows={rows} form={form}: {'ok' if same else 'DIFFERS'}", flush=True)
+            print(f"own-pre H={hidden} rows={rows} form={form}: {'ok' if same else 'DIFFERS'}", flush=True)
             bad += not same
+    return bad
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    bad = sum(check(hidden, dev) for hidden in HIDDENS)
     torch.cuda.synchronize()
     return 1 if bad else 0
 

@@ -258,7 +258,10 @@ def test_variant_compiles(H: int, variant: str, mode: str) -> None:
     assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
-@pytest.mark.parametrize("H,variant", [(H, v) for H in (4096, 7168) for v in OWN_VARIANTS] + [(5120, OWN_VARIANTS[0])])
+@pytest.mark.parametrize(
+    "H,variant",
+    [(H, v) for H in (4096, 7168) for v in OWN_VARIANTS] + [(5120, OWN_VARIANTS[0]), (1024, OWN_VARIANTS[1])],
+)
 def test_own_pre_variants_compile(H: int, variant: CoefficientsVariant) -> None:
     """DeepSeek-V4's own-pre variant, bf16 alone and with each quantized form, at its shipped tile config; and at the
     partials schedule (its finish kernel collapses the row)."""

@@ -1,6 +1,6 @@
 """compute-sanitizer memcheck, racecheck, synccheck and initcheck on DeepSeek-V4's own-pre entry
 (tests/own_pre_sanitizer_case.py: the one-launch tile and the partials schedule's finish kernel, bf16, MXFP8 and FP8
-1x128): the worker warps' named barriers and shared buffers beside the Sinkhorn warp. GPU only; skipped where
+1x128, at H 2048 and 1024, where a pass holds two rows): the worker warps' named barriers and shared buffers beside the Sinkhorn warp. GPU only; skipped where
 compute-sanitizer is not on the PATH (memcheck's negative control is test_peer_sanitizer's planted store)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from tests.test_peer_sanitizer import errors, pytestmark, sanitize  # noqa: F401
 def test_the_own_pre_entry_is_clean_under_compute_sanitizer(tool: str) -> None:
     status, output = sanitize(tool, "tests.own_pre_sanitizer_case")
     assert status == 0 and errors(output) == 0, output[-3000:]
-    for rows in (1, 5):
-        for form in (None, "mxfp8", "fp8_1x128"):
-            assert f"own-pre rows={rows} form={form}: ok" in output
+    for hidden in (2048, 1024):
+        for rows in (1, 5):
+            for form in (None, "mxfp8", "fp8_1x128"):
+                assert f"own-pre H={hidden} rows={rows} form={form}: ok" in output

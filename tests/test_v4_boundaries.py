@@ -264,6 +264,21 @@ def test_the_own_pre_and_head_input_ops_have_fakes_of_their_outputs_shapes() -> 
     assert h.shape == (5, 512) and h.dtype == torch.bfloat16
 
 
+def test_the_own_pre_op_takes_its_quantized_form_whole_or_not_at_all() -> None:
+    """mhc_own_pre: form, data and scale together or none of them; anything else is a TypeError naming them."""
+    layer = ToyModel(CONFIG).layers[0]
+    r = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    data = torch.empty(2, 512, dtype=torch.float8_e4m3fn)
+    args = (r, *attn_params(layer), layer.attn_norm.weight, 1e-6)
+    for form, d, s in (
+        ("mxfp8", None, None),
+        (None, data, torch.empty(8, dtype=torch.uint8)),
+        ("fp8_1x128", data, None),
+    ):
+        with pytest.raises(TypeError, match="form, data and scale together"):
+            torch.ops.mhc_boundary.mhc_own_pre(*args, d, s, form, "reference")
+
+
 def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_with_its_own_pre(monkeypatch) -> None:
     """The kernel path's plumbing, with the coefficients and layer-input launches stubbed by the reference on the CPU:
     the first entry is the coefficients kernel on the embedding (no layer input), then the layer-input kernel with the

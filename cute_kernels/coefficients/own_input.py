@@ -43,7 +43,8 @@ class OwnInputRole:
         self.vecs = H // VEC  # 8-column vectors of a row
         self.slice_vecs = self.vecs // CLUSTER  # vectors of one of the 8 column slices
         self.vpt = -(-self.vecs // self.workers)  # vectors per worker thread and row
-        # Rows whose stream loads are in flight at once: up to 4 vectors of 4 streams per thread.
+        # Rows whose stream loads are in flight at once: PASS_VECTORS // vpt of them (at least 1: a thread with more
+        # vectors per row than that has all of one row's in flight).
         self.rows_per_pass = max(1, min(share, PASS_VECTORS // self.vpt))
         self.quant = quant
         self.mxfp8 = self.fp8 = None

@@ -61,7 +61,8 @@ class CoefficientsVariant(NamedTuple):
 
     @property
     def layer_input(self) -> str:
-        """The kernels' `layer_input` argument: "none", "carried" or "one_hot", "_unnormed" appended without norm."""
+        """The kernels' `layer_input` argument: "none", "carried", "one_hot" ("_unnormed" appended without norm) or
+        "own"."""
         return self.collapse + ("" if self.normed or not self.inline else UNNORMED)
 
     @property
