@@ -4,7 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from boundary.params import MHCParams
+
 BF16 = torch.bfloat16
+
+
+def attn_params(layer) -> MHCParams:
+    """A toy layer's attention-site mHC parameters (hc_attn_*), as MHCParams."""
+    return MHCParams(
+        layer.hc_attn_fn,
+        layer.hc_attn_scale,
+        layer.hc_attn_base,
+        layer.rms_norm_eps,
+        layer.hc_eps,
+        layer.hc_eps,
+        layer.hc_post_alpha,
+        layer.hc_sinkhorn_iters,
+    )
 
 
 def boundary_inputs(

@@ -18,6 +18,7 @@ from boundary.toy import ToyConfig, ToyModel
 from boundary.types import empty_fp8_group, empty_quantized
 from cute_kernels.coefficients import api as coefficients_api
 from cute_kernels.coefficients.tuning import Choice
+from tests.inputs import attn_params
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,19 +38,6 @@ def model(H: int) -> ToyModel:
         ar = BoundaryAllReduce(H, max_rows=512, device="cuda")
         ar.warmup(progress=False, quantize=FORMS[1:] if H % 1024 == 0 else (), own_pre=True)
     return _MODELS[H]
-
-
-def params(layer) -> MHCParams:
-    return MHCParams(
-        layer.hc_attn_fn,
-        layer.hc_attn_scale,
-        layer.hc_attn_base,
-        layer.rms_norm_eps,
-        layer.hc_eps,
-        layer.hc_eps,
-        layer.hc_post_alpha,
-        layer.hc_sinkhorn_iters,
-    )
 
 
 def streams(rows: int, H: int, seed: int, adversarial: bool = False) -> torch.Tensor:
@@ -108,7 +96,7 @@ def test_one_launch_is_the_two_launch_entry_bit_for_bit(H: int, form: str | None
     if form is not None and H % 1024:
         pytest.skip("a quantized form needs H a multiple of 1024")
     layer = model(H).layers[0]
-    p, weight = params(layer), layer.attn_norm.weight
+    p, weight = attn_params(layer), layer.attn_norm.weight
     for rows in (1, 3, 16, 33, 129, 512):
         for adversarial in (False, True):
             residual = streams(rows, H, seed=rows, adversarial=adversarial)
@@ -123,7 +111,7 @@ def test_every_schedule_gives_the_same_bits(H: int) -> None:
     """The own-pre variant at the partials schedule (its finish kernel collapses the row), other tiles and row splits:
     the shipped config's bits (the layer input's order is the layer-input kernel's whatever the CTA's shape)."""
     layer = model(H).layers[0]
-    p, weight = params(layer), layer.attn_norm.weight
+    p, weight = attn_params(layer), layer.attn_norm.weight
     choices = (
         Choice(32, schedule="partials"),
         Choice(32, push_vec=True, row_split=2),
@@ -179,7 +167,7 @@ def test_graph_replays_give_the_eager_bits() -> None:
     are the eager call's on the same streams."""
     H, rows = 7168, 16
     layer = model(H).layers[0]
-    p, weight = params(layer), layer.attn_norm.weight
+    p, weight = attn_params(layer), layer.attn_norm.weight
     static = streams(rows, H, seed=30)
     q = poisoned(rows, H, "mxfp8")
     mhc.own_pre(static, p, weight, EPS, quantized_out=q)

@@ -21,6 +21,7 @@ from boundary.toy import (
 )
 from boundary.v4 import V4Boundaries
 from tests.bf16 import bitwise_equal
+from tests.inputs import attn_params
 
 CPU = torch.device("cpu")
 CONFIG = ToyConfig(hidden_size=512, num_layers=3, vocab=64)  # an Engram seam at layer 1
@@ -28,19 +29,6 @@ CONFIG = ToyConfig(hidden_size=512, num_layers=3, vocab=64)  # an Engram seam at
 
 def v4(hidden: int = 512, device: torch.device = CPU) -> V4Boundaries:
     return V4Boundaries(BoundaryAllReduce(hidden, max_rows=16, device=device))
-
-
-def attn_params(layer) -> MHCParams:
-    return MHCParams(
-        layer.hc_attn_fn,
-        layer.hc_attn_scale,
-        layer.hc_attn_base,
-        layer.rms_norm_eps,
-        layer.hc_eps,
-        layer.hc_eps,
-        layer.hc_post_alpha,
-        layer.hc_sinkhorn_iters,
-    )
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -32,6 +32,41 @@ UNNORMED = "_unnormed"  # the suffix of a layer-input mode that writes the colla
 QUANT_FORMS = ("mxfp8", "fp8_1x128", "fp8_1x128_ue8m0")  # the quantized forms the layer-input kernel writes beside bf16
 
 
+def collapse_vector(pre: list, streams: list) -> list:
+    """The 4 packed bf16 words of one 8-column vector's collapse: bf16(pre0*R0 + pre1*R1 + ...) in the reference's
+    order and roundings (`streams`: each stream's 4 words). Every layer input's collapse is this one formula."""
+    words = []
+    for e in range(4):
+        vals = []
+        for unpack in (prim.bf16_lo, prim.bf16_hi):
+            acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
+            for j in range(1, HC):
+                acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
+            vals.append(acc)
+        words.append(prim.cvt_bf16x2(vals[0], vals[1]))
+    return words
+
+
+def square_sum(words: list) -> Float32:
+    """One vector's sum of squares, its elements in order (the first step of every layer input's RMS)."""
+    part = Float32(0.0)
+    for e in range(4):
+        c0 = prim.bf16_lo(words[e])
+        c1 = prim.bf16_hi(words[e])
+        part = part + c0 * c0 + c1 * c1
+    return part
+
+
+def normed_vector(words: list, inv: Float32, w_words: tuple) -> list:
+    """bf16(c * inv * w) of one vector, packed (the norm's last step)."""
+    out = []
+    for e in range(4):
+        lo = prim.mul_rn(prim.mul_rn(prim.bf16_lo(words[e]), inv), prim.bf16_lo(w_words[e]))
+        hi = prim.mul_rn(prim.mul_rn(prim.bf16_hi(words[e]), inv), prim.bf16_hi(w_words[e]))
+        out.append(prim.cvt_bf16x2(lo, hi))
+    return out
+
+
 def collapse_of(layer_input: str) -> str:
     """The collapse a layer-input mode computes: "carried" (the carried pre-mix) or "one_hot" (stream 0)."""
     return layer_input.removesuffix(UNNORMED)
@@ -160,18 +195,7 @@ class LayerInputRole:
         for k in cutlass.range_constexpr(vpt):
             streams, pre = loaded[k]
             if const_expr(self.collapse == "carried"):
-                cw = []
-                for e in cutlass.range_constexpr(4):
-                    vals = []
-                    for half in cutlass.range_constexpr(2):
-                        unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
-                        # Same order and roundings as the reference: pre0*R0, then + pre_j*R_j.
-                        acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
-                        for j in cutlass.range_constexpr(1, HC):
-                            acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
-                        vals.append(acc)
-                    cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
-                c_words.append(cw)
+                c_words.append(collapse_vector(pre, streams))
             else:
                 c_words.append(list(streams[0]))
         cute.arch.griddepcontrol_launch_dependents()
@@ -184,11 +208,7 @@ class LayerInputRole:
                         prim.st_v4_i32(mOut.iterator + (row * self.H + vec_col[k]), tuple(c_words[k]))
         else:
             for k in cutlass.range_constexpr(vpt):
-                part = Float32(0.0)
-                for e in cutlass.range_constexpr(4):
-                    c0 = prim.bf16_lo(c_words[k][e])
-                    c1 = prim.bf16_hi(c_words[k][e])
-                    part = part + c0 * c0 + c1 * c1
+                part = square_sum(c_words[k])
                 if vec_in[k]:
                     sVec[tidx + k * self.threads] = part
             cute.arch.sync_threads()
@@ -222,11 +242,7 @@ class LayerInputRole:
                 for p in cutlass.range_constexpr(1, CLUSTER):
                     total = total + sRecv[p * nr + vec_row[k]]
                 inv = prim.rsqrt_approx(prim.div_rn(total, Float32(self.H)) + norm_eps)
-                out = []
-                for e in cutlass.range_constexpr(4):
-                    lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(c_words[k][e]), inv), prim.bf16_lo(w_words[k][e]))
-                    hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(c_words[k][e]), inv), prim.bf16_hi(w_words[k][e]))
-                    out.append(prim.cvt_bf16x2(lo_v, hi_v))
+                out = normed_vector(c_words[k], inv, w_words[k])
                 row = row0 + vec_row[k]
                 if vec_in[k]:
                     if row < rows:

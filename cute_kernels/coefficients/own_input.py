@@ -20,7 +20,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cute_kernels import VEC
 from cute_kernels import ptx as prim
 from cute_kernels.coefficients.config import CLUSTER, HC, WARP
-from cute_kernels.coefficients.layer_input import QUANT_FORMS
+from cute_kernels.coefficients.layer_input import QUANT_FORMS, collapse_vector, normed_vector, square_sum
 from cute_kernels.quant import Fp8GroupWriter, Mxfp8Writer
 
 WORKERS_BARRIER = 1  # the named barrier of the worker warps (0 is __syncthreads)
@@ -138,22 +138,8 @@ class OwnInputRole:
             pre = [sPre[i * HC + j] for j in range(HC)]
             for k in cutlass.range_constexpr(self.vpt):
                 g = wt + k * self.workers
-                streams = loaded[rr * self.vpt + k]
-                cw = []
-                for e in cutlass.range_constexpr(4):
-                    vals = []
-                    for half in cutlass.range_constexpr(2):
-                        unpack = prim.bf16_lo if half == 0 else prim.bf16_hi
-                        acc = prim.mul_rn(pre[0], unpack(streams[0][e]))
-                        for j in cutlass.range_constexpr(1, HC):
-                            acc = prim.add_rn(acc, prim.mul_rn(pre[j], unpack(streams[j][e])))
-                        vals.append(acc)
-                    cw.append(prim.cvt_bf16x2(vals[0], vals[1]))
-                part = Float32(0.0)
-                for e in cutlass.range_constexpr(4):
-                    c0 = prim.bf16_lo(cw[e])
-                    c1 = prim.bf16_hi(cw[e])
-                    part = part + c0 * c0 + c1 * c1
+                cw = collapse_vector(pre, loaded[rr * self.vpt + k])
+                part = square_sum(cw)
                 if g < self.vecs:
                     prim.st_v4_i32(sC.iterator + (rr * self.vecs + g) * 4, tuple(cw))
                     sSq[rr * self.vecs + g] = part
@@ -201,12 +187,7 @@ class OwnInputRole:
                 g = wt + k * self.workers
                 gc = cutlass.min(g, self.vecs - 1)
                 cw = prim.ld_v4_i32(sC.iterator + (rr * self.vecs + gc) * 4)
-                ww = w_words[k]
-                out = []
-                for e in cutlass.range_constexpr(4):
-                    lo_v = prim.mul_rn(prim.mul_rn(prim.bf16_lo(cw[e]), inv), prim.bf16_lo(ww[e]))
-                    hi_v = prim.mul_rn(prim.mul_rn(prim.bf16_hi(cw[e]), inv), prim.bf16_hi(ww[e]))
-                    out.append(prim.cvt_bf16x2(lo_v, hi_v))
+                out = normed_vector(cw, inv, w_words[k])
                 valid = live & (g < self.vecs)
                 if valid:
                     prim.st_v4_i32(mOut.iterator + (row * self.H + g * VEC), tuple(out))
