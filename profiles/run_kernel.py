@@ -216,20 +216,24 @@ def coefficients_call(
     return bench_call(coefficient_inputs(rows, hidden, device, 0), arch, variant, config)
 
 
+def quantized_out(variant: str, rows: int, hidden: int, device: Any) -> tuple[str | None, Any]:
+    """(the quantized form of a layer-input `variant`, an empty buffer for it or None)."""
+    from boundary.types import empty_fp8_group, empty_quantized
+
+    quant = QUANT[variant]
+    if quant == "mxfp8":
+        return quant, empty_quantized(rows, hidden, device)
+    return quant, None if quant is None else empty_fp8_group(rows, hidden, device, ue8m0=False)
+
+
 def layer_input_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -> Call:
     """The layer-input-only kernel (first layer, Engram seams, DeepSeek-V4's own pre): RMSNorm of the carried pre-mix
     collapse, with the MXFP8 or FP8 1x128 form beside it (`variant` "mxfp8" / "fp8")."""
     from bench.kernels import coefficient_inputs
-    from boundary.types import empty_fp8_group, empty_quantized
     from cute_kernels.coefficients import mhc_layer_input
 
     inp = coefficient_inputs(rows, hidden, device, 0)
-    quant = QUANT[variant]
-    q = None
-    if quant == "mxfp8":
-        q = empty_quantized(rows, hidden, device)
-    elif quant is not None:
-        q = empty_fp8_group(rows, hidden, device, ue8m0=False)
+    quant, q = quantized_out(variant, rows, hidden, device)
     return lambda: mhc_layer_input(
         inp["streams"],
         inp["pre_mix"],
@@ -248,16 +252,10 @@ def own_pre_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -
     row, two from 2), the layer input collapsed with the pre it computes, with the MXFP8 or FP8 1x128 form beside it
     (`variant` "mxfp8" / "fp8")."""
     from bench.kernels import coefficient_inputs
-    from boundary.types import empty_fp8_group, empty_quantized
     from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients
 
     inp = coefficient_inputs(rows, hidden, device, 0)
-    quant = QUANT[variant]
-    q = None
-    if quant == "mxfp8":
-        q = empty_quantized(rows, hidden, device)
-    elif quant is not None:
-        q = empty_fp8_group(rows, hidden, device, ue8m0=False)
+    quant, q = quantized_out(variant, rows, hidden, device)
     ws = CoefficientsWorkspace(hidden, max(rows, 16), device)
     return lambda: mhc_coefficients(
         inp["streams"],
