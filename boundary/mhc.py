@@ -398,16 +398,9 @@ def head_mix(
     (the same formula, the same order of operations) with `fn` and `base` as the first hc of its 24 mixes, the rest
     zero: one launch, whose post and comb are dropped, so its variant runs one Sinkhorn repeat (HEAD_SINKHORN_REPEAT),
     not the layers' 20. On the reference, torch ops."""
-    residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
-    rows, hc, hidden = residual.shape
-    dev = residual.device
-    checks.tensor("fn", fn, dtype=torch.float32, shape=(hc, hc * hidden), device=dev)
-    checks.tensor("scale", scale, dtype=torch.float32, shape=(1,), device=dev)
-    checks.tensor("base", base, dtype=torch.float32, shape=(hc,), device=dev)
-    if kernel_arch(dev, backend) is None:
+    params = _head_params(residual, fn, scale, base, rms_eps, hc_eps, backend)
+    if params is None:
         return reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
-    fn24, scale3, base24 = _head_weights(fn, scale, base)
-    params = MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
     return mixes(residual, params, backend=backend, workspace_owner=workspace_owner)[2]
 
 
@@ -426,7 +419,22 @@ def head_input(
 ) -> Tensor:
     """DeepSeek-V4's last step after the final post: hc_head's weights p (`head_mix`), then RMSNorm(bf16(sum_i p_i *
     R_i)) with the final norm (CONTRACT §4d). On the kernels one call of the own-pre variant with hc_head's weights as
-    its pre, one Sinkhorn repeat (one launch at 1 row, two from 2); torch ops on the reference: the bits of `head_mix` then `collapse_norm`."""
+    its pre, one Sinkhorn repeat (one launch at 1 row, two from 2); torch ops on the reference: the bits of `head_mix` then
+    `collapse_norm`."""
+    params = _head_params(residual, fn, scale, base, rms_eps, hc_eps, backend)
+    if params is not None:
+        return own_pre(residual, params, norm_weight, norm_eps, backend=backend, workspace_owner=workspace_owner)[3]
+    checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(residual.shape[2],), device=residual.device)
+    norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
+    p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
+    return delayed_layer_input(residual, p, norm_weight, norm_eps)
+
+
+def _head_params(
+    residual: object, fn: object, scale: object, base: object, rms_eps: float, hc_eps: float, backend: str
+) -> MHCParams | None:
+    """hc_head's arguments checked; on the kernels its weights as the coefficients kernel's parameters (the head as the
+    first hc of the 24 mixes, one Sinkhorn repeat), None on the reference."""
     residual = checks.tensor("residual", residual, dtype=BF16, shape=(None, None, None))
     rows, hc, hidden = residual.shape
     dev = residual.device
@@ -434,13 +442,9 @@ def head_input(
     checks.tensor("scale", scale, dtype=torch.float32, shape=(1,), device=dev)
     checks.tensor("base", base, dtype=torch.float32, shape=(hc,), device=dev)
     if kernel_arch(dev, backend) is None:
-        checks.tensor("norm_weight", norm_weight, dtype=BF16, shape=(hidden,), device=dev)
-        norm_eps = checks.finite_float("norm_eps", norm_eps, minimum=0.0)
-        p = reference.hc_head_mix(residual, fn, scale, base, rms_eps, hc_eps)
-        return delayed_layer_input(residual, p, norm_weight, norm_eps)
+        return None
     fn24, scale3, base24 = _head_weights(fn, scale, base)
-    params = MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
-    return own_pre(residual, params, norm_weight, norm_eps, backend=backend, workspace_owner=workspace_owner)[3]
+    return MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
 
 
 # hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),

@@ -241,7 +241,7 @@ def test_a_calls_variant_and_its_names() -> None:
     assert {v.form for v in VARIANTS + OWN_VARIANTS} == set(tuning.FORMS)
     assert len(set(VARIANTS)) == len(VARIANTS) == 8
     own = CoefficientsVariant.own("fp8_1x128")
-    assert own.layer_input == "own" and own.form == "own" and own.inline and not own.clusters
+    assert own.layer_input == "own" and own.form == "own" and own.inline
     assert own.name == "standard layer_input=own fp8_1x128"
 
 

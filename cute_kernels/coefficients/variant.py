@@ -50,11 +50,6 @@ class CoefficientsVariant(NamedTuple):
         return self.collapse != "none"
 
     @property
-    def clusters(self) -> bool:
-        """Whether the launch runs layer-input clusters (the inline form's carried or one-hot collapse)."""
-        return self.collapse in ("carried", "one_hot")
-
-    @property
     def projection(self) -> str:
         """The kernels' `variant` argument: "standard" (the streams) or "broadcast" (the embedding)."""
         return "broadcast" if self.broadcast else "standard"
