@@ -205,11 +205,14 @@ def coefficients_call(
     form: str = "standard",
     config: ck.CoefficientsConfig | None = None,
     sinkhorn_repeat: int = 20,
+    quant: tuple[str, Any] | None = None,
 ):
-    """A closure running the coefficients kernel's variant of one tuning form (ck.FORM_VARIANTS: standard, broadcast
-    or inline) on one input set (default config unless `config`)."""
+    """A closure running the coefficients kernel's variant of one tuning form (ck.FORM_VARIANTS: standard, broadcast,
+    inline or own) on one input set (default config unless `config`); `quant`: the own form's (form, quantized
+    layer input) beside bf16."""
     variant = ck.FORM_VARIANTS[form]
-    broadcast, inline = variant.broadcast, variant.inline
+    broadcast, inline, own = variant.broadcast, variant.inline, variant.collapse == "own"
+    q_form, q = quant if quant is not None else (None, None)
     x = inp["streams"][:, 0].contiguous() if broadcast else inp["streams"]
 
     def call() -> None:
@@ -228,10 +231,14 @@ def coefficients_call(
             post_out=inp["post"],
             comb_out=inp["comb"],
             pre_out=inp["pre"],
-            pre_mix=inp["pre_mix"] if inline else None,
+            pre_mix=inp["pre_mix"] if inline and not own else None,
             norm_weight=inp["norm_weight"] if inline else None,
             norm_eps=1e-20 if inline else None,
             layer_input_out=inp["layer_input"] if inline else None,
+            own_pre=own,
+            quant=q_form,
+            quant_data=None if q is None else q.data,
+            quant_scale=None if q is None else q.scale,
             arch=arch,
             config=config,
         )

@@ -252,35 +252,11 @@ def own_pre_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -
     row, two from 2), the layer input collapsed with the pre it computes, with the MXFP8 or FP8 1x128 form beside it
     (`variant` "mxfp8" / "fp8")."""
     from bench.kernels import coefficient_inputs
-    from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients
+    from bench.kernels import coefficients_call as bench_call
 
-    inp = coefficient_inputs(rows, hidden, device, 0)
     quant, q = quantized_out(variant, rows, hidden, device)
-    ws = CoefficientsWorkspace(hidden, max(rows, 16), device)
-    return lambda: mhc_coefficients(
-        inp["streams"],
-        inp["fn"],
-        inp["scale"],
-        inp["base"],
-        rms_eps=EPS,
-        pre_eps=EPS,
-        sinkhorn_eps=EPS,
-        post_mult=2.0,
-        sinkhorn_repeat=20,
-        broadcast=False,
-        workspace=ws,
-        post_out=inp["post"],
-        comb_out=inp["comb"],
-        pre_out=inp["pre"],
-        norm_weight=inp["norm_weight"],
-        norm_eps=EPS,
-        layer_input_out=inp["layer_input"],
-        own_pre=True,
-        quant=quant,
-        quant_data=None if q is None else q.data,
-        quant_scale=None if q is None else q.scale,
-        arch=arch,
-    )
+    inp = coefficient_inputs(rows, hidden, device, 0)
+    return bench_call(inp, arch, "own", None, quant=None if quant is None else (quant, q))
 
 
 def peer_call(world: int, protocol: str, rows: int, hidden: int, device: Any, arch: str) -> tuple[Call, list]:
