@@ -44,7 +44,7 @@ class EpilogueRole:
         # layer-input kernel's whatever the CTA's shape).
         self.own_tile = self.own_finish = None
         if own_input is not None:
-            self.own_tile = OwnInputRole(own_input, threads, share, quant)
+            self.own_tile = OwnInputRole(own_input, threads, share, quant, pads=False)
             self.own_finish = OwnInputRole(own_input, self.finish_threads, 1, quant)
 
     @cute.jit

@@ -29,9 +29,11 @@ PASS_VECTORS = 4  # 16-byte vectors of each stream a worker thread has in flight
 
 class OwnInputRole:
     """The own-pre layer input of the rows a finishing CTA of `threads` threads holds (warps 1.. work), up to `share`
-    of them, `rows_per_pass` of them at once (all their loads in flight together)."""
+    of them, `rows_per_pass` of them at once (all their loads in flight together). With MXFP8 the scale padding rows are
+    zeroed by every CTA of the launch, a share each: by the workers in rows() (`pads`: the finish kernel, whose every
+    CTA finishes a row) or by the whole CTA in zero_padding_share (the tile schedule, where most CTAs finish none)."""
 
-    def __init__(self, H: int, threads: int, share: int, quant: str | None = None) -> None:
+    def __init__(self, H: int, threads: int, share: int, quant: str | None = None, *, pads: bool = True) -> None:
         if threads < 2 * WARP:
             raise ValueError(
                 f"the own-pre layer input needs a finishing CTA of at least 2 warps, got {threads} threads"
@@ -54,8 +56,11 @@ class OwnInputRole:
             if self.slice_vecs * VEC % 128:
                 raise ValueError(f"a quantized layer input needs H a multiple of {CLUSTER * 128}, got {H}")
             if quant == "mxfp8":
-                # One CTA owns every column of its rows; the padding rows are zeroed by the CTA of the last row.
+                # One CTA owns every column of its rows. `pads`: the CTAs of the launch running rows() zero the scale
+                # padding rows among them (the finish kernel); else the launch's CTAs do with `pad_writer` (the tile).
                 self.mxfp8 = Mxfp8Writer(H, H, self.workers)
+                self.pads = pads
+                self.pad_writer = Mxfp8Writer(H, H, threads)
             else:
                 self.fp8 = Fp8GroupWriter(H, ue8m0=quant == "fp8_1x128_ue8m0")
 
@@ -68,6 +73,13 @@ class OwnInputRole:
         sSq = smem.allocate_tensor(Float32, cute.make_layout(rp * self.vecs), byte_alignment=16)
         sSlice = smem.allocate_tensor(Float32, cute.make_layout(rp * CLUSTER), byte_alignment=16)
         return sPre, sC, sSq, sSlice
+
+    @cute.jit
+    def zero_padding_share(self, mScale: cute.Tensor, rows: Int32, cta: Int32, ctas: Int32):
+        """CTA `cta` of the launch's `ctas` zeroes its share of the MXFP8 scale padding rows (every thread; `pads`
+        False: the tile schedule calls it after its wait)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        self.pad_writer.zero_padding(mScale, rows, Int32(0), tidx, cta, ctas)
 
     @cute.jit
     def sync(self):
@@ -98,10 +110,12 @@ class OwnInputRole:
             prim.ld_v4_i32(mW.iterator + cutlass.min(wt + k * self.workers, self.vecs - 1) * VEC)
             for k in range(self.vpt)
         ]
+        if const_expr(self.mxfp8 is not None and self.pads):
+            # This CTA's share of the scale padding (every CTA of the launch finishes a row: one per block).
+            block, _, _ = cute.arch.block_idx()
+            blocks, _, _ = cute.arch.grid_dim()
+            self.mxfp8.zero_padding(mScale, rows, Int32(0), wt, block, blocks)
         self.sync()  # the pre of the share rows is in sPre
-        if const_expr(self.mxfp8 is not None):
-            if share_row0 + share_rows == rows:  # this CTA holds the last row: it zeroes the scale padding
-                self.mxfp8.zero_padding(mScale, rows, Int32(0), wt, Int32(0), Int32(1))
         for p in cutlass.range(0, share_rows, self.rows_per_pass):
             self.collapse_rows(sPre, sC, sSq, mX, share_row0, share_rows, p, wt)
             self.sync()
