@@ -52,7 +52,7 @@ def compile_one(job: Job, layers: int, max_rows: int, device_index: int) -> floa
     """Build the step part's graph of `job` and compile it (run once); the seconds it took."""
     from bench.step import CompiledChains, _compiled_call, boundaries_only
     from boundary import Boundaries, BoundaryAllReduce
-    from boundary.toy import ToyConfig, ToyModel, random_tokens
+    from boundary.toy import ToyConfig, ToyModel
 
     start = time.perf_counter()
     device = torch.device("cuda", device_index) if torch.cuda.is_available() else torch.device("cpu")
@@ -64,10 +64,13 @@ def compile_one(job: Job, layers: int, max_rows: int, device_index: int) -> floa
         free = boundaries_only(ToyModel(config, device=device), job.rows)
         _compiled_call(free, ref, job.rows)()
     else:
-        template = boundaries_only(ToyModel(config, rank=0, world_size=job.world, device=device), job.rows)
-        chain = CompiledChains(ref).chain(template, job.rows)
-        partials = [torch.zeros(job.rows, job.hidden, dtype=torch.bfloat16, device=device) for _ in range(layers)]
-        chain(random_tokens(template, job.rows, 0), partials, list(partials))
+        # Rank 0's call as the step part makes it: the shared chain and the rank's own compiled MoE finalize (whose
+        # graph depends on the rows alone; left out, FULL's simulated TP compiled one per row count in turn).
+        models = [
+            boundaries_only(ToyModel(config, rank=r, world_size=job.world, device=device), job.rows)
+            for r in range(job.world)
+        ]
+        CompiledChains(ref).rank_call(models, 0, job.rows)()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

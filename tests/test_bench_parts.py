@@ -583,13 +583,17 @@ def test_the_step_baselines_are_compiled_ahead_as_the_step_part_compiles_them(mo
 
 @pytest.mark.parametrize("kind", ["tp1", "chain"])
 def test_a_compile_ahead_builds_and_runs_the_step_parts_graph(monkeypatch, kind: str) -> None:
-    """The worker builds the graph the step part compiles (here with torch.compile as the identity, on the CPU)."""
+    """The worker builds the graphs the step part compiles (here with torch.compile as the identity, on the CPU): the
+    TP 1 step's, or a simulated rank's shared chain and its own MoE finalize."""
     from bench import precompile
+    from boundary import reference
 
-    compiled: list[object] = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    compiled: list[tuple[object, dict]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append((fn, kwargs)) or fn)
     assert precompile.compile_one(precompile.Job(kind, 256, 2, 2), 2, 4, 0) > 0
-    assert {"dynamic": False} in compiled
+    assert all(kwargs == {"dynamic": False} for _, kwargs in compiled)
+    assert len(compiled) == (1 if kind == "tp1" else 2)
+    assert (reference.moe_finalize in [fn for fn, _ in compiled]) == (kind == "chain")
 
 
 def test_the_v4_part_takes_tilelangs_chain_from_a_process_of_its_own(monkeypatch, tmp_path, capsys) -> None:
