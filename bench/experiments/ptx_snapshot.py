@@ -176,16 +176,32 @@ def coefficients_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
     return list(coefficients_kernel.coefficients_warmup_jobs(H, arch=arch, max_rows=max_rows))
 
 
-# Kernels that ship but that no warmup list compiles. Checked on bed62a1: none. The fused boundary's
-# only call path (fused_boundary) uses default_config(H) and a BoundaryVariant, and ENGINE_VARIANTS is
-# the engine's variant space (2 y sources x shared x {residual-only, pre, pre+mxfp8, pre+fp8 1x128,
-# pre+fp8 1x128 ue8m0} x aux = 40; MXFP8 and FP8 1x128 at once, which no scheduler call asks for, compiles on
-# first use and is not snapshotted);
-# mhc_coefficients uses coefficients_config(H, variant, rows) with CoefficientsVariant.of(...), which
-# coefficients_warmup_keys covers for 1..max_rows rows (check_dispatch_coverage re-derives it); and
-# mhc_layer_input uses LayerInputConfig() in its 3 valid modes, which the coefficients warmup appends.
-# Add an entry (kind, callable(H, arch, max_rows) -> list of WarmupJob) if that ever changes.
-EXTRA_JOBS: tuple[tuple[str, Callable[[int, str, int], list[Any]]], ...] = ()
+# Kernels that ship but that no engine-side warmup list above compiles: DeepSeek-V4's (the own-pre coefficients
+# variants in bf16 and every quantized form, hc_head's, and the layer-input kernel's quantized forms), which
+# `mhc.warmup_jobs(own_pre=True)` adds for V4Boundaries.warmup; its list repeats the coefficients jobs above, which
+# enumerate_jobs keeps once. The fused boundary's only call path (fused_boundary) uses default_config(H) and a
+# BoundaryVariant, and ENGINE_VARIANTS is the engine's variant space (2 y sources x shared x {residual-only, pre,
+# pre+mxfp8, pre+fp8 1x128, pre+fp8 1x128 ue8m0} x aux = 40; MXFP8 and FP8 1x128 at once, which no scheduler call
+# asks for, compiles on first use and is not snapshotted); mhc_coefficients uses coefficients_config(H, variant,
+# rows) with CoefficientsVariant.of(...), which coefficients_warmup_keys covers for 1..max_rows rows
+# (check_dispatch_coverage re-derives it); and mhc_layer_input uses LayerInputConfig() in its 3 valid modes, which
+# the coefficients warmup appends. Add an entry (kind, callable(H, arch, max_rows) -> list of WarmupJob) for any
+# other.
+
+
+def v4_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
+    """DeepSeek-V4's compiles at H (none where the layout has no V4 entry)."""
+    try:
+        from boundary import mhc
+        from cute_kernels.coefficients.layer_input import QUANT_FORMS
+    except ImportError:
+        return []
+    if "own_pre" not in inspect.signature(mhc.warmup_jobs).parameters:
+        return []
+    return list(mhc.warmup_jobs(H, arch, max_rows, own_pre=True, quantized=tuple(QUANT_FORMS)))
+
+
+EXTRA_JOBS: tuple[tuple[str, Callable[[int, str, int], list[Any]]], ...] = (("v4", v4_warmup_jobs),)
 
 
 def warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
@@ -260,8 +276,13 @@ def semantic_key(job: Any) -> dict[str, Any]:
             config_type = type(value).__name__
             config = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         elif isinstance(value, tuple) and hasattr(value, "projection") and hasattr(value, "layer_input"):
-            # a CoefficientsVariant: keyed by the two strings the kernel classes take, as before it existed
+            # a CoefficientsVariant: keyed by the two strings the kernel classes take, as before it existed, and
+            # its fields past those only where they are not the default (older snapshots keep their names)
             params["variant"], params["layer_input"] = value.projection, value.layer_input
+            if getattr(value, "quant", None) is not None:
+                params["quant"] = value.quant
+            if not getattr(value, "normed", True):
+                params["normed"] = False
         elif isinstance(value, tuple) and hasattr(value, "_asdict"):
             params.update(value._asdict())
         else:
@@ -296,13 +317,18 @@ def job_name(kind: str, key: dict[str, Any]) -> str:
         if p.get("world_size", 1) > 1:  # one-rank names stay as they were, so older snapshots compare
             parts += [f"W{p['world_size']}", _tag(p["protocol"])] + (["staged"] if p.get("staged") else [])
     elif kind == "coefficients":
-        parts += [_tag(p["variant"]), f"li-{_tag(p['layer_input'])}", f"rep-{_tag(p.get('sinkhorn_repeat', 20))}"]
+        parts += [_tag(p["variant"]), f"li-{_tag(p['layer_input'])}"]
+        parts += [f"q-{_tag(p['quant'])}"] if p.get("quant") else []
+        parts += ["unnormed"] if p.get("normed") is False else []
+        parts.append(f"rep-{_tag(p.get('sinkhorn_repeat', 20))}")
         for field, tag, default in COEFFICIENTS_NAME_FIELDS:
             if field not in c and default is None:
                 raise RuntimeError(f"coefficients config has no {field!r}: {c}")
             parts.append(f"{tag}-{_tag(c.get(field, default))}")
     else:
         parts += [_tag(p["variant"]), f"li-{_tag(p['layer_input'])}"]
+        parts += [f"q-{_tag(p['quant'])}"] if p.get("quant") else []
+        parts += ["unnormed"] if p.get("normed") is False else []
         parts += [f"{tag}-{_tag(c.get(field, default))}" for field, tag, default in LAYER_INPUT_NAME_FIELDS]
     return "_".join(parts)
 
@@ -342,8 +368,10 @@ def enumerate_jobs(
                 if entry["params"].get("world_size", 1) not in worlds:
                     continue
                 if entry["key"] in seen:
-                    raise RuntimeError(f"two jobs named {entry['key']}: {seen[entry['key']]!r} and {job.name!r}")
-                seen[entry["key"]] = job.name
+                    if seen[entry["key"]] == (job.name, entry["params"], entry["config"]):
+                        continue  # one compile listed by two warmup lists (the V4 list repeats the coefficients')
+                    raise RuntimeError(f"two jobs named {entry['key']}: {seen[entry['key']][0]!r} and {job.name!r}")
+                seen[entry["key"]] = (job.name, entry["params"], entry["config"])
                 entry["seq"] = len(entries)
                 entries.append(entry)
     return entries
@@ -597,11 +625,19 @@ def snapshot(
     order: str,
     keep_ir: bool,
     worlds: Iterable[int] = DEFAULT_WORLDS,
+    only: list[str] | None = None,
 ) -> int:
-    """Compile every job, write the PTX files and the index; returns the number of failed jobs."""
+    """Compile every job (`only`: those whose name holds one of these), write the PTX files and the index; returns
+    the number of failed jobs."""
     started = time.time()
     entries = enumerate_jobs(archs, hidden, max_rows, worlds)
-    notes = check_dispatch_coverage(hidden, max_rows, entries)
+    notes = [] if only else check_dispatch_coverage(hidden, max_rows, entries)
+    if only:
+        entries = [e for e in entries if any(text in e["name"] for text in only)]
+        if not entries:
+            raise SystemExit(f"no job's name holds any of {only}")
+        for seq, e in enumerate(entries):
+            e["seq"] = seq
     for note in notes:
         if "NOT WARMED" in note:
             print(note, file=sys.stderr)
@@ -847,6 +883,12 @@ def main(argv: list[str] | None = None) -> int:
         help="order the jobs are handed to the workers (a check that no per-process state leaks into the PTX)",
     )
     ap.add_argument("--no-ir", action="store_true", help="PTX only: skip the host side (the clean MLIR's launcher)")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="TEXT",
+        help="snapshot only the jobs whose name holds one of these (a partial snapshot: compare it with one taken so)",
+    )
     args = ap.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
@@ -862,6 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         args.order,
         not args.no_ir,
         args.world,
+        args.only,
     )
     return 1 if failed else 0
 
