@@ -219,11 +219,11 @@ def run_parts(
     if "step" in args.parts:
         from bench import step
 
-        step.bench_step(args, timer, results.setdefault("step", []))
+        step.bench_step(args, timer, results.setdefault("step", []), lambda stage: clock.done(f"step, {stage}"))
         from bench import start_delay
 
         results["start_delay"] = start_delay.measure(device, arch)  # printed with the step's tables
-        clock.done("step")
+        clock.done("step, start delay")
     if "v4" in args.parts:
         from bench import v4
 

@@ -162,18 +162,27 @@ def step_compiles(args: argparse.Namespace, tp: int, rows: int) -> bool:
     return not args.no_compile and tp in args.step_compile_tp and rows in args.step_compile_rows
 
 
-def bench_step(args: argparse.Namespace, timer: GraphTimer, out: list[dict] | None = None) -> list[dict]:
+def bench_step(
+    args: argparse.Namespace,
+    timer: GraphTimer,
+    out: list[dict] | None = None,
+    lap: Callable[[str], None] | None = None,
+) -> list[dict]:
     """µs per step at TP 1, then on simulated TP ranks, for every hidden size and row count of the step part; each row
-    is appended to `out` as it is measured (an interrupted run keeps what it has, with its TileLang column)."""
+    is appended to `out` as it is measured (an interrupted run keeps what it has, with its TileLang column). `lap`
+    (make bench's clock) is told each stage as it ends: the compile-ahead, TP 1, each simulated (H, W)."""
+    lap = lap or (lambda stage: None)
     out = [] if out is None else out
     # First, alone on the GPU: its process must be gone before ours allocate their graphs.
     tilelang = run_tilelang(args) if args.tilelang_path is not None else None
     from bench import precompile
 
     precompile.precompile(args, timer.device)  # the compile baselines' cold compiles, side by side
+    lap("compile-ahead")
     try:
         bench_step_tp1(args, timer, out)
-        bench_step_tp(args, timer, out)
+        lap("TP 1")
+        bench_step_tp(args, timer, out, lap)
     finally:
         if args.tilelang_json is not None:
             tilelang = json.loads(args.tilelang_json.read_text())["rows"]
@@ -236,7 +245,9 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
         out.append(row)
 
 
-def bench_step_tp(args: argparse.Namespace, timer: GraphTimer, out: list[dict]) -> None:
+def bench_step_tp(
+    args: argparse.Namespace, timer: GraphTimer, out: list[dict], lap: Callable[[str], None] = lambda stage: None
+) -> None:
     """The simulated TP > 1 rows, appended to `out`; the compile baseline's chains shared by every W of a size."""
     device = timer.device
     simulated = [(hidden, world) for hidden in args.step_hidden for world in args.step_tp if world > 1]
@@ -247,6 +258,7 @@ def bench_step_tp(args: argparse.Namespace, timer: GraphTimer, out: list[dict]) 
             ref = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device, backend="reference")
             compiled = CompiledChains(Boundaries(ref))
         bench_step_simulated(args, timer, hidden, world, out, compiled if wanted else None)
+        lap(f"simulated H={hidden} W={world}")
 
 
 class SimulatedStep:

@@ -68,8 +68,10 @@ def test_the_step_part_times_ours_and_the_baselines(capsys) -> None:
     args: argparse.Namespace = parse_args(argv)
     args.no_compile = True
     timer = OnceTimer()
-    rows = step.bench_step(args, timer)  # type: ignore[arg-type]
+    laps: list[str] = []
+    rows = step.bench_step(args, timer, lap=laps.append)  # type: ignore[arg-type]
     assert [(r["H"], r["rows"]) for r in rows] == [(512, 1), (512, 3)]
+    assert laps == ["compile-ahead", "TP 1"]  # make bench's clock hears each stage (a simulated W: its own)
     # side streams, inline, eager chain, the model code alone (GLUE_CALLS in its graph), the toy sublayers
     assert timer.calls == 2 * (4 + step.GLUE_CALLS)
     assert all(r["boundaries"] == 2 * 2 for r in rows)  # two per layer
