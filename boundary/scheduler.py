@@ -20,8 +20,7 @@ from boundary.types import (
     Norm,
     QuantizedActivation,
     UnfinalizedMoEOutput,
-    empty_fp8_group,
-    empty_quantized,
+    empty_layer_input_form,
 )
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.hardware import env_int
@@ -252,11 +251,10 @@ class Boundaries:
         reads = FFN if ffn else ATTN
         values = self._layer(layer, reads)
         rows, hidden, dev = step.rows, self.all_reduce.hidden_size, self.all_reduce.device
-        mxfp8 = fp8 = None  # the form is decided here, once: each buffer goes to its own argument
-        if quantize == "mxfp8":
-            mxfp8 = empty_quantized(rows, hidden, dev)
-        elif quantize:
-            fp8 = empty_fp8_group(rows, hidden, dev, quantize == "fp8_1x128_ue8m0")
+        # The form is decided here, once: each buffer goes to its own argument.
+        quantized = empty_layer_input_form(quantize or None, rows, hidden, dev)
+        mxfp8 = quantized if isinstance(quantized, QuantizedActivation) else None
+        fp8 = quantized if isinstance(quantized, Fp8GroupActivation) else None
         aux = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) if capture_aux else None
         try:
             residual, layer_input = self._calls.boundary(state, state.pre, values[3], values[4], mxfp8, fp8, aux)

@@ -96,6 +96,18 @@ def empty_fp8_group(num_tokens: int, hidden_size: int, device: torch.device, ue8
     return Fp8GroupActivation(data, scale, torch.bfloat16, torch.Size((num_tokens, hidden_size)), key, ue8m0)
 
 
+def empty_layer_input_form(
+    form: str | None, num_tokens: int, hidden_size: int, device: torch.device
+) -> QuantizedActivation | Fp8GroupActivation | None:
+    """An empty quantized layer input in the form a `quantize=` name gives ("mxfp8", "fp8_1x128",
+    "fp8_1x128_ue8m0"; None: none), on checked arguments."""
+    if form is None:
+        return None
+    if form == "mxfp8":
+        return empty_quantized(num_tokens, hidden_size, device)
+    return empty_fp8_group(num_tokens, hidden_size, device, form == "fp8_1x128_ue8m0")
+
+
 def check_mxfp8_out(name: str, out: object, rows: int, hidden: int, device: torch.device, align: int) -> None:
     """Raise unless `out` is a QuantizedActivation for `rows` x `hidden` on `device` whose data start on `align`
     bytes (the kernels write 16 bytes of data, 4 of scales, at a time; 1 on the torch path)."""

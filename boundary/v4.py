@@ -34,8 +34,7 @@ from boundary.types import (
     MHCLayer,
     Norm,
     QuantizedActivation,
-    empty_fp8_group,
-    empty_quantized,
+    empty_layer_input_form,
     quant_form,
 )
 
@@ -226,7 +225,9 @@ class V4Boundaries:
         quantized form."""
         fn, scale, base, weight, eps, rms_eps, hc_eps, alpha, iters, _ = values
         params = MHCParams(fn, scale, base, rms_eps, hc_eps, hc_eps, alpha, iters)
-        quantized = self._quantized_out(residual.shape[0], quantize)
+        quantized = empty_layer_input_form(
+            quantize, residual.shape[0], self.all_reduce.hidden_size, self.all_reduce.device
+        )
         try:
             if x is None:
                 post, comb, pre, layer_input = self._own_pre(residual, params, weight, eps, quantized)
@@ -237,15 +238,6 @@ class V4Boundaries:
             checks.rename(exc, _layer_names(reads), converted_at_load=True)
             raise
         return BoundaryState(residual, post, comb, pre), layer_input, quantized
-
-    def _quantized_out(self, rows: int, form: str | None) -> QuantizedActivation | Fp8GroupActivation | None:
-        """An empty layer input in the quantized form `form` (None: none), for the collapse to write."""
-        if form is None:
-            return None
-        ar = self.all_reduce
-        if form == "mxfp8":
-            return empty_quantized(rows, ar.hidden_size, ar.device)
-        return empty_fp8_group(rows, ar.hidden_size, ar.device, form == "fp8_1x128_ue8m0")
 
     def _check_step(self, step: object) -> None:
         self._boundaries._check_step(step)

@@ -218,12 +218,9 @@ def coefficients_call(
 
 def quantized_out(variant: str, rows: int, hidden: int, device: Any) -> tuple[str | None, Any]:
     """(the quantized form of a layer-input `variant`, an empty buffer for it or None)."""
-    from boundary.types import empty_fp8_group, empty_quantized
+    from boundary.types import empty_layer_input_form
 
-    quant = QUANT[variant]
-    if quant == "mxfp8":
-        return quant, empty_quantized(rows, hidden, device)
-    return quant, None if quant is None else empty_fp8_group(rows, hidden, device, ue8m0=False)
+    return QUANT[variant], empty_layer_input_form(QUANT[variant], rows, hidden, device)
 
 
 def layer_input_call(variant: str, rows: int, hidden: int, device: Any, arch: str) -> Call:

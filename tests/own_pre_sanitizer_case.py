@@ -17,7 +17,7 @@ import torch
 
 from boundary import mhc
 from boundary.params import MHCParams
-from boundary.types import empty_fp8_group, empty_quantized
+from boundary.types import empty_layer_input_form
 from cute_kernels.compile import arch_for_device, warmup
 
 HIDDENS = (2048, 1024)  # multiples of 1024 (every quantized form); at 1024 a pass holds two rows
@@ -46,11 +46,7 @@ def check(hidden: int, dev: torch.device) -> int:
         for form in FORMS:
             outs = []
             for one_launch in (True, False):
-                q = None
-                if form == "mxfp8":
-                    q = empty_quantized(rows, hidden, dev)
-                elif form is not None:
-                    q = empty_fp8_group(rows, hidden, dev, False)
+                q = empty_layer_input_form(form, rows, hidden, dev)
                 if one_launch:
                     got = mhc.own_pre(residual, params, weight, 1e-6, quantized_out=q)
                 else:

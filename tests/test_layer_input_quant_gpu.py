@@ -12,7 +12,7 @@ import torch
 
 from boundary import mhc
 from boundary import reference as ref
-from boundary.types import empty_fp8_group, empty_quantized, quant_form
+from boundary.types import empty_layer_input_form, quant_form
 from tests.bf16 import max_ulp
 from tests.inputs import boundary_inputs
 
@@ -34,9 +34,7 @@ def inputs(rows: int, H: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 def poisoned(rows: int, H: int, form: str):
     """An empty quantized layer input whose every byte is 0xFF, so that a byte the kernel skips shows."""
-    out = empty_quantized(rows, H, torch.device("cuda")) if form == "mxfp8" else None
-    if out is None:
-        out = empty_fp8_group(rows, H, torch.device("cuda"), form == "fp8_1x128_ue8m0")
+    out = empty_layer_input_form(form, rows, H, torch.device("cuda"))
     out.data.view(torch.uint8).fill_(0xFF)
     out.scale.view(torch.uint8).fill_(0xFF)
     return out

@@ -15,7 +15,7 @@ import torch
 from boundary import BoundaryAllReduce, mhc
 from boundary.params import MHCParams
 from boundary.toy import ToyConfig, ToyModel
-from boundary.types import empty_fp8_group, empty_quantized
+from boundary.types import empty_layer_input_form
 from cute_kernels.coefficients import api as coefficients_api
 from cute_kernels.coefficients.tuning import Choice
 from tests.inputs import attn_params
@@ -61,8 +61,7 @@ def poisoned(rows: int, H: int, form: str | None):
     """An empty quantized layer input whose every byte is 0xA5 (None: none)."""
     if form is None:
         return None
-    dev = torch.device("cuda")
-    out = empty_quantized(rows, H, dev) if form == "mxfp8" else empty_fp8_group(rows, H, dev, form.endswith("ue8m0"))
+    out = empty_layer_input_form(form, rows, H, torch.device("cuda"))
     out.data.view(torch.uint8).fill_(0xA5)
     out.scale.view(torch.uint8).fill_(0xA5)
     return out

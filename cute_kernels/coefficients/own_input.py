@@ -60,7 +60,7 @@ class OwnInputRole:
                 # padding rows among them (the finish kernel); else the launch's CTAs do with `pad_writer` (the tile).
                 self.mxfp8 = Mxfp8Writer(H, H, self.workers)
                 self.pads = pads
-                self.pad_writer = Mxfp8Writer(H, H, threads)
+                self.pad_writer = None if pads else Mxfp8Writer(H, H, threads)  # every thread of the CTA zeroes
             else:
                 self.fp8 = Fp8GroupWriter(H, ue8m0=quant == "fp8_1x128_ue8m0")
 
