@@ -151,15 +151,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def warm_kernels(args: argparse.Namespace, arch: str, device: torch.device) -> None:
     """Compile (in parallel, once per host) and load the one-rank kernels the parts launch, before any is timed: the
     boundary with bf16, MXFP8 and FP8 1x128 layer inputs and the coefficients (and the V4 part's quantized layer
-    inputs and hc_head's variant), at every hidden size of the run."""
+    inputs, hc_head's variant and the boundary that computes its own pre), at every hidden size of the run."""
     from boundary import mhc
     from cute_kernels.compile import warmup
 
     hiddens = set(args.hidden) if set(args.parts) - {"step"} else set()
     hiddens |= set(args.step_hidden) if "step" in args.parts else set()
     rows = max(args.rows + args.step_rows)
+    v4 = "v4" in args.parts  # its layer input in both quantized forms, hc_head's weights, the own-pre boundary
     variants = boundary_api.engine_variants(("mxfp8", "fp8_1x128"))
-    v4 = "v4" in args.parts  # its layer input in both quantized forms, and hc_head's weights
+    variants += boundary_api.own_pre_variants(()) if v4 else ()
     jobs = []
     for hidden in sorted(hiddens):
         jobs += boundary_api.warmup_jobs(hidden, arch=arch, variants=variants)

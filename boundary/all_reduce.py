@@ -16,7 +16,7 @@ from torch import Tensor
 
 from boundary import checks, mhc, reference
 from boundary.backend import BACKENDS, kernel_arch
-from boundary.types import Fp8GroupActivation, QuantizedActivation, check_fp8_out, check_mxfp8_out
+from boundary.types import Fp8GroupActivation, MixWeights, QuantizedActivation, check_fp8_out, check_mxfp8_out
 from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
 from cute_kernels.allreduce.protocol import (
     ERROR_MISSING,
@@ -28,6 +28,7 @@ from cute_kernels.allreduce.protocol import (
 )
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.boundary.args import BoundaryVariant
+from cute_kernels.boundary.own_pre import MIX_PARAMS
 from cute_kernels.compile import lazy_module_loading, warmup
 from cute_kernels.hardware import MAX_DEVICE_CONNECTIONS, device_connections
 
@@ -329,16 +330,21 @@ class BoundaryAllReduce:
         shared_output: Tensor | None = None,
         aux_out: Tensor | None = None,
         fp8_out: Fp8GroupActivation | None = None,
+        mix: MixWeights | None = None,
+        pre_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The boundary on a bf16 partial `x`: (new residual, layer input or None when pre is None).
 
         With `shared_output` the rank's partial is bf16(x + shared_output) (a combined MoE output). `fp8_out` takes
-        the FP8 1x128 form of the layer input (CONTRACT §4b), beside or instead of `mxfp8_out`.
+        the FP8 1x128 form of the layer input (CONTRACT §4b), beside or instead of `mxfp8_out`. With `mix`
+        (DeepSeek-V4, CONTRACT §4d; pre=None) the pre is computed from the new streams in the same launch, with
+        those weights (`boundary.mhc.mix_weights`), and written to `pre_out` ([T, 4] fp32) where one is given.
         """
         if (
             shared_output is None
             and aux_out is None
             and fp8_out is None
+            and mix is None
             and self._fused
             and self._fits(x, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out)
         ):  # the common call, every argument as `_check_epilogue` would pass it: checked in one pass
@@ -356,11 +362,12 @@ class BoundaryAllReduce:
                 device=self.device,
                 align=a16,
             )
+        pre = self._check_mix(rows, mix, pre, pre_out)
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self._fused:
-            return self._kernel(residual, *args, x=x, shared=shared_output)
+            return self._kernel(residual, *args, x=x, shared=shared_output, mix=mix)
         y = self._reduce(reference.add_shared(x, shared_output))
-        return self._epilogue(y, residual, *args)
+        return self._epilogue(y, residual, *args, mix=mix)
 
     def finalize(
         self,
@@ -378,6 +385,8 @@ class BoundaryAllReduce:
         *,
         aux_out: Tensor | None = None,
         fp8_out: Fp8GroupActivation | None = None,
+        mix: MixWeights | None = None,
+        pre_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The boundary on an unfinalized MoE output: the top-k combine + shared add, then as __call__."""
         residual = self._check_residual(residual)
@@ -394,15 +403,16 @@ class BoundaryAllReduce:
             device=dev,
         )
         checks.optional_tensor("shared_output", shared_output, dtype=BF16, shape=(rows, hidden), device=dev, align=a16)
+        pre = self._check_mix(rows, mix, pre, pre_out)
         args = self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out)
         if self._fused:
             moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
-            return self._kernel(residual, *args, moe=moe, shared=shared_output)
+            return self._kernel(residual, *args, moe=moe, shared=shared_output, mix=mix)
         partial = reference.moe_finalize(
             gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, self.workspace.error
         )
         y = self._reduce(partial)
-        return self._epilogue(y, residual, *args)
+        return self._epilogue(y, residual, *args, mix=mix)
 
     def warmup(
         self,
@@ -420,8 +430,8 @@ class BoundaryAllReduce:
         values; every form by default; None or () for bf16 only): an engine that writes one form warms up
         that one only, in about two thirds of the time. `unnormed_layer_input`: the coefficients' layer input
         without a norm weight too (`mhc_pre_delayed(..., norm_weight=None)`; the scheduler never asks for it).
-        `own_pre`: DeepSeek-V4's kernels too, its own-pre layer input in the `quantize` forms and hc_head's weights
-        (`V4Boundaries.warmup` sets it).
+        `own_pre`: DeepSeek-V4's kernels too, its own-pre layer input in the `quantize` forms and hc_head's weights,
+        and the boundary kernels that compute their own pre (`mix=`; `V4Boundaries.warmup` sets it).
         `sinkhorn_repeat`: the layers' Sinkhorn iterations (`hc_sinkhorn_iters`, compiled into the coefficients
         kernels; 20 in the V4 models).
         Call it before CUDA-graph capture: nothing can compile or allocate a workspace inside a capture.
@@ -448,7 +458,8 @@ class BoundaryAllReduce:
             arch=self.arch,
             world_size=world,
             ranks_per_device=self.workspace.ranks_per_device,
-            variants=boundary_api.engine_variants(tuple(quantize)),
+            variants=boundary_api.engine_variants(tuple(quantize))
+            + (boundary_api.own_pre_variants(tuple(quantize)) if own_pre else ()),
             protocols=protocols,
         ) + mhc.warmup_jobs(
             self.hidden_size,
@@ -552,6 +563,29 @@ class BoundaryAllReduce:
         if rows > self.max_rows:
             raise ValueError(f"rows ({rows}) exceed this boundary's capacity max_rows={self.max_rows}")
 
+    def _check_mix(self, rows: int, mix: object, pre: object, pre_out: object) -> object:
+        """The pre the epilogue takes: `pre` as given without `mix`; with it, where the kernel writes its own pre
+        (`pre_out`, or a new [T, 4] fp32 tensor)."""
+        if mix is None:
+            if pre_out is not None:
+                raise ValueError("pre_out takes the pre a boundary computes from its new streams: it needs mix")
+            return pre
+        if not isinstance(mix, MixWeights):
+            raise TypeError(f"mix must be a MixWeights (boundary.mhc.mix_weights), got {type(mix).__name__}")
+        if pre is not None:
+            raise ValueError("with mix the boundary computes the pre itself: pass pre=None (pre_out receives it)")
+        hc, hidden, dev = self.hc_mult, self.hidden_size, self.device
+        checks.tensor("mix.fn", mix.fn, dtype=F32, shape=(hc, hc * hidden), device=dev, align=self._align(16))
+        if not mix.fn.is_contiguous():
+            raise ValueError("mix.fn must be contiguous")
+        checks.tensor("mix.params", mix.params, dtype=F32, shape=(MIX_PARAMS,), device=dev)
+        if pre_out is None:
+            return torch.empty(rows, hc, dtype=F32, device=dev)
+        checks.tensor("pre_out", pre_out, dtype=F32, shape=(rows, hc), device=dev)
+        if not pre_out.is_contiguous():
+            raise ValueError("pre_out must be contiguous")
+        return pre_out
+
     def _check_residual(self, residual: object) -> Tensor:
         residual = checks.tensor(
             "residual",
@@ -617,8 +651,10 @@ class BoundaryAllReduce:
         x: Tensor | None = None,
         moe: tuple[Tensor, Tensor, Tensor] | None = None,
         shared: Tensor | None = None,
+        mix: MixWeights | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """The fused kernel (with the peer all-reduce on the "peer" path); the arguments were checked by the caller."""
+        """The fused kernel (with the peer all-reduce on the "peer" path); the arguments were checked by the caller
+        (with `mix`, `pre` is where the kernel writes its own pre)."""
         rows = residual.shape[0]
         new_residual = torch.empty_like(residual)
         out = None if pre is None else torch.empty(rows, self.hidden_size, dtype=BF16, device=self.device)
@@ -631,6 +667,7 @@ class BoundaryAllReduce:
             mxfp8_out is not None,
             aux_out is not None,
             None if fp8_out is None else fp8_out.ue8m0,
+            mix is not None,
         )
         launch = self._launches.get(flags)
         if launch is None:
@@ -638,6 +675,7 @@ class BoundaryAllReduce:
                 "x" if moe is None else "moe",
                 *flags[1:5],
                 None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
+                flags[6],
             )
             compiled = None
             if self.path is not BoundaryPath.PEER:
@@ -677,6 +715,8 @@ class BoundaryAllReduce:
             fp8_scale=None if fp8_out is None else fp8_out.scale,
             aux=aux_out,
             error=self.workspace.error,
+            mix_fn=None if mix is None else mix.fn,
+            mix_params=None if mix is None else mix.params,
             peer=peer,
             compiled=compiled,
             arch=self.arch,
@@ -711,9 +751,16 @@ class BoundaryAllReduce:
         mxfp8_out: QuantizedActivation | None,
         aux_out: Tensor | None,
         fp8_out: Fp8GroupActivation | None,
+        *,
+        mix: MixWeights | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         if self.path == BoundaryPath.NCCL_KERNEL:
-            return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out, x=y)
+            return self._kernel(
+                residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, aux_out, fp8_out, x=y, mix=mix
+            )
+        if mix is not None:  # the own pre (CONTRACT §4d): from the new streams, into `pre`, before the collapse
+            streams = reference.mhc_post(y, residual, post, comb)
+            pre.copy_(reference.hc_head_mix(streams, mix.fn, mix.scale, mix.base, mix.rms_eps, mix.eps))
         result = reference.boundary(
             y,
             residual,

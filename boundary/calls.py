@@ -12,7 +12,7 @@ from torch import Tensor
 from boundary import mhc, ops
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.params import MHCParams
-from boundary.types import Fp8GroupActivation, QuantizedActivation, UnfinalizedMoEOutput
+from boundary.types import Fp8GroupActivation, MixWeights, QuantizedActivation, UnfinalizedMoEOutput
 
 if TYPE_CHECKING:  # the scheduler imports this module
     from boundary.scheduler import BoundaryState
@@ -35,13 +35,14 @@ class DirectCalls:
         mxfp8: QuantizedActivation | None,
         fp8: Fp8GroupActivation | None,
         aux: Tensor | None,
+        mix: MixWeights | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The fused boundary on the state's pending sublayer output: (new streams, layer input or None when pre is
-        None)."""
+        None and there is no `mix`, with which it computes its own pre)."""
         ar, pending = self.all_reduce, state.pending
         common = (state.residual, state.post, state.comb, pre, norm_weight, norm_eps, mxfp8)
         if isinstance(pending, Tensor):
-            return ar(pending, *common, aux_out=aux, fp8_out=fp8)
+            return ar(pending, *common, aux_out=aux, fp8_out=fp8, mix=mix)
         routed = pending.routed
         if isinstance(routed, UnfinalizedMoEOutput):
             return ar.finalize(
@@ -52,12 +53,19 @@ class DirectCalls:
                 *common,
                 aux_out=aux,
                 fp8_out=fp8,
+                mix=mix,
             )
-        return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8)
+        return ar(routed, *common, shared_output=pending.shared_output, aux_out=aux, fp8_out=fp8, mix=mix)
 
     def final(self, state: BoundaryState, norm_weight: Tensor, eps: float) -> Tensor:
         """The final boundary: RMSNorm(collapse(R', state.pre)) with the final norm (the new streams are dropped)."""
         _, hidden = self.boundary(state, state.pre, norm_weight, eps, None, None, None)
+        return hidden
+
+    def head_final(self, state: BoundaryState, head: tuple, norm_weight: Tensor, eps: float) -> Tensor:
+        """DeepSeek-V4's final boundary: the post, hc_head's weights from R' (`head`: fn, scale, base, rms_eps,
+        hc_eps), the collapse with them and the final norm, in one boundary that computes its own pre."""
+        _, hidden = self.boundary(state, None, norm_weight, eps, None, None, None, mhc.mix_weights(*head))
         return hidden
 
     def coefficients(
@@ -121,6 +129,11 @@ class OpCalls(DirectCalls):
         return torch.ops.mhc_boundary.final(
             self.all_reduce.handle, *source, state.residual, state.post, state.comb, state.pre, norm_weight, eps
         )
+
+    def head_final(self, state: BoundaryState, head: tuple, norm_weight: Tensor, eps: float) -> Tensor:
+        source = ops.partial_args(state.pending)
+        streams = (state.residual, state.post, state.comb)
+        return torch.ops.mhc_boundary.hc_head_final(self.all_reduce.handle, *source, *streams, *head, norm_weight, eps)
 
     def coefficients(
         self,

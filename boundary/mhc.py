@@ -16,10 +16,18 @@ from torch import Tensor
 from boundary import checks, reference
 from boundary.backend import kernel_arch
 from boundary.params import MHCParams
-from boundary.types import Fp8GroupActivation, QuantizedActivation, check_fp8_out, check_mxfp8_out, quant_form
-from cute_kernels import coefficients
+from boundary.types import (
+    Fp8GroupActivation,
+    MixWeights,
+    QuantizedActivation,
+    check_fp8_out,
+    check_mxfp8_out,
+    quant_form,
+)
+from cute_kernels import HC, coefficients
 from cute_kernels.boundary.api import fused_boundary
 from cute_kernels.boundary.args import BoundaryVariant
+from cute_kernels.boundary.own_pre import MIX_PARAMS
 from cute_kernels.coefficients import CoefficientsWorkspace, mhc_coefficients, mhc_layer_input
 from cute_kernels.compile import WarmupJob
 from cute_kernels.hardware import MAX_GRID_Y
@@ -445,6 +453,40 @@ def _head_params(
         return None
     fn24, scale3, base24 = _head_weights(fn, scale, base)
     return MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
+
+
+# MixWeights by id of their fn (an entry goes when that fn does), with the versions they were built from.
+_MIX_WEIGHTS: dict[int, tuple[weakref.ref, tuple[Any, ...], MixWeights]] = {}
+
+
+def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: float) -> MixWeights:
+    """The pre weights of a boundary that computes its own pre (MixWeights): a layer's `fn[:4]`, `scale[:1]`,
+    `base[:4]` and its rms / pre epsilons, or hc_head's fn, scale, base and epsilons. Built once per fn (and again
+    after an in-place update of any of them): the call path makes no tensor and copies nothing from the host."""
+    checks.tensor("fn", fn, dtype=torch.float32, shape=(HC, None))
+    dev = fn.device
+    hidden = fn.shape[1] // HC
+    checks.tensor("fn", fn, dtype=torch.float32, shape=(HC, HC * hidden), device=dev)
+    if not fn.is_contiguous():
+        raise ValueError("fn must be contiguous (a layer's fn[:4] is)")
+    checks.tensor("scale", scale, dtype=torch.float32, shape=(1,), device=dev)
+    checks.tensor("base", base, dtype=torch.float32, shape=(HC,), device=dev)
+    rms_eps = checks.finite_float("rms_eps", rms_eps, minimum=0.0)
+    eps = checks.finite_float("eps", eps, minimum=0.0)
+    key = (fn._version, id(scale), scale._version, id(base), base._version, rms_eps, eps)
+    hit = _MIX_WEIGHTS.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == key:
+        return hit[2]
+    params = torch.zeros(MIX_PARAMS, dtype=torch.float32, device=dev)
+    params[0:1].copy_(scale)
+    params[1 : 1 + HC].copy_(base)
+    params[5].fill_(rms_eps)
+    params[6].fill_(eps)
+    weights = MixWeights(fn, params, scale, base, rms_eps, eps)
+    if hit is None or hit[0]() is not fn:
+        weakref.finalize(fn, _MIX_WEIGHTS.pop, id(fn), None)
+    _MIX_WEIGHTS[id(fn)] = (weakref.ref(fn), key, weights)
+    return weights
 
 
 # hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),

@@ -21,6 +21,7 @@ from boundary.types import (
     FP8_GROUP_UE8M0_QUANT_KEY,
     MXFP8_QUANT_KEY,
     Fp8GroupActivation,
+    MixWeights,
     MoEOutput,
     QuantizedActivation,
 )
@@ -101,8 +102,10 @@ def _run_boundary(
     fp8_scale: Tensor | None = None,
     fp8_ue8m0: bool = False,
     aux_out: Tensor | None = None,
+    mix: MixWeights | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The direct path of one boundary op: the partial is `x`, or the unfinalised MoE output (all three given)."""
+    """The direct path of one boundary op: the partial is `x`, or the unfinalised MoE output (all three given); with
+    `mix` the boundary computes its own pre (pre None)."""
     ar = from_handle(handle)
     moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
     if (x is None) == all(t is None for t in moe) or (x is None and any(t is None for t in moe)):
@@ -119,8 +122,35 @@ def _run_boundary(
         fp8 = Fp8GroupActivation(fp8_data, fp8_scale, BF16, fp8_data.shape, key, fp8_ue8m0)
     epilogue = (residual, post, comb, pre, norm_weight, norm_eps, mxfp8)
     if x is not None:
-        return ar(x, *epilogue, shared_output=shared_output, aux_out=aux_out, fp8_out=fp8)
-    return ar.finalize(*moe, shared_output, *epilogue, aux_out=aux_out, fp8_out=fp8)
+        return ar(x, *epilogue, shared_output=shared_output, aux_out=aux_out, fp8_out=fp8, mix=mix)
+    return ar.finalize(*moe, shared_output, *epilogue, aux_out=aux_out, fp8_out=fp8, mix=mix)
+
+
+@_op(_layer_input)
+def hc_head_final(
+    handle: int,
+    x: Tensor | None,
+    gemm2_permuted: Tensor | None,
+    expert_weights: Tensor | None,
+    expanded_idx_to_permuted_idx: Tensor | None,
+    shared_output: Tensor | None,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    head_fn: Tensor,
+    head_scale: Tensor,
+    head_base: Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    norm_weight: Tensor,
+    norm_eps: float,
+) -> Tensor:
+    """DeepSeek-V4's last boundary (CONTRACT §4d) of rank `handle`: R' = the post, hc_head's weights p from R', then
+    h = RMSNorm(bf16(sum_i p_i * R'_i)) (one launch on the kernels; the weights' kernel form made once per fn)."""
+    mix = mhc.mix_weights(head_fn, head_scale, head_base, rms_eps, hc_eps)
+    source = (x, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
+    _, hidden = _run_boundary(handle, *source, residual, post, comb, None, norm_weight, norm_eps, mix=mix)
+    return hidden
 
 
 @_op(_boundary_outputs, BOUNDARY_MUTATES)

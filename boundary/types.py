@@ -33,6 +33,21 @@ class MoEOutput:
     shared_output: Tensor | None
 
 
+@dataclass(frozen=True)
+class MixWeights:
+    """DeepSeek-V4's pre weights for a boundary that computes its own pre from the new streams R' (CONTRACT §4d):
+    pre = sigmoid(scale * (fn . R') * rsqrt(mean(R'^2) + rms_eps) + base) + eps. `fn` [4, 4H] fp32 (a layer's first
+    4 mixes, or hc_head's fn), `params` their kernel form ([8] fp32 on the device: scale, base, rms_eps, eps, 0), and
+    scale / base / the epsilons as given, for the reference. Made by `boundary.mhc.mix_weights`."""
+
+    fn: Tensor
+    params: Tensor
+    scale: Tensor
+    base: Tensor
+    rms_eps: float
+    eps: float
+
+
 @dataclass
 class QuantizedActivation:
     """A layer input in MXFP8: e4m3 data [T, H] and E8M0 scales in the swizzled 128x4 layout."""

@@ -27,6 +27,7 @@ from boundary.scheduler import (
     DecodeStep,
     _layer_names,
     _Reads,
+    _state_names,
     final_norm,
 )
 from boundary.types import (
@@ -69,10 +70,8 @@ class V4Boundaries:
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
         if self.custom_ops:
             self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
-            self._head_input = lambda r, *w: torch.ops.mhc_boundary.hc_head_input(r, *w, self.backend, self._owner)
         else:
             self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
-            self._head_input = lambda r, *w: mhc.head_input(r, *w, backend=self.backend, workspace_owner=self._owner)
 
     def _own_pre(
         self,
@@ -214,9 +213,18 @@ class V4Boundaries:
         # The final norm too, before the reduction consumes state.pending: a refused call consumes nothing.
         checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
         norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
-        residual = self._boundaries.post_only(state)
-        # The head's four weights (the coefficients kernel's pre), the collapse and the norm: one own-pre call.
-        return self._head_input(residual, fn, scale, base, rms_eps, hc_eps, norm_weight, norm_eps)
+        self._boundaries._check_state(state, None, pending=True)
+        # One boundary that computes hc_head's weights from its own new streams (CONTRACT §4d): the post, the head's
+        # weights, the collapse and the final norm in one launch on the kernels.
+        try:
+            hidden_out = self._boundaries._calls.head_final(
+                state, (fn, scale, base, rms_eps, hc_eps), norm_weight, norm_eps
+            )
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, _state_names(state))
+            raise
+        state.pending = None
+        return hidden_out
 
     def _enter(
         self, values: tuple[Any, ...], reads: _Reads, residual: Tensor, x: Tensor | None, quantize: str | None

@@ -210,6 +210,12 @@ def st_global_b32(addr: Int64, val: Uint32, pred: cutlass.Boolean | None = None,
 
 
 @dsl_user_op
+def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
+    """Bring the 128-byte line of a global address into L2 (no register, no wait)."""
+    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[Int64(addr)], loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_global_v2_b32(
     addr: Int64, lo: Uint32, hi: Uint32, pred: cutlass.Boolean | None = None, *, loc=None, ip=None
 ) -> None:

@@ -270,9 +270,9 @@ def test_the_own_pre_op_takes_its_quantized_form_whole_or_not_at_all() -> None:
 def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_with_its_own_pre(monkeypatch) -> None:
     """The kernel path's plumbing, with the coefficients and layer-input launches stubbed by the reference on the CPU:
     the first entry is the coefficients kernel on the embedding (no layer input), then the layer-input kernel with the
-    very pre it returned; every later entry and the final step are one coefficients launch of the own-pre variant
-    (its layer input, and its quantized form, from the pre it computes; hc_head's weights as the final's pre); the
-    step's bits are the reference path's."""
+    very pre it returned; every later entry is one coefficients launch of the own-pre variant (its layer input, and
+    its quantized form, from the pre it computes); the final step launches no coefficients kernel (the boundary
+    computes hc_head's weights itself: test_boundary_own_pre); the step's bits are the reference path's."""
     from boundary import mhc
 
     calls: list[tuple] = []
@@ -318,10 +318,10 @@ def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_wit
     out = decode_step_v4(model, kernels, tokens, step)
     assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
     assert ("coefficients", False, True, "mxfp8") in [c[:4] for c in calls]  # the last MoE entry's MXFP8
-    # The first entry's two launches, then one per later entry (the Engram seam's pre too) and one for the final step.
+    # The first entry's two launches, then one per later entry (the Engram seam's pre too); none for the final step.
     assert [c[0] for c in calls[:2]] == ["coefficients", "layer input"]
     assert all(c[0] == "coefficients" and c[2] for c in calls[2:])
-    assert len(calls) == 2 + (2 * len(model.layers) - 1) + 1
+    assert len(calls) == 2 + (2 * len(model.layers) - 1)
 
 
 def test_hc_heads_kernel_weights_are_built_once_per_head_and_again_after_an_in_place_update() -> None:

@@ -198,7 +198,16 @@ def v4_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
         return []
     if "own_pre" not in inspect.signature(mhc.warmup_jobs).parameters:
         return []
-    return list(mhc.warmup_jobs(H, arch, max_rows, own_pre=True, quantized=tuple(QUANT_FORMS)))
+    jobs = list(mhc.warmup_jobs(H, arch, max_rows, own_pre=True, quantized=tuple(QUANT_FORMS)))
+    api = _import_new("boundary")
+    if api is not None and hasattr(api, "own_pre_variants"):  # the boundary kernels that compute their own pre
+        from cute_kernels.allreduce.protocol import PEER_WORLD_SIZES
+
+        variants = api.own_pre_variants()
+        jobs += [
+            j for w in (1, *PEER_WORLD_SIZES) for j in api.warmup_jobs(H, arch=arch, world_size=w, variants=variants)
+        ]
+    return jobs
 
 
 EXTRA_JOBS: tuple[tuple[str, Callable[[int, str, int], list[Any]]], ...] = (("v4", v4_warmup_jobs),)
@@ -314,6 +323,8 @@ def job_name(kind: str, key: dict[str, Any]) -> str:
         parts += [_tag(p["y_source"]), *(f"{f}-{_tag(bool(p[f]))}" for f in ("shared", "pre", "mxfp8", "aux"))]
         if p.get("fp8"):  # the FP8 1x128 variants; the others keep their names, so older snapshots compare
             parts.append(_tag(p["fp8"]))
+        if p.get("own_pre"):  # DeepSeek-V4's boundary that computes its own pre
+            parts.append("own-pre")
         if p.get("world_size", 1) > 1:  # one-rank names stay as they were, so older snapshots compare
             parts += [f"W{p['world_size']}", _tag(p["protocol"])] + (["staged"] if p.get("staged") else [])
     elif kind == "coefficients":

@@ -28,6 +28,7 @@ from cute_kernels.boundary.args import (  # noqa: F401 (the variant names are re
     concrete_dims,
     divisibility,
     engine_variants,
+    own_pre_variants,
     variant_name,
 )
 from cute_kernels.boundary.config import BoundaryConfig, default_config
@@ -83,6 +84,7 @@ def compile_fused_boundary(
     mxfp8: bool,
     aux: bool,
     fp8: str | None,
+    own_pre: bool,
     config: BoundaryConfig,
     world_size: int,
     protocol: str,
@@ -92,7 +94,7 @@ def compile_fused_boundary(
 ) -> Callable[..., Any]:
     """Compile one fused-boundary variant: the flags, the launch shape, the world size, the protocol and whether
     the exchange is staged."""
-    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8)
+    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8, own_pre)
     kernel = FusedBoundaryKernel(
         H,
         config,
@@ -105,6 +107,7 @@ def compile_fused_boundary(
         world_size=world_size,
         protocol=protocol,
         staged=staged,
+        own_pre=own_pre,
     )
     return compile_boundary_kernel(kernel, H, variant, world_size, arch=arch)
 
@@ -245,6 +248,8 @@ def fused_boundary(
     fp8_scale: torch.Tensor | None = None,
     aux: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
+    mix_fn: torch.Tensor | None = None,
+    mix_params: torch.Tensor | None = None,
     peer: PeerArgs | None = None,
     compiled: Callable[..., Any] | None = None,
     arch: str,
@@ -256,7 +261,8 @@ def fused_boundary(
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
     combine (plus `shared`, the shared-expert output); with `peer`, the rank-order sum of that partial
     over every rank. pre=None is the residual-only boundary. `post` may be [T, 4] or [T, 4, 1].
-    `error` (int32 [4]) takes the device error word (needed with `moe` or `peer`). `compiled`: the one-rank kernel of
+    `error` (int32 [4]) takes the device error word (needed with `moe` or `peer`). With `variant.own_pre`, `pre` is
+    an output: the kernel computes it from the new streams with `mix_fn` and `mix_params` (CONTRACT §4d). `compiled`: the one-rank kernel of
     this variant, where the caller has it already (BoundaryAllReduce keeps one per variant it launched).
     """
     rows, _, H = residual.shape
@@ -289,6 +295,8 @@ def fused_boundary(
         peers,
         state,
         error if moe is not None or peer else None,
+        mix_fn,
+        mix_params,
         float(norm_eps),
     )
 

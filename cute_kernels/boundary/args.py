@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from cute_kernels import FP8_GROUP, HC, mxfp8_scale_bytes
 from cute_kernels.allreduce.protocol import ERROR_WORDS, GENERATIONS, STATE_WORDS
+from cute_kernels.boundary.own_pre import MIX_PARAMS
 
 Y_SOURCES = ("x", "moe")
 FP8_FORMS = ("fp8_1x128", "fp8_1x128_ue8m0")  # the FP8 1x128 layer input: fp32 scales, or powers of two (UE8M0)
@@ -27,6 +28,7 @@ class BoundaryVariant(NamedTuple):
     mxfp8: bool = False
     aux: bool = False
     fp8: str | None = None  # the FP8 1x128 form (FP8_FORMS), beside or instead of MXFP8
+    own_pre: bool = False  # DeepSeek-V4: the pre computed from the new streams (mix_fn, mix_params), written to `pre`
 
 
 # The layer-input forms a boundary may write beside bf16, by the name the scheduler's `quantize=` takes: (MXFP8, FP8).
@@ -51,11 +53,24 @@ def engine_variants(quantize: Sequence[str] = tuple(QUANTIZE_FORMS)) -> tuple[Bo
 ENGINE_VARIANTS: tuple[BoundaryVariant, ...] = engine_variants()
 
 
+def own_pre_variants(quantize: Sequence[str] = tuple(QUANTIZE_FORMS)) -> tuple[BoundaryVariant, ...]:
+    """Every variant a DeepSeek-V4 engine may launch where the boundary computes its own pre: each partial form, with
+    and without an addend, the layer input in bf16 and the forms `quantize` names."""
+    inputs = ((False, None),) + tuple(QUANTIZE_FORMS[q] for q in quantize)
+    return tuple(
+        BoundaryVariant(y_source, shared, True, mxfp8, False, fp8, True)
+        for y_source in Y_SOURCES
+        for shared in (False, True)
+        for mxfp8, fp8 in inputs
+    )
+
+
 def variant_name(v: BoundaryVariant) -> str:
     """A short readable name of a variant, e.g. "moe+shared pre mxfp8 aux"."""
     parts = [v.y_source + ("+shared" if v.shared else "")]
     parts.append("pre" if v.pre else "residual-only")
     parts += [flag for flag, on in (("mxfp8", v.mxfp8), (v.fp8, v.fp8 is not None), ("aux", v.aux)) if on]
+    parts += ["own-pre"] if v.own_pre else []
     return " ".join(parts)
 
 
@@ -97,13 +112,15 @@ class BoundaryArgs(NamedTuple):
     peers: Any = None  # W > 1: [W] int64, every rank's receive-slot base address
     state: Any = None  # W > 1: [STATE_WORDS] int32 call state
     error: Any = None  # with peers or a MoE partial: [ERROR_WORDS] int32 error word
+    mix_fn: Any = None  # own pre: [4, 4H] fp32, the pre mixes' rows of fn (or hc_head's fn)
+    mix_params: Any = None  # own pre: [MIX_PARAMS] fp32: scale, base[4], rms_eps, eps
     eps: Any = 0.0  # the layer-input norm's epsilon (fp32)
 
     @classmethod
     def build(cls, H: int, variant: BoundaryVariant, world_size: int, tensor: TensorMaker, eps: Any) -> BoundaryArgs:
         """The arguments of `variant` at hidden size H and `world_size` ranks, each tensor made by `tensor` from its
         name, dtype and shape: the one shape rule of the kernel's arguments."""
-        y_source, shared, pre, mxfp8, aux, fp8 = variant
+        y_source, shared, pre, mxfp8, aux, fp8, own_pre = variant
         moe, peers = y_source == "moe", world_size > 1
 
         def t(name: str, dtype: str, *shape: Any, when: bool = True) -> Any:
@@ -131,6 +148,8 @@ class BoundaryArgs(NamedTuple):
             t("peers", "i64", world_size, when=peers),
             t("state", "i32", STATE_WORDS, when=peers),
             t("error", "i32", ERROR_WORDS, when=peers or moe),
+            t("mix_fn", "f32", HC, HC * H, when=own_pre),
+            t("mix_params", "f32", MIX_PARAMS, when=own_pre),
             eps,
         )
 
@@ -145,6 +164,7 @@ class BoundaryArgs(NamedTuple):
             self.mxfp8_data is not None,
             self.aux is not None,
             fp8_form,
+            self.mix_fn is not None,
         )
 
 

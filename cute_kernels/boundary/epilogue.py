@@ -80,15 +80,25 @@ class Epilogue:
 
     @cute.jit
     def compute_row(
-        self, ctx: Ctx, rR: cute.Tensor, y: cute.Tensor, post: list, comb: list, pre: list | None, row: Int32
+        self,
+        ctx: Ctx,
+        rR: cute.Tensor,
+        y: cute.Tensor,
+        post: list,
+        comb: list,
+        pre: list | None,
+        row: Int32,
+        kept: list | None = None,
     ) -> tuple[cute.Tensor | None, Float32]:
         """Store the new streams (and aux) of a row; return its collapse (fp32 of bf16) and sum of squares. With the
-        premix cells (`ctx.sMix`, a peer kernel: premix) the row's mix is read from them and `comb` is not used."""
+        premix cells (`ctx.sMix`, a peer kernel: premix) the row's mix is read from them and `comb` is not used.
+        With `kept` (the own pre, not known yet) the rounded new streams go there instead, per vector and stream as 4
+        packed bf16 words, for the own-pre role and then `collapse`."""
         vpt = const_expr(self.vpt)
         valid = ctx.valid
         mixed = ctx.sMix is not None
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        rC = cute.make_rmem_tensor(row_major((vpt, VEC)), Float32) if const_expr(self.pre) else None
+        rC = cute.make_rmem_tensor(row_major((vpt, VEC)), Float32) if const_expr(self.pre and kept is None) else None
         sumsq = Float32(0.0)
         for v in cutlass.range_constexpr(vpt):
             rf = None if const_expr(mixed) else [rR[v, k, None].load().to(Float32) for k in range(HC)]
@@ -126,21 +136,42 @@ class Epilogue:
                         pair.append(ptx.mul_rn(s, Float32(1.0 / HC)))
                     words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
                 self.store_words(words, cute.local_tile(ctx.mAux[row, None], (VEC,), (ctx.vcols[v],)), valid[v])
-            if const_expr(self.pre):
-                for e in cutlass.range_constexpr(0, VEC, 2):
-                    pair = []
-                    for h in cutlass.range_constexpr(2):
-                        acc = ptx.mul_rn(pre[0], rp[0][e + h])
-                        for j in cutlass.range_constexpr(1, HC):
-                            acc = ptx.mul_add_rn(pre[j], rp[j][e + h], acc)
-                        pair.append(acc)
-                    word = ptx.cvt_bf16x2(pair[0], pair[1])
-                    c0, c1 = ptx.bf16_lo(word), ptx.bf16_hi(word)
-                    rC[v, e], rC[v, e + 1] = c0, c1
-                    if const_expr(valid[v] is None):
-                        sumsq = sumsq + c0 * c0 + c1 * c1
-                    else:
-                        sumsq = sumsq + Float32(cutlass.select_(valid[v], c0 * c0 + c1 * c1, Float32(0.0)))
+            if const_expr(kept is not None):
+                kept.append(new_streams)  # packed: half the registers of rp while the pre is computed
+            elif const_expr(self.pre):
+                sumsq = self.collapse_vector(rC, v, rp, pre, valid[v], sumsq)
+        return rC, sumsq
+
+    @cute.jit
+    def collapse_vector(
+        self, rC: cute.Tensor, v: int, rp: list, pre: list, valid: cutlass.Boolean | None, sumsq: Float32
+    ) -> Float32:
+        """rC[v] = bf16(sum_j pre[j] * R'[j]) (in fp32) of vector v's rounded new streams `rp`; `sumsq` plus its
+        squares (nothing for a clamped duplicate)."""
+        for e in cutlass.range_constexpr(0, VEC, 2):
+            pair = []
+            for h in cutlass.range_constexpr(2):
+                acc = ptx.mul_rn(pre[0], rp[0][e + h])
+                for j in cutlass.range_constexpr(1, HC):
+                    acc = ptx.mul_add_rn(pre[j], rp[j][e + h], acc)
+                pair.append(acc)
+            word = ptx.cvt_bf16x2(pair[0], pair[1])
+            c0, c1 = ptx.bf16_lo(word), ptx.bf16_hi(word)
+            rC[v, e], rC[v, e + 1] = c0, c1
+            if const_expr(valid is None):
+                sumsq = sumsq + c0 * c0 + c1 * c1
+            else:
+                sumsq = sumsq + Float32(cutlass.select_(valid, c0 * c0 + c1 * c1, Float32(0.0)))
+        return sumsq
+
+    @cute.jit
+    def collapse(self, ctx: Ctx, kept: list, pre: list) -> tuple[cute.Tensor, Float32]:
+        """The collapse and sum of squares of a row whose rounded new streams were `kept` (compute_row), with `pre`."""
+        rC = cute.make_rmem_tensor(row_major((self.vpt, VEC)), Float32)
+        sumsq = Float32(0.0)
+        for v in cutlass.range_constexpr(self.vpt):
+            rp = [[unpack(words, e) for e in range(VEC)] for words in kept[v]]
+            sumsq = self.collapse_vector(rC, v, rp, pre, ctx.valid[v], sumsq)
         return rC, sumsq
 
     @cute.jit

@@ -17,7 +17,8 @@ schedule, so the schedule never changes a bit.
 
 Roles: `loads.RowLoads` (a row's loads and this rank's partial), `allreduce.peer.PeerReduce` (W > 1: y
 from every rank's partial), `epilogue.Epilogue` (post, collapse, aux, RMSNorm, MXFP8 through
-`cute_kernels.quant`). The kernel hands each role what it needs (`loads.Ctx`, the loads role to the
+`cute_kernels.quant`), `own_pre.OwnPreRole` (DeepSeek-V4: the pre computed from the new streams, one more
+cluster exchange, where the pre is not given). The kernel hands each role what it needs (`loads.Ctx`, the loads role to the
 peer role's staged phases); no role holds another.
 """
 
@@ -36,6 +37,7 @@ from cute_kernels.allreduce.protocol import CALL_UNIT, STATE_RANK, STATE_TIMEOUT
 from cute_kernels.boundary.config import BoundaryConfig
 from cute_kernels.boundary.epilogue import Epilogue
 from cute_kernels.boundary.loads import Ctx, RowLoads, RowRegs, row_major
+from cute_kernels.boundary.own_pre import OwnPreRole
 
 
 class FusedBoundaryKernel:
@@ -55,7 +57,10 @@ class FusedBoundaryKernel:
         world_size: int = 1,
         protocol: str = "oneshot",
         staged: bool = False,
+        own_pre: bool = False,
     ) -> None:
+        if own_pre and not pre:
+            raise ValueError("own_pre computes the pre of the layer input: it needs pre=True")
         self.H = H
         self.pre = pre
         self.mxfp8 = mxfp8
@@ -75,7 +80,13 @@ class FusedBoundaryKernel:
         self.epilogue = Epilogue(
             H, config.cluster_n, config.threads, self.vpt, pre=pre, mxfp8=mxfp8, aux=aux, fp8=fp8, spin=spin
         )
-        self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre)
+        self.loads = RowLoads(H, self.vpt, y_source=y_source, shared=shared, pre=pre and not own_pre)
+        # `own_pre`: the pre is computed here from the new streams (mMixFn, mMixParams), and written to mPre.
+        self.own = None
+        if own_pre:
+            self.own = OwnPreRole(
+                H, config.cluster_n, config.threads, self.vpt, use_cluster=self.epilogue.use_cluster, spin=spin
+            )
         # W > 1: y is the rank-order sum of every rank's partial, exchanged through the peer slots. `staged`:
         # the exchange of every row goes out before the row loop (allreduce.peer; the host takes it for calls
         # of several rows per cluster); only a ready partial x is staged (a MoE partial would be combined twice).
@@ -139,6 +150,8 @@ class FusedBoundaryKernel:
         mPeers: cute.Tensor | None,  # W > 1: [W] int64, every rank's receive-slot base address
         mState: cute.Tensor | None,  # W > 1: [3] int32: the call counter, rank, timeout (us)
         mError: cute.Tensor | None,  # W > 1 or MoE: [4] int32 device error word
+        mMixFn: cute.Tensor | None,  # own pre: [4, 4H] fp32, the pre mixes' rows of fn
+        mMixParams: cute.Tensor | None,  # own pre: [MIX_PARAMS] fp32: scale, base[4], rms_eps, eps
         eps: Float32,
         stream: cuda.CUstream,
     ):
@@ -168,6 +181,8 @@ class FusedBoundaryKernel:
             mPeers,
             mState,
             mError,
+            mMixFn,
+            mMixParams,
             eps,
         ).launch(
             grid=[self.cluster_n, clusters, 1],
@@ -204,6 +219,8 @@ class FusedBoundaryKernel:
         mPeers: cute.Tensor | None,
         mState: cute.Tensor | None,
         mError: cute.Tensor | None,
+        mMixFn: cute.Tensor | None,
+        mMixParams: cute.Tensor | None,
         eps: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -219,10 +236,17 @@ class FusedBoundaryKernel:
         sMix = None
         if const_expr(self.premix):
             sMix = smem.allocate_tensor(Float32, epi.mix_layout(), byte_alignment=16)
+        own = self.own
+        sOwn, mbarOwn = None, None
+        if const_expr(own is not None):
+            sOwn = smem.allocate_tensor(Float32, cute.make_layout(own.smem_floats()), byte_alignment=16)
         if const_expr(epi.use_cluster):
-            mbar = smem.allocate_array(cutlass.Int64, num_elems=epi.stages)
+            barriers = const_expr(epi.stages + (own.stages if own is not None else 0))
+            mbar = smem.allocate_array(cutlass.Int64, num_elems=barriers)
+            if const_expr(own is not None):
+                mbarOwn = mbar + epi.stages
             if tidx == 0:
-                for s in cutlass.range_constexpr(epi.stages):
+                for s in cutlass.range_constexpr(barriers):
                     cute.arch.mbarrier_init(mbar + s, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.cluster_arrive_relaxed()
@@ -244,6 +268,11 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
+        mix = None
+        if const_expr(own is not None):
+            # The mix parameters and this CTA's fn columns: weights, not outputs of the previous kernel.
+            mix = own.params(mMixParams)
+            own.prefetch(mMixFn, cta, tidx)
         rank, timeout_us, table = None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants (the call counter is written by the previous call: read after the wait).
@@ -283,6 +312,10 @@ class FusedBoundaryKernel:
             sRed=sRed,
             sMix=sMix,
             mbar=mbar,
+            mMixFn=mMixFn,
+            mix=mix,
+            sOwn=sOwn,
+            mbarOwn=mbarOwn,
             peer=None,
         )
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
@@ -346,9 +379,29 @@ class FusedBoundaryKernel:
                 # This CTA waits for no peer any more: only now may the next kernel take its place, so
                 # that a waiting grid never keeps a peer's grid (simulated ranks share the SMs) from running.
                 cute.arch.griddepcontrol_launch_dependents()
-        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row)
+        kept = [] if const_expr(self.own is not None) else None
+        rC, sumsq = self.epilogue.compute_row(ctx, regs.rR, y, post, comb, pre, row, kept)
         # regs is consumed: refill it with the next row while this row's sum goes round the cluster.
         if ahead < ctx.rows:
             self.load_row(ctx, regs, ahead)
+        if const_expr(self.own is not None):
+            # The own pre, then the collapse with it (84 bytes of spills at 96 registers, H 7168: the fn weights in
+            # flight beside the next row's loads; issued after the pre, ptxas spilled 256).
+            pre = self.own.row_pre(
+                ctx.mMixFn,
+                ctx.mPre,
+                ctx.mix,
+                kept,
+                ctx.vcols,
+                ctx.valid,
+                ctx.sOwn,
+                ctx.mbarOwn,
+                row,
+                ctx.cta,
+                ctx.tidx,
+                stage,
+                phase,
+            )
+            rC, sumsq = self.epilogue.collapse(ctx, kept, pre)
         if const_expr(self.pre):
             self.epilogue.finish_row(ctx, row, rC, sumsq, stage, phase)

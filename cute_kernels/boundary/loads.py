@@ -59,6 +59,11 @@ class Ctx:
     sRed: cute.Tensor | None  # the cluster sum's slots (pre)
     sMix: cute.Tensor | None  # the premix cells (Epilogue.premix)
     mbar: cute.Pointer | None  # the cluster sum's mbarriers
+    # The own pre (own_pre.OwnPreRole): fn's pre rows, the mix parameters, the exchange's slots and mbarriers.
+    mMixFn: cute.Tensor | None
+    mix: list | None
+    sOwn: cute.Tensor | None
+    mbarOwn: cute.Pointer | None
     peer: PeerState | None  # the peer exchange's state (W > 1, once the call's generation is known)
 
 
