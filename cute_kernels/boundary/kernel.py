@@ -268,10 +268,8 @@ class FusedBoundaryKernel:
             rW = cute.make_rmem_tensor(row_major((vpt, VEC)), BFloat16)
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
-        mix = None
         if const_expr(own is not None):
-            # The mix parameters and this CTA's fn columns: weights, not outputs of the previous kernel.
-            mix = own.params(mMixParams)
+            # This CTA's fn columns into L2: weights (a prefetch reads nothing into a register, so it needs no wait).
             own.prefetch(mMixFn, cta, tidx)
         rank, timeout_us, table = None, None, None
         if const_expr(self.allreduce is not None):
@@ -313,7 +311,7 @@ class FusedBoundaryKernel:
             sMix=sMix,
             mbar=mbar,
             mMixFn=mMixFn,
-            mix=mix,
+            mix=None,
             sOwn=sOwn,
             mbarOwn=mbarOwn,
             peer=None,
@@ -327,6 +325,9 @@ class FusedBoundaryKernel:
         cute.arch.griddepcontrol_wait()
         if const_expr(not staged):
             self.load_row(ctx, regs, first_row)  # no load of an unstaged row needs the peer state
+        if const_expr(own is not None):
+            # After the wait: mix_weights builds them with kernels of the same stream on its first call.
+            ctx = dataclasses.replace(ctx, mix=own.params(mMixParams))
         if const_expr(self.allreduce is not None):
             calls = self.allreduce.read_counter(mState)
             deadline = ptx.globaltimer() + Int64(timeout_us) * 1000

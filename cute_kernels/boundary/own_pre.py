@@ -4,8 +4,9 @@ rsqrt(mean(R'^2) + rms_eps) + base) + eps` over the row's 4H values, with `fn` t
 first 4 of its 24, or hc_head's own) and no Sinkhorn, so the row's CTAs each take their columns' dot products, and
 one more cluster exchange (as the RMS's) gives every thread the same 4 sums and sum of squares in a fixed order.
 
-The mix parameters (MIX_PARAMS floats: scale, 4 biases, rms_eps, eps) are read before the wait and the CTA's `fn`
-columns prefetched into L2 there (weights: the previous kernel does not write them)."""
+The CTA's `fn` columns are prefetched into L2 before the wait (weights: no register holds them); the mix parameters
+(MIX_PARAMS floats: scale, 4 biases, rms_eps, eps) are read after it, since `mix_weights` writes them with kernels of
+the same stream on its first call."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class OwnPreRole:
 
     @cute.jit
     def params(self, mMix: cute.Tensor) -> list:
-        """The mix parameters in registers (every thread; before the wait)."""
+        """The mix parameters in registers (every thread; after the wait)."""
         return [mMix[i] for i in range(MIX_PARAMS - 1)]
 
     @cute.jit
