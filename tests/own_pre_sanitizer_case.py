@@ -2,11 +2,12 @@
 coefficients kernel's own-pre variant at 1 row (one launch: a tile's finishing CTA, its worker warps on a named barrier
 beside the Sinkhorn warp) and at 5 rows (the partials schedule's finish kernel), bf16 and with each quantized form.
 
-Run as `compute-sanitizer --tool racecheck python -m tests.own_pre_sanitizer_case`; exits non-zero on a result that is
-not the two-launch form's bits (`mhc.mixes`, then `mhc.collapse_norm`). The test runs it once unsanitized first, so
-that every kernel it launches is in the disk cache and no compile runs under the tool (memcheck, 2026-12-04: 578
-errors with a cold cache, those printed in the compile workers' CuTe DSL device probe, get_compute_capability; 34
-with only the warm-up jobs cached, their heads not printed then).
+Also the fused boundary that computes its own pre (`BoundaryAllReduce(..., mix=)`: its second cluster exchange) at 1
+and 5 rows. Run as `compute-sanitizer --tool racecheck python -m tests.own_pre_sanitizer_case`; exits non-zero on a
+result that is not the two-launch form's bits (`mhc.mixes`, then `mhc.collapse_norm`), or for the boundary off the
+reference. The test runs it once unsanitized first, so that every kernel it launches is in the disk cache and no
+compile runs under the tool (memcheck, 2026-12-04: 578 errors with a cold cache, those printed in the compile workers'
+CuTe DSL device probe, get_compute_capability; 34 with only the warm-up jobs cached, their heads not printed then).
 """
 
 from __future__ import annotations
@@ -59,9 +60,47 @@ def check(hidden: int, dev: torch.device) -> int:
     return bad
 
 
+def check_boundary(hidden: int, dev: torch.device) -> int:
+    """The fused boundary that computes its own pre (one more cluster exchange) at one H: how many row counts give
+    a result off the reference (R' within 1 ulp; the layer input the reference's on the kernel's own R' and pre)."""
+    from boundary import BoundaryAllReduce
+    from boundary import reference as ref
+    from tests.bf16 import max_ulp
+    from tests.inputs import boundary_inputs
+
+    ar = BoundaryAllReduce(hidden, max_rows=8, device=dev)
+    g = torch.Generator(device="cuda").manual_seed(hidden + 1)
+    fn = torch.randn(4, 4 * hidden, generator=g, device="cuda") * 1e-2
+    mix = mhc.mix_weights(
+        fn, torch.full((1,), 0.5, device="cuda"), torch.randn(4, generator=g, device="cuda"), 1e-6, 1e-6
+    )
+    bad = 0
+    for rows in (1, 5):
+        inp = boundary_inputs(rows, hidden, rows, "cuda")
+        pre = torch.empty(rows, 4, device="cuda")
+        new, out = ar(
+            inp["x"],
+            inp["residual"],
+            inp["post"],
+            inp["comb"],
+            None,
+            inp["norm_weight"],
+            1e-6,
+            None,
+            mix=mix,
+            pre_out=pre,
+        )
+        want = ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"])
+        ok = max_ulp(new, want) <= 1
+        ok = ok and max_ulp(out, ref.rms_norm(ref.collapse(new, pre), inp["norm_weight"], 1e-6)) <= 1
+        print(f"own-pre boundary H={hidden} rows={rows}: {'ok' if ok else 'DIFFERS'}", flush=True)
+        bad += not ok
+    return bad
+
+
 def main() -> int:
     dev = torch.device("cuda")
-    bad = sum(check(hidden, dev) for hidden in HIDDENS)
+    bad = sum(check(hidden, dev) + check_boundary(hidden, dev) for hidden in HIDDENS)
     torch.cuda.synchronize()
     return 1 if bad else 0
 

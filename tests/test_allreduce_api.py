@@ -159,7 +159,7 @@ def test_a_warmup_compiles_the_protocols_its_rows_can_take() -> None:
     assert protocols_up_to(4, 7168, limit) == ("oneshot",)
     assert protocols_up_to(4, 7168, limit + 1) == ("oneshot", "twoshot")
     jobs = api.warmup_jobs(7168, arch="sm_90a", world_size=2, protocols=protocols_up_to(2, 7168, 512))
-    assert jobs and {j.args[9] for j in jobs} == {"oneshot"}
+    assert jobs and {j.args[10] for j in jobs} == {"oneshot"}
 
 
 def test_the_slot_layout() -> None:

@@ -113,14 +113,14 @@ def test_engine_variants_and_warmup_jobs() -> None:
     config = default_config(5120, "sm_90a")
     assert isinstance(config, BoundaryConfig) and (config.cluster_n, config.threads) == (5, 128)
     assert all(
-        j.args[0] == 5120 and j.args[7:] == (config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
+        j.args[0] == 5120 and j.args[7:] == (False, config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
         for j in jobs
     )
     peer = api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)
     # Both protocols of every variant, each inline, and staged too for the 20 variants with a ready partial x.
-    assert len(peer) == 40 * 2 + 20 * 2 and {j.args[9] for j in peer} == {"oneshot", "twoshot"}
-    assert {(j.args[1], j.args[10]) for j in peer} == {("x", False), ("x", True), ("moe", False)}
-    assert all(j.args[8] == 4 and j.args[7] == default_config(5120, "sm_90a", 4, 4) for j in peer)
+    assert len(peer) == 40 * 2 + 20 * 2 and {j.args[10] for j in peer} == {"oneshot", "twoshot"}
+    assert {(j.args[1], j.args[11]) for j in peer} == {("x", False), ("x", True), ("moe", False)}
+    assert all(j.args[9] == 4 and j.args[8] == default_config(5120, "sm_90a", 4, 4) for j in peer)
 
 
 def test_the_sm100a_variants_set_every_flag_to_each_of_its_values() -> None:

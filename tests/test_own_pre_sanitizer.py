@@ -30,3 +30,4 @@ def test_the_own_pre_entry_is_clean_under_compute_sanitizer(tool: str) -> None:
         for rows in (1, 5):
             for form in (None, "mxfp8", "fp8_1x128"):
                 assert f"own-pre H={hidden} rows={rows} form={form}: ok" in output
+            assert f"own-pre boundary H={hidden} rows={rows}: ok" in output
