@@ -9,7 +9,7 @@ shared memory, completing on the peer's mbarrier), so a CTA waits once for all o
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 
 def push(smem_ptr: cute.Pointer, value: Float32 | Int32 | tuple, mbar: cute.Pointer, peer: Int32) -> None:
@@ -38,3 +38,18 @@ def ordered_sum(terms: list) -> Float32:
 def warp_sum(value: Float32) -> Float32:
     """The sum over the 32 lanes of a warp by butterfly shuffles (every lane gets the same bits)."""
     return cute.arch.warp_reduction_sum(value)
+
+
+@cute.jit
+def wait_pushes(mbar: cute.Pointer, phase, spin: bool):
+    """Wait until this CTA's mbarrier `mbar` has every push of its phase `phase` (`spin`: a try_wait loop with no
+    suspend hint, entered by the CTA's warps together, after a CTA barrier, instead of mbarrier_wait's suspending
+    retry: warps spinning on try_wait held up a warp of their CTA that was still reducing its sum, docs/PERF.md
+    decisions: gather_sum barrier)."""
+    if const_expr(spin):
+        cute.arch.barrier()
+        done = cute.arch.mbarrier_try_wait(mbar, phase)
+        while not done:
+            done = cute.arch.mbarrier_try_wait(mbar, phase)
+    else:
+        cute.arch.mbarrier_wait(mbar, phase)

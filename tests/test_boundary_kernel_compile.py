@@ -288,6 +288,8 @@ KERNEL_PARAMETERS = {
     "peers": "mPeers",
     "state": "mState",
     "error": "mError",
+    "mix_fn": "mMixFn",
+    "mix_params": "mMixParams",
     "eps": "eps",
 }
 

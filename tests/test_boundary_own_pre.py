@@ -36,14 +36,18 @@ def own_pre_reference(y, inp, mix: MixWeights, eps: float):
     return streams, pre, ref.rms_norm(ref.collapse(streams, pre), inp["norm_weight"], eps)
 
 
+def own_call(ar: BoundaryAllReduce, inp, mix: MixWeights, pre, mxfp8=None, **kw):
+    """The boundary on inp's ready partial, computing its own pre into `pre`."""
+    streams = (inp["residual"], inp["post"], inp["comb"])
+    return ar(inp["x"], *streams, None, inp["norm_weight"], 1e-6, mxfp8, mix=mix, pre_out=pre, **kw)
+
+
 def test_the_reference_path_writes_the_own_pre_and_collapses_with_it() -> None:
     hidden, rows = 256, 3
     ar = BoundaryAllReduce(hidden, max_rows=8, device="cpu")
     inp, mix = boundary_inputs(rows, hidden, 0, "cpu"), weights(hidden, "cpu")
     pre = torch.full((rows, 4), float("nan"))
-    new, out = ar(
-        inp["x"], inp["residual"], inp["post"], inp["comb"], None, inp["norm_weight"], 1e-6, None, mix=mix, pre_out=pre
-    )
+    new, out = own_call(ar, inp, mix, pre)
     want_new, want_pre, want_out = own_pre_reference(inp["x"], inp, mix, 1e-6)
     assert torch.equal(new, want_new) and torch.equal(pre, want_pre) and torch.equal(out, want_out)
 
@@ -121,29 +125,13 @@ def test_the_kernel_computes_its_own_pre_and_collapses_with_it(hidden: int, rows
     ar = BoundaryAllReduce(hidden, max_rows=256, device="cuda")
     inp, mix = boundary_inputs(rows, hidden, rows, "cuda"), weights(hidden, "cuda", rows)
     pre = torch.full((rows, 4), float("nan"), device="cuda")
-    new, out = ar(
-        inp["x"], inp["residual"], inp["post"], inp["comb"], None, inp["norm_weight"], 1e-6, None, mix=mix, pre_out=pre
-    )
+    new, out = own_call(ar, inp, mix, pre)
     check(inp["x"], inp, mix, new, pre, out, 1e-6)
     # With the shared addend and each quantized form.
     y = ref.add_shared(inp["x"], inp["shared"])
     for q in (empty_quantized(rows, hidden, "cuda"), empty_fp8_group(rows, hidden, "cuda", False)):
         mx = q if isinstance(q, QuantizedActivation) else None
-        fp8 = None if mx is not None else q
-        new, out = ar(
-            inp["x"],
-            inp["residual"],
-            inp["post"],
-            inp["comb"],
-            None,
-            inp["norm_weight"],
-            1e-6,
-            mx,
-            shared_output=inp["shared"],
-            fp8_out=fp8,
-            mix=mix,
-            pre_out=pre,
-        )
+        new, out = own_call(ar, inp, mix, pre, mx, shared_output=inp["shared"], fp8_out=None if mx else q)
         check(y, inp, mix, new, pre, out, 1e-6, q)
 
 
@@ -156,18 +144,7 @@ def test_the_own_pre_boundary_replays_in_a_cuda_graph_with_new_inputs() -> None:
     pre = torch.empty(rows, 4, device="cuda")
 
     def call():
-        return ar(
-            inp["x"],
-            inp["residual"],
-            inp["post"],
-            inp["comb"],
-            None,
-            inp["norm_weight"],
-            1e-6,
-            None,
-            mix=mix,
-            pre_out=pre,
-        )
+        return own_call(ar, inp, mix, pre)
 
     call()
     torch.cuda.synchronize()

@@ -231,15 +231,7 @@ class Epilogue:
         lane = cute.arch.lane_idx()
         base = const_expr(stage * self.slots)
         if const_expr(self.use_cluster):
-            if const_expr(self.spin):
-                # No warp spins before every warp of its CTA has sent its sum: warps spinning on try_wait held up
-                # a warp of their CTA that was still reducing its sum (docs/PERF.md decisions: gather_sum barrier).
-                cute.arch.barrier()
-                done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
-                while not done:
-                    done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
-            else:
-                cute.arch.mbarrier_wait(mbar + stage, phase)
+            reduce.wait_pushes(mbar + stage, phase, self.spin)
         slots = const_expr(self.slots)
         part = Float32(0.0)
         for i in cutlass.range_constexpr(cute.ceil_div(slots, 32)):

@@ -107,13 +107,7 @@ class OwnPreRole:
                     sOwn[base + slot * SLOT + n] = sums[n]
             cute.arch.barrier()
         if const_expr(self.use_cluster):
-            if const_expr(self.spin):
-                cute.arch.barrier()
-                done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
-                while not done:
-                    done = cute.arch.mbarrier_try_wait(mbar + stage, phase)
-            else:
-                cute.arch.mbarrier_wait(mbar + stage, phase)
+            reduce.wait_pushes(mbar + stage, phase, self.spin)
         totals = []
         for n in cutlass.range_constexpr(HC + 1):
             part = Float32(0.0)
