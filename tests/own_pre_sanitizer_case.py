@@ -67,6 +67,7 @@ def check_boundary(hidden: int, dev: torch.device) -> int:
     from boundary import reference as ref
     from tests.bf16 import max_ulp
     from tests.inputs import boundary_inputs
+    from tests.test_boundary_own_pre import own_call
 
     ar = BoundaryAllReduce(hidden, max_rows=8, device=dev)
     g = torch.Generator(device="cuda").manual_seed(hidden + 1)
@@ -78,18 +79,7 @@ def check_boundary(hidden: int, dev: torch.device) -> int:
     for rows in (1, 5):
         inp = boundary_inputs(rows, hidden, rows, "cuda")
         pre = torch.empty(rows, 4, device="cuda")
-        new, out = ar(
-            inp["x"],
-            inp["residual"],
-            inp["post"],
-            inp["comb"],
-            None,
-            inp["norm_weight"],
-            1e-6,
-            None,
-            mix=mix,
-            pre_out=pre,
-        )
+        new, out = own_call(ar, inp, mix, pre)
         want = ref.mhc_post(inp["x"], inp["residual"], inp["post"], inp["comb"])
         ok = max_ulp(new, want) <= 1
         ok = ok and max_ulp(out, ref.rms_norm(ref.collapse(new, pre), inp["norm_weight"], 1e-6)) <= 1
