@@ -29,7 +29,16 @@ BF16 = torch.bfloat16
 H = 512
 ROWS = 3
 OPS = torch.ops.mhc_boundary
-OP_NAMES = ["boundary", "post_only", "final", "mhc_pre_delayed", "mhc_mixes", "mhc_post", "collapse_norm"]
+OP_NAMES = [
+    "boundary",
+    "post_only",
+    "final",
+    "hc_head_final",
+    "mhc_pre_delayed",
+    "mhc_mixes",
+    "mhc_post",
+    "collapse_norm",
+]
 SMALL = ToyConfig(hidden_size=H, num_layers=3, vocab=64)
 
 
@@ -264,6 +273,18 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
         ),
         "post_only": (ar.handle, *src, *epi),
         "final": (ar.handle, *src, *epi, inp["pre"], inp["norm_weight"], 1e-20),
+        "hc_head_final": (
+            ar.handle,
+            *src,
+            *epi,
+            inp["fn"][:4].contiguous(),
+            inp["scale"][:1].contiguous(),
+            inp["base"][:4].contiguous(),
+            1e-6,
+            1e-6,
+            inp["norm_weight"],
+            1e-20,
+        ),
         "mhc_pre_delayed": (*coeff, inp["pre"], None, inp["norm_weight"], 1e-20, "auto"),
         "mhc_mixes": (*coeff, None, "auto"),
         "mhc_post": (inp["x"], *epi, "auto"),
