@@ -228,6 +228,13 @@ def kernels(world: int) -> list[Kernel]:
     """Every shipped kernel, in the plan's order."""
     plan = [Kernel(f"boundary-{v}", ("--kernel", "boundary", "--variant", v), ABOUT[v]) for v in BOUNDARY_VARIANTS]
     plan.append(Kernel("final", ("--kernel", "final"), "Boundaries.final: the fused boundary with the final norm"))
+    plan.append(
+        Kernel(
+            "v4-final",
+            ("--kernel", "v4_final"),
+            "V4Boundaries.final: the fused boundary computing hc_head's weights from its new streams, then the norm",
+        )
+    )
     plan += [
         Kernel(f"coefficients-{v}", ("--kernel", "coefficients", "--variant", v), ABOUT[v])
         for v in COEFFICIENT_VARIANTS

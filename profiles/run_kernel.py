@@ -5,6 +5,7 @@ cudaProfilerStart and cudaProfilerStop (`profiles/profile_all.py` runs this unde
 
 python profiles/run_kernel.py --kernel boundary --variant bf16|mxfp8|fp8|aux|moe|residual --hidden 7168 --rows 16
 python profiles/run_kernel.py --kernel final --rows 16          (Boundaries.final on the kernel path)
+python profiles/run_kernel.py --kernel v4_final --rows 16       (V4Boundaries.final: the boundary computing hc_head)
 python profiles/run_kernel.py --kernel coefficients --variant standard|inline|broadcast --rows 512
     [--knobs rows_per_tile=64 push_vec=True]   (CoefficientsConfig fields over the default config)
 python profiles/run_kernel.py --kernel layer_input --rows 16    (the layer-input-only kernel)
@@ -45,7 +46,7 @@ VARIANTS = {
     "layer_input": LAYER_INPUT_VARIANTS,
     "own_pre": OWN_PRE_VARIANTS,
 }
-KERNELS = ("boundary", "final", "coefficients", "layer_input", "own_pre", "peer")
+KERNELS = ("boundary", "final", "v4_final", "coefficients", "layer_input", "own_pre", "peer")
 QUANT = {"bf16": None, "mxfp8": "mxfp8", "fp8": "fp8_1x128"}  # bench.kernels.fused_call's layer-input forms
 EPS = 1e-6
 MOE_TOP_K = 8  # experts per token of the MoE variant (DeepSeek-V3's)
@@ -195,6 +196,38 @@ def final_call(rows: int, hidden: int, device: Any) -> Call:
     return call
 
 
+def v4_final_call(rows: int, hidden: int, device: Any) -> Call:
+    """V4Boundaries.final on a W = 1 BoundaryAllReduce (the kernel path): the fused boundary that computes hc_head's
+    weights from its new streams, then the collapse and the final norm (one launch)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.kernels import boundary_inputs
+    from boundary import BoundaryAllReduce, BoundaryState, V4Boundaries
+
+    inp = boundary_inputs(rows, hidden, device, 0)
+    ar = BoundaryAllReduce(hidden, max_rows=rows, device=device)
+    if ar.path != "kernel":
+        raise SystemExit(f"run_kernel: the W = 1 BoundaryAllReduce took the {ar.path!r} path, not 'kernel'")
+    g = torch.Generator(device=device).manual_seed(2)
+    head = SimpleNamespace(
+        hc_head_fn=torch.randn(4, 4 * hidden, generator=g, device=device) * 1e-2,
+        hc_head_scale=torch.full((1,), 0.5, device=device),
+        hc_head_base=torch.randn(4, generator=g, device=device),
+        rms_norm_eps=EPS,
+        hc_eps=EPS,
+    )
+    boundaries = V4Boundaries(ar)
+    state = BoundaryState(inp["residual"], inp["post"], inp["comb"], None)
+
+    def call() -> None:
+        state.pending = inp["x"]  # final consumes it
+        boundaries.final(state, head, inp["norm_weight"], EPS)
+
+    return call
+
+
 def coefficients_call(
     variant: str, knobs: list[tuple[str, object]], rows: int, hidden: int, device: Any, arch: str
 ) -> Call:
@@ -299,6 +332,8 @@ def build(args: argparse.Namespace, device: Any, arch: str) -> tuple[Call, list]
         return boundary_call(args.variant, args.rows, args.hidden, device, arch), []
     if args.kernel == "final":
         return final_call(args.rows, args.hidden, device), []
+    if args.kernel == "v4_final":
+        return v4_final_call(args.rows, args.hidden, device), []
     if args.kernel == "coefficients":
         return coefficients_call(args.variant, args.knobs, args.rows, args.hidden, device, arch), []
     if args.kernel == "layer_input":

@@ -19,7 +19,7 @@ def _run(*args: str, script: str = "profiles/profile_all.py") -> subprocess.Comp
 def test_the_plan_names_every_kernel_at_two_row_counts() -> None:
     out = _run("--list")
     assert out.returncode == 0, out.stderr
-    assert "18 kernels, 36 items in 5 ncu runs" in out.stdout
+    assert "19 kernels, 38 items in 5 ncu runs" in out.stdout
     for kernel in ("boundary-bf16", "boundary-fp8", "boundary-moe", "final", "coefficients-inline", "layer-input"):
         assert kernel in out.stdout
     assert "peer-w4-oneshot-SIMULATED" in out.stdout and "peer-w4-twoshot-SIMULATED" in out.stdout
