@@ -269,8 +269,9 @@ class FusedBoundaryKernel:
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
         if const_expr(own is not None):
-            # This CTA's fn columns into L2: weights (a prefetch reads nothing into a register, so it needs no wait).
-            own.prefetch(mMixFn, cta, tidx)
+            # The row's fn columns into L2, by the first cluster's CTAs only (every cluster's would repeat the same
+            # 16 x 4 x H bytes once per cluster at many rows): weights, so no wait (a prefetch fills no register).
+            own.prefetch(mMixFn, cta, tidx, first_row == 0)
         rank, timeout_us, table = None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants (the call counter is written by the previous call: read after the wait).

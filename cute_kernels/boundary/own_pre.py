@@ -47,13 +47,13 @@ class OwnPreRole:
         return [mMix[i] for i in range(MIX_PARAMS - 1)]
 
     @cute.jit
-    def prefetch(self, mFn: cute.Tensor, cta: Int32, tidx: Int32):
+    def prefetch(self, mFn: cute.Tensor, cta: Int32, tidx: Int32, issue: cutlass.Boolean):
         """This CTA's columns of `fn` (4 rows x 4 streams x its chunk of fp32) into L2, a share of the lines per
-        thread (before the wait)."""
+        thread, where `issue` (before the wait)."""
         chunk_bytes = const_expr(self.H // self.cluster_n * 4)
         lines = const_expr(HC * HC * chunk_bytes // LINE)
         base = mFn.iterator.toint() + Int64(cta * chunk_bytes)
-        for i in cutlass.range(tidx, lines, self.threads):
+        for i in cutlass.range(tidx, Int32(cutlass.select_(issue, Int32(lines), Int32(0))), self.threads):
             piece = i // (chunk_bytes // LINE)  # which (row, stream) run of the chunk
             off = (i % (chunk_bytes // LINE)) * LINE
             ptx.prefetch_l2(base + Int64(piece) * (self.H * 4) + Int64(off))
