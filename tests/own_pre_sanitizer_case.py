@@ -88,9 +88,53 @@ def check_boundary(hidden: int, dev: torch.device) -> int:
     return bad
 
 
+def check_peer_boundary(dev: torch.device) -> int:
+    """The own-pre boundary on 2 simulated ranks (H 2048), each protocol inline (5 rows) and staged (40 rows): how many
+    cases give ranks that differ or a layer input off the reference on the ranks' own R' and pre."""
+    from boundary import BoundaryAllReduce
+    from boundary import reference as ref
+    from cute_kernels.boundary import api
+    from tests.bf16 import max_ulp
+    from tests.inputs import boundary_inputs
+
+    hidden, world = 2048, 2
+    ranks = BoundaryAllReduce.simulated(hidden, world, max_rows=64, device=dev, timeout_us=5_000_000)
+    variant = api.BoundaryVariant(pre=True, own_pre=True)
+    jobs = api.warmup_jobs(hidden, arch=ranks[0].arch, world_size=world, ranks_per_device=world, variants=[variant])
+    warmup(jobs, progress=False, device=dev)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    fn = torch.randn(4, 4 * hidden, generator=g, device="cuda") * 1e-2
+    mix = mhc.mix_weights(
+        fn, torch.full((1,), 0.5, device="cuda"), torch.randn(4, generator=g, device="cuda"), 1e-6, 1e-6
+    )
+    bad = 0
+    for protocol, rows in (("oneshot", 5), ("twoshot", 5), ("oneshot", 40), ("twoshot", 40)):
+        for ar in ranks:
+            ar.protocol = protocol
+        inp = boundary_inputs(rows, hidden, rows, "cuda")
+        xs = [torch.randn(rows, hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in ranks]
+        pres = [torch.empty(rows, 4, device="cuda") for _ in ranks]
+        streams = (inp["residual"], inp["post"], inp["comb"])
+
+        def call(ar, xs=xs, pres=pres, streams=streams, weight=inp["norm_weight"]):
+            return ar(xs[ar.rank], *streams, None, weight, 1e-6, None, mix=mix, pre_out=pres[ar.rank])
+
+        outs = BoundaryAllReduce.run_simulated(ranks, [call] * world)
+        torch.cuda.synchronize()
+        for ar in ranks:
+            ar.check()
+        new, out = outs[0]
+        same = all(torch.equal(o[0].view(torch.int16), new.view(torch.int16)) for o in outs)
+        same = same and all(torch.equal(o[1].view(torch.int16), out.view(torch.int16)) for o in outs)
+        ok = same and max_ulp(out, ref.rms_norm(ref.collapse(new, pres[0]), inp["norm_weight"], 1e-6)) <= 1
+        print(f"own-pre boundary W={world} {protocol} rows={rows}: {'ok' if ok else 'DIFFERS'}", flush=True)
+        bad += not ok
+    return bad
+
+
 def main() -> int:
     dev = torch.device("cuda")
-    bad = sum(check(hidden, dev) + check_boundary(hidden, dev) for hidden in HIDDENS)
+    bad = sum(check(hidden, dev) + check_boundary(hidden, dev) for hidden in HIDDENS) + check_peer_boundary(dev)
     torch.cuda.synchronize()
     return 1 if bad else 0
 

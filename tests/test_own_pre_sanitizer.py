@@ -1,7 +1,9 @@
 """compute-sanitizer memcheck, racecheck, synccheck and initcheck on DeepSeek-V4's own-pre entry
 (tests/own_pre_sanitizer_case.py: the one-launch tile and the partials schedule's finish kernel, bf16, MXFP8 and FP8
-1x128, at H 2048 and 1024, where a pass holds two rows): the worker warps' named barriers and shared buffers beside the Sinkhorn warp. GPU only; skipped where
-compute-sanitizer is not on the PATH (memcheck's negative control is test_peer_sanitizer's planted store)."""
+1x128, at H 2048 and 1024, where a pass holds two rows; the fused boundary that computes its own pre, at one rank and
+on 2 simulated ranks): the worker warps' named barriers and shared buffers beside the Sinkhorn warp, the boundary's
+second cluster exchange. GPU only; skipped where compute-sanitizer is not on the PATH (memcheck's negative control is
+test_peer_sanitizer's planted store)."""
 
 from __future__ import annotations
 
@@ -31,3 +33,6 @@ def test_the_own_pre_entry_is_clean_under_compute_sanitizer(tool: str) -> None:
             for form in (None, "mxfp8", "fp8_1x128"):
                 assert f"own-pre H={hidden} rows={rows} form={form}: ok" in output
             assert f"own-pre boundary H={hidden} rows={rows}: ok" in output
+    for protocol in ("oneshot", "twoshot"):
+        for rows in (5, 40):
+            assert f"own-pre boundary W=2 {protocol} rows={rows}: ok" in output
