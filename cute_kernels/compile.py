@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -207,14 +208,18 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
+_CU_MODULE_LAZY_LOADING = 2  # CUmoduleLoadingMode (cuda.h)
+
+
 def lazy_module_loading() -> bool:
     """Whether this process's CUDA loads kernels lazily, at their first launch (the driver's default)."""
-    from cuda.bindings import driver
-
-    err, mode = driver.cuModuleGetLoadingMode()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuModuleGetLoadingMode failed: {err}")
-    return mode == driver.CUmoduleLoadingMode.CU_MODULE_LAZY_LOADING
+    # The driver's own entry point: cuda.bindings' first driver call resolves its whole table through
+    # cuGetProcAddress, whose misses memcheck reports as API errors (34 on the H200's driver).
+    mode = ctypes.c_int()
+    err = ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(mode))
+    if err != 0:
+        raise RuntimeError(f"cuModuleGetLoadingMode failed: CUresult {err}")
+    return mode.value == _CU_MODULE_LAZY_LOADING
 
 
 # The compiled functions that have launched in this process (by id: every compiled function stays in its jit_cache).

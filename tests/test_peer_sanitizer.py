@@ -24,11 +24,11 @@ pytestmark = [
 ]
 
 
-def sanitize(tool: str, module: str) -> tuple[int, str]:
-    """(exit status, output) of `module` run under compute-sanitizer's `tool`."""
+def sanitize(tool: str, module: str, *args: str) -> tuple[int, str]:
+    """(exit status, output) of `module` (with `args`) run under compute-sanitizer's `tool`."""
     # conftest puts the working tree on $PYTHONPATH for spawned processes.
     done = subprocess.run(
-        [SANITIZER, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), sys.executable, "-m", module],
+        [SANITIZER, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
