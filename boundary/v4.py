@@ -38,6 +38,7 @@ from boundary.types import (
     empty_layer_input_form,
     quant_form,
 )
+from cute_kernels.boundary.config import own_pre_final
 
 
 class V4Head(Protocol):
@@ -70,8 +71,10 @@ class V4Boundaries:
         self._owner = all_reduce.rank if all_reduce.simulated_ranks else None
         if self.custom_ops:
             self._mixes = lambda r, p, x: torch.ops.mhc_boundary.mhc_mixes(r, *p, x, self.backend, self._owner)
+            self._head_input = lambda r, *w: torch.ops.mhc_boundary.hc_head_input(r, *w, self.backend, self._owner)
         else:
             self._mixes = lambda r, p, x: mhc.mixes(r, p, x, backend=self.backend, workspace_owner=self._owner)
+            self._head_input = lambda r, *w: mhc.head_input(r, *w, backend=self.backend, workspace_owner=self._owner)
 
     def _own_pre(
         self,
@@ -191,7 +194,8 @@ class V4Boundaries:
     def final(self, state: BoundaryState, head: V4Head, norm: Norm | Tensor, eps: float | None = None) -> Tensor:
         """The last boundary on state.pending (which it consumes): R' = the post with the carried mixes, then hc_head
         and the final norm, h = RMSNorm(bf16(sum_i p_i * R'_i)). `head` holds the model's hc_head_* attributes (V4Head);
-        `norm` is the final norm, or its weight followed by `eps`."""
+        `norm` is the final norm, or its weight followed by `eps`. One launch up to 128 x 4096 elements of a stream
+        (`own_pre_final`), two beyond; the bits are the same."""
         norm_weight, norm_eps = final_norm(norm, eps)
         if norm_eps is None:
             raise TypeError("final(state, head, norm_weight, eps): eps is missing after the norm weight")
@@ -214,6 +218,11 @@ class V4Boundaries:
         checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
         norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
         self._boundaries._check_state(state, None, pending=True)
+        if not own_pre_final(state.residual.shape[0], hidden):
+            # Many rows: the residual-only boundary, then hc_head's weights, the collapse and the norm in one
+            # coefficients call (faster there than every row's CTAs reading fn again in the boundary).
+            residual = self._boundaries.post_only(state)
+            return self._head_input(residual, fn, scale, base, rms_eps, hc_eps, norm_weight, norm_eps)
         # One boundary that computes hc_head's weights from its own new streams (CONTRACT §4d): the post, the head's
         # weights, the collapse and the final norm in one launch on the kernels.
         try:

@@ -90,9 +90,27 @@ def test_the_first_entry_collapses_the_broadcast_embedding_with_its_own_pre() ->
     assert not torch.equal(state.pre, ref.one_hot_pre(3))  # V4.1's first site collapses with [1, 0, 0, 0]
 
 
-def test_final_is_post_then_hc_head_then_the_final_norm() -> None:
+def test_the_final_takes_one_launch_at_few_elements_and_two_beyond() -> None:
+    """own_pre_final: the one-launch final (the boundary computes hc_head's weights) where it was measured faster."""
+    from cute_kernels.boundary.config import own_pre_final
+
+    for rows, hidden in ((1, 4096), (16, 7168), (64, 7168), (128, 4096)):
+        assert own_pre_final(rows, hidden)
+    for rows, hidden in ((128, 7168), (256, 4096), (512, 4096), (512, 7168)):
+        assert not own_pre_final(rows, hidden)
+
+
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_final_is_post_then_hc_head_then_the_final_norm(one_launch: bool, monkeypatch) -> None:
+    from cute_kernels.boundary import config
+
+    monkeypatch.setattr(config, "OWN_PRE_FINAL_MAX_ELEMENTS", config.OWN_PRE_FINAL_MAX_ELEMENTS * one_launch)
     model = ToyModel(CONFIG)
     b, step = v4(), DecodeStep(rows=2, side_stream=False)
+    paths: list[str] = []
+    head_final, post_only = b._boundaries._calls.head_final, b._boundaries.post_only
+    monkeypatch.setattr(b._boundaries._calls, "head_final", lambda *a: paths.append("one") or head_final(*a))
+    monkeypatch.setattr(b._boundaries, "post_only", lambda *a: paths.append("two") or post_only(*a))
     state, _ = b.first(model.layers[0], model.embed[random_tokens(model, 2, 0)], step)
     y = torch.randn(2, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     new = ref.mhc_post(y, state.residual, state.post, state.comb)
@@ -103,6 +121,7 @@ def test_final_is_post_then_hc_head_then_the_final_norm() -> None:
     assert bitwise_equal(got, want) and state.pending is None
     state.pending = y
     assert bitwise_equal(b.final(state, model, model.final_norm.weight, model.final_norm.variance_epsilon), want)
+    assert paths == ["one" if one_launch else "two"] * 2
 
 
 @pytest.mark.parametrize("form", ["mxfp8", "fp8_1x128", "fp8_1x128_ue8m0", True])
@@ -152,10 +171,14 @@ def test_errors_name_the_argument() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("rows", [1, 16])
-def test_the_v4_step_on_the_kernels_tracks_the_written_out_step(rows: int) -> None:
-    """On the kernels (the fused residual-only boundary, the coefficients, the layer-input kernel) the V4 step tracks
-    the written-out one: each boundary may differ by a bf16 ulp and each mix by the projection's fp32 order."""
+@pytest.mark.parametrize(("rows", "one_launch_final"), [(1, True), (16, True), (16, False)])
+def test_the_v4_step_on_the_kernels_tracks_the_written_out_step(rows: int, one_launch_final: bool, monkeypatch) -> None:
+    """On the kernels (the fused residual-only boundary, the coefficients, the layer-input kernel; the final in one
+    launch or two) the V4 step tracks the written-out one: each boundary may differ by a bf16 ulp and each mix by the
+    projection's fp32 order."""
+    from cute_kernels.boundary import config
+
+    monkeypatch.setattr(config, "OWN_PRE_FINAL_MAX_ELEMENTS", config.OWN_PRE_FINAL_MAX_ELEMENTS * one_launch_final)
     hidden = 4096
     model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=3), device="cuda")
     ar = BoundaryAllReduce(hidden, max_rows=16, device="cuda")
@@ -267,13 +290,20 @@ def test_the_own_pre_op_takes_its_quantized_form_whole_or_not_at_all() -> None:
             torch.ops.mhc_boundary.mhc_own_pre(*args, d, s, form, "reference")
 
 
-def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_with_its_own_pre(monkeypatch) -> None:
+@pytest.mark.parametrize("one_launch_final", [True, False])
+def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_with_its_own_pre(
+    one_launch_final: bool, monkeypatch
+) -> None:
     """The kernel path's plumbing, with the coefficients and layer-input launches stubbed by the reference on the CPU:
     the first entry is the coefficients kernel on the embedding (no layer input), then the layer-input kernel with the
     very pre it returned; every later entry is one coefficients launch of the own-pre variant (its layer input, and
-    its quantized form, from the pre it computes); the final step launches no coefficients kernel (the boundary
-    computes hc_head's weights itself: test_boundary_own_pre); the step's bits are the reference path's."""
+    its quantized form, from the pre it computes); the one-launch final step launches no coefficients kernel (the
+    boundary computes hc_head's weights itself: test_boundary_own_pre), the two-launch one a coefficients launch of
+    the own-pre variant on hc_head's weights; the step's bits are the reference path's."""
     from boundary import mhc
+    from cute_kernels.boundary import config
+
+    monkeypatch.setattr(config, "OWN_PRE_FINAL_MAX_ELEMENTS", config.OWN_PRE_FINAL_MAX_ELEMENTS * one_launch_final)
 
     calls: list[tuple] = []
 
@@ -318,10 +348,10 @@ def test_on_the_kernels_a_boundary_is_one_coefficients_launch_that_collapses_wit
     out = decode_step_v4(model, kernels, tokens, step)
     assert compare(out, decode_step_v4_plain(model, tokens))["bitwise"]
     assert ("coefficients", False, True, "mxfp8") in [c[:4] for c in calls]  # the last MoE entry's MXFP8
-    # The first entry's two launches, then one per later entry (the Engram seam's pre too); none for the final step.
+    # The first entry's two launches, then one per later entry (the Engram seam's pre too); the final's, if any.
     assert [c[0] for c in calls[:2]] == ["coefficients", "layer input"]
     assert all(c[0] == "coefficients" and c[2] for c in calls[2:])
-    assert len(calls) == 2 + (2 * len(model.layers) - 1)
+    assert len(calls) == 2 + (2 * len(model.layers) - 1) + (not one_launch_final)
 
 
 def test_hc_heads_kernel_weights_are_built_once_per_head_and_again_after_an_in_place_update() -> None:
