@@ -3,8 +3,9 @@
 `python -m bench.experiments.host_profile [--hidden 7168] [--rows 4]` times (median µs per call, inputs made, as
 `make bench`'s host part): one `torch.add` (the yardstick), the public `BoundaryAllReduce` call, the custom op, and
 the pieces of the public call on their own: its full input checks and the one-pass test that stands for them on a
-well-formed call, its two output allocations, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel
-with its arguments ready, and `fused_boundary` (lookup + launch). Then cProfile's top functions over the public call.
+well-formed call, its two output allocations (and the same outputs as views of one), building the kernel's
+argument record, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel with its arguments ready, and
+`fused_boundary` (lookup + launch). Then cProfile's top functions over the public call.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from bench.kernels import boundary_inputs, fused_call
 from bench.timing import host_us_per_call
 from boundary import BoundaryAllReduce
 from cute_kernels.boundary import api
+
+
+def one_buffer(rows: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two outputs (new streams [T, 4, H], layer input [T, H]) as views of one allocation: what #45's host cost
+    would save against two allocations (`two_empty`)."""
+    buf = torch.empty(5 * rows * hidden, dtype=torch.bfloat16, device="cuda")
+    return buf[: 4 * rows * hidden].view(rows, 4, hidden), buf[4 * rows * hidden :].view(rows, hidden)
 
 
 def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -55,6 +63,8 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
         "two_empty": host_us_per_call(
             lambda: (torch.empty_like(inp["residual"]), torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda"))
         ),
+        "one_empty_two_views": host_us_per_call(lambda: one_buffer(rows, hidden)),
+        "args_record": host_us_per_call(lambda: api.BoundaryArgs(*args)),
         "kernel_lookup": host_us_per_call(lambda: api.compiled_boundary(hidden, variant, arch=ar.arch)),
         "tvm_ffi_launch": host_us_per_call(lambda: fn(*args)),
         "fused_boundary": host_us_per_call(fused_call(inp, ar.arch, None)),
