@@ -102,10 +102,8 @@ def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int
 
 # DeepSeek-V4's final boundary computes hc_head's weights in its own launch (mix=) up to this many elements of a
 # stream (rows x H); beyond it, the residual-only boundary, then the coefficients kernel's head weights, collapse and
-# norm, is faster: every row's CTAs read their columns of fn again. H200, 2026-12-04 (perf-log v36), us per call, one
-# launch against two: 3.8 / 5.1 at 1 row (H 4096), 8.4 / 9.9 at 128 x 4096, 8.5 / about 9.5 at 64 x 7168; 15.2 / 13.7
-# at 128 x 7168, 27.8 / 25.0 at 512 x 4096, 49.5 / 41.1 at 512 x 7168.
-OWN_PRE_FINAL_MAX_ELEMENTS = 128 * 4096  # docs/PERF.md decisions: OWN_PRE_FINAL_MAX_ELEMENTS
+# norm, is faster: every row's CTAs read their columns of fn again (docs/PERF.md decisions: OWN_PRE_FINAL_MAX_ELEMENTS).
+OWN_PRE_FINAL_MAX_ELEMENTS = 128 * 4096
 
 
 def own_pre_final(rows: int, H: int) -> bool:
