@@ -4,11 +4,11 @@ beside the Sinkhorn warp) and at 5 rows (the partials schedule's finish kernel),
 
 Also the fused boundary that computes its own pre (`BoundaryAllReduce(..., mix=)`: its second cluster exchange) at 1
 and 5 rows, and on 2 simulated ranks (`--one-rank` leaves them out: initcheck runs one kernel at a time, and a
-simulated rank's boundary waits for its peer's, which then never starts). Run as `compute-sanitizer --tool racecheck python -m tests.own_pre_sanitizer_case`; exits non-zero on a
-result that is not the two-launch form's bits (`mhc.mixes`, then `mhc.collapse_norm`), or for the boundary off the
-reference. The test runs it once unsanitized first, so that every kernel it launches is in the disk cache and no
-compile runs under the tool (memcheck, 2026-12-04: 578 errors with a cold cache, those printed in the compile workers'
-CuTe DSL device probe, get_compute_capability; 34 with only the warm-up jobs cached, their heads not printed then).
+simulated rank's boundary waits for its peer's, which then never starts). Run as `compute-sanitizer --tool racecheck
+python -m tests.own_pre_sanitizer_case`; exits non-zero on a result that is not the two-launch form's bits
+(`mhc.mixes`, then `mhc.collapse_norm`), or for the boundary off the reference. The test runs it once unsanitized
+first, so that every kernel it launches is in the disk cache and no compile runs under the tool (a compile's CuTe DSL
+device probe puts API errors in memcheck's count).
 """
 
 from __future__ import annotations

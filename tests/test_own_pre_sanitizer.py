@@ -2,8 +2,8 @@
 (tests/own_pre_sanitizer_case.py: the one-launch tile and the partials schedule's finish kernel, bf16, MXFP8 and FP8
 1x128, at H 2048 and 1024, where a pass holds two rows; the fused boundary that computes its own pre, at one rank and
 on 2 simulated ranks but for initcheck): the worker warps' named barriers and shared buffers beside the Sinkhorn warp,
-the boundary's second cluster exchange. GPU only; skipped where compute-sanitizer is not on the PATH (memcheck's negative control is
-test_peer_sanitizer's planted store)."""
+the boundary's second cluster exchange. GPU only; skipped where compute-sanitizer is not on the PATH (memcheck's
+negative control is test_peer_sanitizer's planted store)."""
 
 from __future__ import annotations
 
