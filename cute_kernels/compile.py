@@ -6,6 +6,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import pickle
@@ -149,10 +150,20 @@ def _load(path: Path) -> Callable[..., Any]:
 def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Cache a tensor-free compile function in memory and as exported .o files on disk.
 
-    The key is (qualified name, args, sorted kwargs) under a fingerprint of the kernel sources
-    and the DSL version, so an edited kernel never loads a stale object.
+    The key is the call's arguments bound to `fn`'s signature, defaults filled in, under a fingerprint of the
+    kernel sources and the DSL version, so an edited kernel never loads a stale object, and every spelling of one
+    call (a default left out or passed, positionally or by name) is one kernel: a warmup that launched it has
+    loaded what the call runs (a second object of the same kernel would load its module at its first launch,
+    which can wait for a spinning peer boundary until its timeout).
     """
-    memory: dict[tuple, Callable[..., Any]] = {}
+    memory: dict[tuple, Callable[..., Any]] = {}  # by canonical key
+    spelled: dict[tuple, Callable[..., Any]] = {}  # by the call's own spelling: a hit costs no signature binding
+    signature = inspect.signature(fn)
+
+    def canonical(args: tuple, kwargs: dict[str, Any]) -> tuple:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return (fn.__qualname__, tuple(bound.arguments.items()))
 
     def object_path(key: tuple) -> tuple[Path, str]:
         folder = cache_dir() / source_fingerprint()
@@ -161,16 +172,27 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def ready(*args: Any, **kwargs: Any) -> bool:
         """Whether a call with these arguments needs no compile: in memory, or on disk."""
-        key = (fn.__qualname__, args, tuple(sorted(kwargs.items())))
+        key = canonical(args, kwargs)
         return key in memory or (disk_cache_enabled() and object_path(key)[0].exists())
 
     @functools.wraps(fn)
     def cached(*args: Any, **kwargs: Any) -> Callable[..., Any]:
-        key = (fn.__qualname__, args, tuple(sorted(kwargs.items())))
-        hit = memory.get(key)
+        spelling = (args, tuple(kwargs.items()))
+        hit = spelled.get(spelling)
+        if hit is None:
+            hit = memory.get(canonical(args, kwargs))
+            if hit is not None:
+                spelled[spelling] = hit
         if hit is not None:
             STATS.memory_hits += 1
             return hit
+        compiled = _compiled(args, kwargs)
+        if compiled is not None:  # None: a compile process's export only
+            spelled[spelling] = compiled
+        return compiled
+
+    def _compiled(args: tuple, kwargs: dict[str, Any]) -> Callable[..., Any]:
+        key = canonical(args, kwargs)
         if not disk_cache_enabled():
             STATS.compiles += 1
             memory[key] = compiled = fn(*args, **kwargs)
@@ -203,7 +225,11 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
         memory[key] = compiled
         return compiled
 
-    cached.cache_clear = memory.clear  # type: ignore[attr-defined]
+    def cache_clear() -> None:
+        memory.clear()
+        spelled.clear()
+
+    cached.cache_clear = cache_clear  # type: ignore[attr-defined]
     cached.ready = ready  # type: ignore[attr-defined]
     return cached
 

@@ -44,6 +44,32 @@ def test_jit_cache_compiles_once_then_hits_memory_and_disk(tmp_path, monkeypatch
     assert cc.STATS.compiles == start[0] + 2 and len(list(tmp_path.rglob("*.o"))) == 2
 
 
+def test_every_spelling_of_one_compile_call_is_one_kernel(monkeypatch) -> None:
+    """The key is the call bound to the compile function's signature, defaults filled in: a default left out,
+    passed positionally or by name, or an argument passed by name, is the same kernel object (a second object would
+    load its module at its first launch, which can stall spinning peers); another value is another kernel."""
+    monkeypatch.setenv("MHC_BOUNDARY_DISK_CACHE", "0")
+    built = []
+
+    @cc.jit_cache
+    def compile_thing(H: int, quant: str | None = None, *, arch: str) -> object:
+        built.append((H, quant, arch))
+        return object()
+
+    first = compile_thing(256, arch="sm_90a")
+    spellings = (
+        compile_thing(256, None, arch="sm_90a"),
+        compile_thing(256, quant=None, arch="sm_90a"),
+        compile_thing(H=256, arch="sm_90a"),
+        compile_thing(arch="sm_90a", H=256, quant=None),
+    )
+    assert all(s is first for s in spellings) and built == [(256, None, "sm_90a")]
+    assert compile_thing.ready(256, None, arch="sm_90a") and not compile_thing.ready(256, "mxfp8", arch="sm_90a")
+    assert compile_thing(256, "mxfp8", arch="sm_90a") is not first and len(built) == 2
+    compile_thing.cache_clear()
+    assert compile_thing(256, None, arch="sm_90a") is not first and len(built) == 3
+
+
 def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
     from tests.tiny_kernel import compile_tiny
 

@@ -230,6 +230,27 @@ def test_warmup_loads_every_variant_onto_the_gpu() -> None:
     assert all("gave up waiting for rank(s) [1]" in e for e in states["control: never launched"]), states
 
 
+def _toy_step_case(flag: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.toy_step_case", flag], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_warmed_up_groups_decode_step_obtains_no_kernel_while_its_boundaries_spin() -> None:
+    """In a fresh process, two simulated ranks warm up and run the toy decode step (1 and 4 rows, side streams on
+    and off): the step obtains no kernel (none compiled, none loaded from disk) and no rank gives up. Each spelling of
+    a compile call is one kernel (jit_cache's key): warmup's layer-input job and the call once spelled it two ways,
+    and the call's second object loaded at its first launch while rank 0 spun. The control drops the layer-input
+    kernels from memory after warmup: the step loads them from disk again, and rank 0 gives up on rank 1."""
+    states = {"after warmup()": _toy_step_case("--warmup"), "control": _toy_step_case("--forget-layer-input")}
+    _write("toy_step_loading", states)
+    assert states["after warmup()"] == {"obtained": 0, "error": ""}, states
+    control = states["control"]
+    assert control["obtained"] > 0 and "gave up waiting for rank(s) [1]" in control["error"], states
+
+
 def test_a_peer_kernel_never_loaded_raises_before_it_launches() -> None:
     """Simulated ranks share one context: a peer call of a variant warmup() never loaded raises NotLoadedError,
     naming warmup() and the variant, before anything launches (H 1536: no other test compiles it)."""
