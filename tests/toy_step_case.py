@@ -30,12 +30,11 @@ def main() -> int:
 
     import torch
 
+    from bench.step import boundaries_only
     from boundary import Boundaries, BoundaryAllReduce, DecodeStep
     from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
     from cute_kernels import coefficients
     from cute_kernels import compile as cc
-
-    from bench.step import boundaries_only
 
     world, rows_list = 2, (1, 4)
     ranks = BoundaryAllReduce.simulated(HIDDEN, world, max_rows=max(rows_list), device="cuda", timeout_us=TIMEOUT_US)
@@ -52,7 +51,7 @@ def main() -> int:
         tokens = random_tokens(models[0], rows, 0)
         for side in (True, False):
             step = DecodeStep(rows=rows, side_stream=side)
-            calls = [lambda ar: decode_step(free[ar.rank], ours[ar.rank], tokens, step)] * world
+            calls = [lambda ar, f=free, t=tokens, s=step: decode_step(f[ar.rank], ours[ar.rank], t, s)] * world
             BoundaryAllReduce.run_simulated(ranks, calls)
             torch.cuda.synchronize()
             for ar in ranks:
