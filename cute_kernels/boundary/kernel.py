@@ -318,14 +318,10 @@ class FusedBoundaryKernel:
             peer=None,
         )
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
-        # while it is reduced and stored. Unstaged, the first row's loads go out first after the wait,
-        # before the call counter is read (they need no generation): in one basic block with the wait,
-        # their address arithmetic is scheduled before it, as at one rank.
+        # while it is reduced and stored.
         staged = self.allreduce is not None and self.allreduce.staged
         regs = self.loads.regs(self.allreduce.row_slot_shape() if self.row_slots() else None)
-        cute.arch.griddepcontrol_wait()
-        if const_expr(not staged):
-            self.load_row(ctx, regs, first_row)  # no load of an unstaged row needs the peer state
+        self.wait_and_load_first(ctx, regs, first_row)
         if const_expr(own is not None):
             # After the wait: mix_weights builds them with kernels of the same stream on its first call.
             ctx = dataclasses.replace(ctx, mix=own.params(mMixParams))
@@ -357,6 +353,16 @@ class FusedBoundaryKernel:
             if row + clusters < rows:
                 self.process_row(ctx, regs, ptx.opaque_i32(row + clusters), 1, phase)
             row, phase = row + 2 * clusters, phase ^ 1
+
+    @cute.jit
+    def wait_and_load_first(self, ctx: Ctx, regs: RowRegs, first_row: Int32):
+        """Wait for the predecessor grid (PDL); then, unstaged, issue the first row's loads, before the call counter
+        is read (no load of an unstaged row needs the peer state): in one basic block with the wait, their address
+        arithmetic is scheduled before it, as at one rank. (bench/experiments/early_loads_ab.py times issuing all but
+        the partial's before the wait.)"""
+        cute.arch.griddepcontrol_wait()
+        if const_expr(not (self.allreduce is not None and self.allreduce.staged)):
+            self.load_row(ctx, regs, first_row)
 
     @cute.jit
     def process_row(self, ctx: Ctx, regs: RowRegs, row: Int32, stage: int, phase: Int32):
