@@ -187,6 +187,7 @@ class BoundaryAllReduce:
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None  # checks.fits' device
+        self._device_index = -1 if self._cuda_index is None else self._cuda_index  # Tensor.get_device()'s
         self.arch = kernel_arch(self.device, backend)  # raises on GPUs without the kernels
         # Checked where the path is not known yet: with the receive slots wherever the peer path may run, and for
         # simulated ranks (no group) every rank's buffers on the one GPU, once.
@@ -346,9 +347,16 @@ class BoundaryAllReduce:
             and fp8_out is None
             and mix is None
             and self._fused
-            and self._fits(x, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out)
-        ):  # the common call, every argument as `_check_epilogue` would pass it: checked in one pass
-            return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
+            and self._fits(residual, pre, norm_weight, norm_eps, mxfp8_out)
+        ):
+            # The common call. What `_fits` leaves out, the compiled kernel's TVM-FFI entry checks before it
+            # launches; where it refuses, the full checks below name the fault.
+            try:
+                return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
+            except Exception as exc:  # noqa: BLE001 - re-raised below unless the full checks name it
+                refused = exc
+            self._check_call(x, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out)
+            raise refused
         residual = self._check_residual(residual)
         rows = residual.shape[0]
         a16 = self._align(16)
@@ -519,7 +527,36 @@ class BoundaryAllReduce:
         """The byte boundary a buffer the kernel accesses `nbytes` at a time must start on: 1 on the torch path."""
         return nbytes if self.arch is not None else 1
 
-    def _fits(
+    def _fits(self, residual: object, pre: object, norm_weight: object, norm_eps: object, mxfp8_out: object) -> bool:
+        """Whether a call on a ready partial may take the host's fast path: what the kernel's TVM-FFI entry cannot
+        check is as the full checks want it (the streams' row count within max_rows and their device this
+        boundary's; a float eps; the layer-input arguments given together, an MXFP8 buffer whole). The rest of
+        every tensor argument the entry checks, from the argument spec the kernel was compiled against
+        (`boundary_api.fake_args`: dtypes, the shapes with one row count, row-major strides, alignment, one device
+        for all). False sends the call through the full checks, which name what is wrong."""
+        if type(residual) is not Tensor or residual.dim() != 3:
+            return False
+        if not (
+            0 < residual.shape[0] <= self.max_rows
+            and residual.get_device() == self._device_index
+            and type(norm_eps) is float
+            and 0.0 <= norm_eps < math.inf
+        ):
+            return False
+        if pre is None:
+            return norm_weight is None and mxfp8_out is None
+        if norm_weight is None:
+            return False
+        rows, hidden, index = residual.shape[0], self.hidden_size, self._cuda_index
+        return mxfp8_out is None or (
+            type(mxfp8_out) is QuantizedActivation
+            and checks.fits(mxfp8_out.data, torch.float8_e4m3fn, (rows, hidden), index, self._align(16))
+            and checks.fits(
+                mxfp8_out.scale, torch.uint8, (reference.mxfp8_scale_bytes(rows, hidden),), index, self._align(4)
+            )
+        )
+
+    def _check_call(
         self,
         x: object,
         residual: object,
@@ -529,34 +566,12 @@ class BoundaryAllReduce:
         norm_weight: object,
         norm_eps: object,
         mxfp8_out: object,
-    ) -> bool:
-        """Whether a call on a ready partial passes every check as it is (2-D post, a float eps, no aux or FP8 1x128):
-        the host's fast path. False sends the call through the full checks, which name what is wrong."""
-        if type(residual) is not Tensor or residual.dim() != 3:
-            return False
-        rows, hc, hidden = residual.shape[0], self.hc_mult, self.hidden_size
-        index, a16 = self._cuda_index, self._align(16)
-        if not (
-            0 < rows <= self.max_rows
-            and checks.fits(residual, BF16, (rows, hc, hidden), index, a16)
-            and checks.fits(x, BF16, (rows, hidden), index, a16)
-            and checks.fits(post, F32, (rows, hc), index, 1)
-            and checks.fits(comb, F32, (rows, hc, hc), index, 1)
-            and type(norm_eps) is float
-            and 0.0 <= norm_eps < math.inf
-        ):
-            return False
-        if pre is None:
-            return norm_weight is None and mxfp8_out is None
-        if not (checks.fits(pre, F32, (rows, hc), index, 1) and checks.fits(norm_weight, BF16, (hidden,), index, a16)):
-            return False
-        return mxfp8_out is None or (
-            type(mxfp8_out) is QuantizedActivation
-            and checks.fits(mxfp8_out.data, torch.float8_e4m3fn, (rows, hidden), index, a16)
-            and checks.fits(
-                mxfp8_out.scale, torch.uint8, (reference.mxfp8_scale_bytes(rows, hidden),), index, self._align(4)
-            )
-        )
+    ) -> None:
+        """The full checks of a call on a ready partial, raising on the first fault they find."""
+        residual = self._check_residual(residual)
+        rows = residual.shape[0]
+        checks.tensor("x", x, dtype=BF16, shape=(rows, self.hidden_size), device=self.device, align=self._align(16))
+        self._check_epilogue(rows, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None)
 
     def _check_rows(self, rows: int) -> None:
         checks.positive_int("rows", rows)

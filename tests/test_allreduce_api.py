@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput, checks
+from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
 from boundary import reference as ref
 from boundary.all_reduce import multi_rank_path
 from boundary.workspace import MULTICAST_ENV, unicast_only
@@ -412,10 +412,12 @@ def test_the_kernel_path_decides_each_calls_variant_once_and_passes_it_down(monk
     assert launched == [(v, ("kernel", v)) for v in want] * 3
 
 
-def test_the_hosts_fast_path_accepts_only_what_the_full_checks_accept() -> None:
-    """BoundaryAllReduce's one-pass test of a common call (`_fits`, the kernel path's fast path) is True for a
-    well-formed call, and False for every argument the full checks refuse: a wrong dtype, shape, device, layout or
-    address, a bad eps, a wrong buffer; then the full checks run and name the fault."""
+def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see() -> None:
+    """BoundaryAllReduce's fast-path test (`_fits`) is True for a well-formed call. Every fault the full checks refuse
+    is either declined by it (then the full checks run and name it) or one of a tensor's type, dtype, shape, strides,
+    address or device, which the compiled kernel's TVM-FFI entry refuses before it launches (the GPU test
+    `test_a_malformed_call_on_the_kernel_path_names_its_argument` holds that, and that the full checks then name the
+    argument)."""
     from boundary.types import empty_quantized
 
     H, rows = 256, 3
@@ -432,28 +434,17 @@ def test_the_hosts_fast_path_accepts_only_what_the_full_checks_accept() -> None:
         norm_eps=1e-6,
         mxfp8_out=empty_quantized(rows, H, torch.device("cpu")),
     )
-    names = ("x", "residual", "post", "comb", "pre", "norm_weight", "norm_eps", "mxfp8_out")
 
     def fits(**changes: object) -> bool:
         args = good | changes
-        return ar._fits(*(args[n] for n in names))
+        return ar._fits(*(args[n] for n in ("residual", "pre", "norm_weight", "norm_eps", "mxfp8_out")))
 
     def full_checks_pass(**changes: object) -> bool:
         args = good | changes
         try:
-            ar._check_residual(args["residual"])
-            r = args["residual"].shape[0]
-            checks.tensor("x", args["x"], dtype=torch.bfloat16, shape=(r, H), device=ar.device, align=16)
-            ar._check_epilogue(
-                r,
-                args["post"],
-                args["comb"],
-                args["pre"],
-                args["norm_weight"],
-                args["norm_eps"],
+            ar._check_call(
+                *(args[n] for n in ("x", "residual", "post", "comb", "pre", "norm_weight", "norm_eps")),
                 args["mxfp8_out"],
-                None,
-                None,
             )
         except (TypeError, ValueError):
             return False
@@ -461,9 +452,23 @@ def test_the_hosts_fast_path_accepts_only_what_the_full_checks_accept() -> None:
 
     assert fits() and full_checks_pass()
     assert fits(mxfp8_out=None) and fits(pre=None, norm_weight=None, mxfp8_out=None)
-    misaligned = torch.zeros(rows * H + 1, dtype=torch.bfloat16)[1:].view(rows, H)
     mx = good["mxfp8_out"]
-    faults = [
+    declined = [
+        dict(residual=[1, 2]),
+        dict(residual=inp["residual"][0]),
+        dict(residual=torch.zeros(5, 4, H, dtype=torch.bfloat16)),  # over max_rows
+        dict(residual=torch.zeros(0, 4, H, dtype=torch.bfloat16), x=torch.zeros(0, H, dtype=torch.bfloat16)),
+        dict(pre=None),  # a residual-only call that still passes a norm weight and MXFP8
+        dict(pre=None, mxfp8_out=None),
+        dict(norm_weight=None),
+        dict(norm_eps=float("nan")),
+        dict(norm_eps=-1.0),
+        dict(norm_eps=float("inf")),
+        dict(mxfp8_out=dataclasses.replace(mx, scale=mx.scale[:-4])),
+        dict(mxfp8_out=(mx.data, mx.scale)),
+    ]
+    misaligned = torch.zeros(rows * H + 1, dtype=torch.bfloat16)[1:].view(rows, H)
+    at_the_entry = [  # a tensor's type, dtype, shape, strides, address or device
         dict(x=inp["x"].float()),
         dict(x=inp["x"][:, :128]),
         dict(x=inp["x"].to("meta")),
@@ -471,28 +476,22 @@ def test_the_hosts_fast_path_accepts_only_what_the_full_checks_accept() -> None:
         dict(x=misaligned),
         dict(x=[1, 2]),
         dict(residual=inp["residual"][:, :3]),
-        dict(residual=torch.zeros(5, 4, H, dtype=torch.bfloat16)),  # over max_rows
-        dict(residual=torch.zeros(0, 4, H, dtype=torch.bfloat16), x=torch.zeros(0, H, dtype=torch.bfloat16)),
         dict(post=inp["post"].double()),
         dict(comb=inp["comb"][:, :, :3]),
         dict(pre=inp["pre"][:2]),
         dict(norm_weight=inp["norm_weight"].float()),
-        dict(pre=None),  # a residual-only call that still passes a norm weight and MXFP8
-        dict(norm_eps=float("nan")),
-        dict(norm_eps=-1.0),
-        dict(norm_eps=float("inf")),
-        dict(mxfp8_out=dataclasses.replace(mx, scale=mx.scale[:-4])),
-        dict(mxfp8_out=(mx.data, mx.scale)),
     ]
-    for fault in faults:
+    for fault in declined + at_the_entry:
         assert not full_checks_pass(**fault), fault
+    for fault in declined:
         assert not fits(**fault), fault
-    # The device test: the CPU (None), or a CUDA index, which a CPU tensor (get_device() -1) never matches.
-    assert checks.fits(inp["x"], torch.bfloat16, (rows, H), None, 16)
-    assert not checks.fits(inp["x"], torch.bfloat16, (rows, H), 0, 16)
-    # Where the fast path declines a call the full checks accept (another eps type, a 3-D post), the call still runs.
+    for fault in at_the_entry:
+        assert fits(**fault), fault
+    # Where the fast path declines a call the full checks accept (another eps type), the call still runs.
     assert full_checks_pass(norm_eps=0) and not fits(norm_eps=0)
-    assert full_checks_pass(post=inp["post"].unsqueeze(-1)) and not fits(post=inp["post"].unsqueeze(-1))
+    # The streams on another device than the boundary's: declined (here the boundary stands on cuda:0).
+    ar._device_index = 0
+    assert not fits()
 
 
 def test_every_call_form_the_kernel_path_builds_is_a_warmup_variant(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,6 +143,42 @@ def test_mhc_ops_on_the_kernels_match_the_reference() -> None:
     assert max_ulp(broadcast[2], ref.rms_norm(inp["residual"][:, 0], inp["norm_weight"], 1e-20)) <= 1
 
 
+def test_a_malformed_call_on_the_kernel_path_names_its_argument() -> None:
+    """The host's fast path leaves a tensor's type, dtype, shape, strides, address and device to the compiled kernel's
+    TVM-FFI entry: each such fault is refused there before anything launches, and the full checks then raise the
+    error that names the argument (CONTRACT §5 Errors). The misaligned partial goes last (were it to launch, its
+    16-byte loads would fault the context); after every fault a good call still returns the reference's bits."""
+    rows = 3
+    ar = BoundaryAllReduce(H, max_rows=4, device="cuda")
+    inp = inputs(rows)
+    good = dict(x=inp["x"], residual=inp["residual"], post=inp["post"], comb=inp["comb"], pre=inp["pre"])
+    good["norm_weight"] = inp["norm_weight"]
+    names = ("x", "residual", "post", "comb", "pre", "norm_weight")
+    faults = [
+        ("x", dict(x=inp["x"].float())),
+        ("x", dict(x=inp["x"][:, :128])),
+        ("x", dict(x=torch.zeros(H, rows, dtype=BF16, device="cuda").t())),
+        ("x", dict(x=inp["x"].cpu())),
+        ("x", dict(x=[1, 2])),
+        ("residual", dict(residual=inp["residual"][:, :3])),
+        ("post", dict(post=inp["post"].double())),
+        ("post", dict(post=inp["post"].cpu())),
+        ("comb", dict(comb=inp["comb"][:, :, :3])),
+        ("comb", dict(comb=inp["comb"].transpose(1, 2))),
+        ("pre", dict(pre=inp["pre"][:2])),
+        ("norm_weight", dict(norm_weight=inp["norm_weight"].float())),
+        ("x", dict(x=torch.zeros(rows * H + 1, dtype=BF16, device="cuda")[1:].view(rows, H))),
+    ]
+    for name, change in faults:
+        args = good | change
+        assert ar._fits(args["residual"], args["pre"], args["norm_weight"], 1e-6, None), (name, change)
+        with pytest.raises((TypeError, ValueError), match=rf"\b{name}\b"):
+            ar(*(args[n] for n in names), 1e-6, None)
+    torch.cuda.synchronize()
+    new, out = ar(*(good[n] for n in names), 1e-20, None)
+    check_against_reference(inp["x"], inp, new, out)
+
+
 def test_a_warmup_for_the_layers_sinkhorn_count_leaves_their_calls_nothing_to_load() -> None:
     """The Sinkhorn count is compiled into the coefficients kernels: after warmup(sinkhorn_repeat=7) a model with 7
     Sinkhorn iterations compiles and loads nothing at its calls (inline and on a side stream, 1-16 rows); the
