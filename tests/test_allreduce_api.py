@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput
+from boundary import BoundaryAllReduce, MoEOutput, UnfinalizedMoEOutput, checks
 from boundary import reference as ref
 from boundary.all_reduce import multi_rank_path
 from boundary.workspace import MULTICAST_ENV, unicast_only
@@ -442,10 +442,10 @@ def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see()
     def full_checks_pass(**changes: object) -> bool:
         args = good | changes
         try:
-            ar._check_call(
-                *(args[n] for n in ("x", "residual", "post", "comb", "pre", "norm_weight", "norm_eps")),
-                args["mxfp8_out"],
-            )
+            r = ar._check_residual(args["residual"]).shape[0]
+            checks.tensor("x", args["x"], dtype=torch.bfloat16, shape=(r, H), device=ar.device, align=16)
+            epilogue = (args[n] for n in ("post", "comb", "pre", "norm_weight", "norm_eps", "mxfp8_out"))
+            ar._check_epilogue(r, *epilogue, None, None)
         except (TypeError, ValueError):
             return False
         return True
@@ -492,6 +492,36 @@ def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see()
     # The streams on another device than the boundary's: declined (here the boundary stands on cuda:0).
     ar._device_index = 0
     assert not fits()
+
+
+def test_a_call_the_kernels_entry_refuses_goes_through_the_full_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fast path a refusal at the kernel's entry is never the error the caller sees: the full checks run and
+    raise the one that names the argument, and where they pass (a form the fast path hands on as it is, e.g. a 3-D
+    post they reshape) the checked call runs. (The kernel path stood in on the CPU by a launch that refuses its first
+    call.)"""
+    from boundary.all_reduce import BoundaryPath
+
+    H, rows = 256, 3
+    ar = BoundaryAllReduce(H, max_rows=4, device="cpu")
+    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
+    inp = boundary_inputs(rows, H)
+    launches: list[tuple] = []
+
+    def launch(residual, post, comb, *rest, **kwargs):
+        launches.append(tuple(post.shape))
+        if len(launches) == 1:
+            raise RuntimeError("the entry refused an argument")
+        return residual, None
+
+    monkeypatch.setattr(ar, "_kernel", launch)
+    args = [inp["x"], inp["residual"], inp["post"].unsqueeze(-1), inp["comb"], inp["pre"], inp["norm_weight"], 1e-6]
+    ar(*args, None)
+    assert launches == [(rows, 4, 1), (rows, 4)]  # the fast path's refused launch, then the checked call's
+    launches.clear()
+    args[0] = inp["x"].float()
+    with pytest.raises(TypeError, match="^x must have dtype torch.bfloat16"):
+        ar(*args, None)
+    assert launches == [(rows, 4, 1)]  # refused at the entry; the full checks named x, nothing launched again
 
 
 def test_every_call_form_the_kernel_path_builds_is_a_warmup_variant(monkeypatch: pytest.MonkeyPatch) -> None:
