@@ -231,6 +231,7 @@ def jit_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     cached.cache_clear = cache_clear  # type: ignore[attr-defined]
     cached.ready = ready  # type: ignore[attr-defined]
+    cached.key = lambda *args, **kwargs: canonical(args, kwargs)  # type: ignore[attr-defined]
     return cached
 
 
