@@ -347,11 +347,11 @@ class BoundaryAllReduce:
             and fp8_out is None
             and mix is None
             and self._fused
-            and self._fits(residual, pre, norm_weight, norm_eps, mxfp8_out)
+            and self._fits(residual, post, pre, norm_weight, norm_eps, mxfp8_out)
         ):
             # The common call. What `_fits` leaves out, the compiled kernel's TVM-FFI entry checks before it
-            # launches; where it refuses, the full checks below name the fault (or, where they pass, e.g. a 3-D post
-            # they reshape, make the checked call).
+            # launches; where it refuses, the full checks below name the fault (and where they pass, the launch
+            # failed for another reason: the checked call makes it again, and its error is the caller's).
             try:
                 return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
             except Exception:  # noqa: BLE001, S110 - the checked call below raises what is wrong
@@ -526,14 +526,17 @@ class BoundaryAllReduce:
         """The byte boundary a buffer the kernel accesses `nbytes` at a time must start on: 1 on the torch path."""
         return nbytes if self.arch is not None else 1
 
-    def _fits(self, residual: object, pre: object, norm_weight: object, norm_eps: object, mxfp8_out: object) -> bool:
+    def _fits(
+        self, residual: object, post: object, pre: object, norm_weight: object, norm_eps: object, mxfp8_out: object
+    ) -> bool:
         """Whether a call on a ready partial may take the host's fast path: what the kernel's TVM-FFI entry cannot
         check is as the full checks want it (the streams' row count within max_rows and their device this
-        boundary's; a float eps; the layer-input arguments given together, an MXFP8 buffer whole). The rest of
+        boundary's; a 2-D post, since fused_boundary views any other as [T, hc]; a float eps; the layer-input
+        arguments given together, an MXFP8 buffer whole). The rest of
         every tensor argument the entry checks, from the argument spec the kernel was compiled against
         (`boundary_api.fake_args`: dtypes, the shapes with one row count, row-major strides, alignment, one device
         for all). False sends the call through the full checks, which name what is wrong."""
-        if type(residual) is not Tensor or residual.dim() != 3:
+        if type(residual) is not Tensor or residual.dim() != 3 or type(post) is not Tensor or post.dim() != 2:
             return False
         if not (
             0 < residual.shape[0] <= self.max_rows

@@ -249,20 +249,21 @@ def lazy_module_loading() -> bool:
     return mode.value == _CU_MODULE_LAZY_LOADING
 
 
-# The compiled functions that have launched in this process (by id: every compiled function stays in its jit_cache).
-# CUDA loads a module onto the GPU at its function's first launch, and a load may wait for every running kernel of
-# the context: a kernel that spins on its peers (CONTRACT §7) must not meet one.
-_LAUNCHED: set[int] = set()
+# The compiled functions that have launched in this process, by id, each held here: a jit_cache's cache_clear drops
+# its objects, and a new object must never inherit a dropped one's id, and with it "launched". CUDA loads a module
+# onto the GPU at its function's first launch, and a load may wait for every running kernel of the context: a kernel
+# that spins on its peers (CONTRACT §7) must not meet one.
+_LAUNCHED: dict[int, Callable[..., Any]] = {}
 
 
 def mark_launched(fn: Callable[..., Any]) -> None:
     """Record that `fn` has launched in this process (its module is loaded onto the device)."""
-    _LAUNCHED.add(id(fn))
+    _LAUNCHED[id(fn)] = fn
 
 
 def launched(fn: Callable[..., Any]) -> bool:
     """Whether `fn` has launched in this process."""
-    return id(fn) in _LAUNCHED
+    return _LAUNCHED.get(id(fn)) is fn
 
 
 @dataclass(frozen=True)

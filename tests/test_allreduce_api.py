@@ -437,7 +437,7 @@ def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see()
 
     def fits(**changes: object) -> bool:
         args = good | changes
-        return ar._fits(*(args[n] for n in ("residual", "pre", "norm_weight", "norm_eps", "mxfp8_out")))
+        return ar._fits(*(args[n] for n in ("residual", "post", "pre", "norm_weight", "norm_eps", "mxfp8_out")))
 
     def full_checks_pass(**changes: object) -> bool:
         args = good | changes
@@ -461,6 +461,9 @@ def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see()
         dict(pre=None),  # a residual-only call that still passes a norm weight and MXFP8
         dict(pre=None, mxfp8_out=None),
         dict(norm_weight=None),
+        dict(post=inp["post"].t().contiguous().unsqueeze(-1)),  # [4, T, 1]: a view of [T, 4] would take it
+        dict(post=inp["post"].reshape(-1)),
+        dict(post=[1, 2]),
         dict(norm_eps=float("nan")),
         dict(norm_eps=-1.0),
         dict(norm_eps=float("inf")),
@@ -487,8 +490,18 @@ def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see()
         assert not fits(**fault), fault
     for fault in at_the_entry:
         assert fits(**fault), fault
-    # Where the fast path declines a call the full checks accept (another eps type), the call still runs.
+        # The error the caller then sees is the full checks', which names the argument first.
+        (name,) = fault
+        with pytest.raises((TypeError, ValueError), match=rf"^{name} "):
+            args = good | fault
+            r = ar._check_residual(args["residual"]).shape[0]
+            checks.tensor("x", args["x"], dtype=torch.bfloat16, shape=(r, H), device=ar.device, align=16)
+            ar._check_epilogue(
+                r, *(args[n] for n in ("post", "comb", "pre", "norm_weight", "norm_eps")), None, None, None
+            )
+    # Where the fast path declines a call the full checks accept (another eps type, a 3-D post), the call still runs.
     assert full_checks_pass(norm_eps=0) and not fits(norm_eps=0)
+    assert full_checks_pass(post=inp["post"].unsqueeze(-1)) and not fits(post=inp["post"].unsqueeze(-1))
     # The streams on another device than the boundary's: declined (here the boundary stands on cuda:0).
     ar._device_index = 0
     assert not fits()
@@ -496,9 +509,9 @@ def test_the_hosts_fast_path_declines_every_fault_the_kernels_entry_cannot_see()
 
 def test_a_call_the_kernels_entry_refuses_goes_through_the_full_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the fast path a refusal at the kernel's entry is never the error the caller sees: the full checks run and
-    raise the one that names the argument, and where they pass (a form the fast path hands on as it is, e.g. a 3-D
-    post they reshape) the checked call runs. (The kernel path stood in on the CPU by a launch that refuses its first
-    call.)"""
+    raise the one that names the argument, and where they pass (the launch failed for another reason) the checked
+    call runs it again, whose error is the caller's. (The kernel path stood in on the CPU by a launch that refuses its
+    first call.)"""
     from boundary.all_reduce import BoundaryPath
 
     H, rows = 256, 3
@@ -508,20 +521,21 @@ def test_a_call_the_kernels_entry_refuses_goes_through_the_full_checks(monkeypat
     launches: list[tuple] = []
 
     def launch(residual, post, comb, *rest, **kwargs):
-        launches.append(tuple(post.shape))
+        launches.append(tuple(x.shape for x in (residual, post, comb)))
         if len(launches) == 1:
             raise RuntimeError("the entry refused an argument")
         return residual, None
 
     monkeypatch.setattr(ar, "_kernel", launch)
-    args = [inp["x"], inp["residual"], inp["post"].unsqueeze(-1), inp["comb"], inp["pre"], inp["norm_weight"], 1e-6]
+    args = [inp["x"], inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6]
+    shapes = ((rows, 4, H), (rows, 4), (rows, 4, 4))
     ar(*args, None)
-    assert launches == [(rows, 4, 1), (rows, 4)]  # the fast path's refused launch, then the checked call's
+    assert launches == [shapes, shapes]  # the fast path's refused launch, then the checked call's
     launches.clear()
     args[0] = inp["x"].float()
     with pytest.raises(TypeError, match="^x must have dtype torch.bfloat16"):
         ar(*args, None)
-    assert launches == [(rows, 4, 1)]  # refused at the entry; the full checks named x, nothing launched again
+    assert launches == [shapes]  # refused at the entry; the full checks named x, nothing launched again
 
 
 def test_every_call_form_the_kernel_path_builds_is_a_warmup_variant(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,6 +70,20 @@ def test_every_spelling_of_one_compile_call_is_one_kernel(monkeypatch) -> None:
     assert compile_thing(256, None, arch="sm_90a") is not first and len(built) == 3
 
 
+def test_a_launched_mark_never_passes_to_a_new_object() -> None:
+    """`launched` is true of the very object marked: the marks hold their objects, so a cache_clear that drops a
+    launched kernel never lets a new object take its id, and with it the mark (its module would then load at its
+    first launch, while a peer spins)."""
+    marked = [object() for _ in range(50)]
+    for obj in marked:
+        cc.mark_launched(obj)
+    ids = {id(obj) for obj in marked}
+    del marked, obj
+    fresh = [object() for _ in range(2000)]
+    assert not any(cc.launched(obj) for obj in fresh)
+    assert not ids & {id(obj) for obj in fresh}
+
+
 def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
     from tests.tiny_kernel import compile_tiny
 

@@ -20,8 +20,20 @@ from boundary.v4 import V4Boundaries
 from cute_kernels import coefficients
 from cute_kernels.boundary import api as boundary_api
 from cute_kernels.coefficients import api as coefficients_api
+from cute_kernels.coefficients.tuning import default_bands
+from cute_kernels.coefficients.variant import OWN_VARIANTS, VARIANTS
 
 ARCH = "sm_90a"
+
+
+def row_counts(H: int, max_rows: int) -> list[int]:
+    """1, max_rows, and the first row count of every coefficients band of every form at H and the one before it:
+    a call of each default config the calls can meet."""
+    forms = {v.form for v in (*VARIANTS, *OWN_VARIANTS)}
+    firsts = {first for form in forms for first, _ in default_bands(H, form, arch=ARCH)}
+    return sorted({r for f in firsts for r in (f - 1, f) if 1 <= r <= max_rows} | {1, max_rows})
+
+
 COMPILES = (
     (boundary_api, "compile_fused_boundary"),
     (coefficients_api, "compile_coefficients"),
@@ -75,7 +87,7 @@ def test_every_compile_of_the_toy_step_is_a_warmup_job(
         with monkeypatch.context() as m:
             if overlapped:  # the side-stream path's kernels (the layer input apart from the mixes), streams aside
                 m.setattr(mhc, "pre_delayed", overlap_kernels)
-            for rows in (1, 4, 64, 300, 512):
+            for rows in row_counts(hidden, max_rows):
                 decode_step(model, b, random_tokens(model, rows, 0), DecodeStep(rows=rows, side_stream=False))
     asked = set(recorded)
     assert {name for name, _ in asked} == {name for _, name in COMPILES}, "the stand-in missed a kind of kernel"
@@ -98,7 +110,7 @@ def test_every_compile_of_the_v4_toy_step_is_a_warmup_job(
     b.warmup(progress=False)
     warmed = {(job.compile_fn.__name__, job.compile_fn.key(*job.args, **dict(job.kwargs))) for job in jobs}
     model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=2), device="cpu")
-    for rows in (1, 4, 64, 300, 512):
+    for rows in row_counts(hidden, max_rows):
         decode_step_v4(model, b, random_tokens(model, rows, 0), DecodeStep(rows=rows, side_stream=False))
     asked = set(recorded)
     assert {name for name, _ in asked} == {name for _, name in COMPILES}, "the stand-in missed a kind of kernel"

@@ -59,7 +59,9 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
         "public_call": host_us_per_call(lambda: ar(inp["x"], *epilogue, None)),
         "custom_op": host_us_per_call(lambda: _op(ar, inp, inp["residual"])),
         "checks": host_us_per_call(checks),
-        "fast_checks": host_us_per_call(lambda: ar._fits(inp["residual"], inp["pre"], inp["norm_weight"], 1e-6, None)),
+        "fast_checks": host_us_per_call(
+            lambda: ar._fits(inp["residual"], inp["post"], inp["pre"], inp["norm_weight"], 1e-6, None)
+        ),
         "two_empty": host_us_per_call(
             lambda: (torch.empty_like(inp["residual"]), torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda"))
         ),

@@ -299,6 +299,8 @@ def fused_boundary(
         mix_params,
         float(norm_eps),
     )
+    if peer is not None and not launched(fn):
+        mark_launched(fn)  # a rank of its own GPU: this first launch loaded it, which only delayed this rank
 
 
 def _resolve(
@@ -329,5 +331,4 @@ def _resolve(
                 " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
                 "(with the max_rows, protocol and quantize forms of these calls) before the first boundary"
             )
-        mark_launched(fn)  # a rank of its own GPU: this first launch loads it, which only delays this rank
     return fn, slots, peers, state
