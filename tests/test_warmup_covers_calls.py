@@ -59,12 +59,27 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
     return calls
 
 
-def warmup_keys(ar: BoundaryAllReduce, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> set[tuple[str, tuple]]:
-    """The keys of the jobs `ar.warmup(**kwargs)` would compile."""
+def kernel_path(hidden: int, max_rows: int, monkeypatch: pytest.MonkeyPatch) -> BoundaryAllReduce:
+    """A CPU BoundaryAllReduce that takes the kernel path."""
+    ar = BoundaryAllReduce(hidden, max_rows=max_rows, device="cpu")
+    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
+    monkeypatch.setattr(ar, "arch", ARCH)
+    return ar
+
+
+def warmup_keys(owner: Any, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> set[tuple[str, tuple]]:
+    """The keys of the jobs `owner.warmup(**kwargs)` would compile (a BoundaryAllReduce or a V4Boundaries)."""
     jobs: list = []
     monkeypatch.setattr("boundary.all_reduce.warmup", lambda js, **kw: jobs.extend(js))
-    ar.warmup(progress=False, **kwargs)
+    owner.warmup(progress=False, **kwargs)
     return {(job.compile_fn.__name__, job.compile_fn.key(*job.args, **dict(job.kwargs))) for job in jobs}
+
+
+def assert_covered(recorded: list[tuple[str, tuple]], warmed: set[tuple[str, tuple]]) -> None:
+    """Every kind of compile was asked for, and every key asked for is warmup's."""
+    asked = set(recorded)
+    assert {name for name, _ in asked} == {name for _, name in COMPILES}, "the stand-in missed a kind of kernel"
+    assert asked <= warmed, sorted(asked - warmed, key=str)[:3]
 
 
 def overlap_kernels(*args: Any, **kwargs: Any) -> Any:
@@ -77,9 +92,7 @@ def test_every_compile_of_the_toy_step_is_a_warmup_job(
     recorded: list[tuple[str, tuple]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hidden, max_rows = 1024, 512
-    ar = BoundaryAllReduce(hidden, max_rows=max_rows, device="cpu")
-    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
-    monkeypatch.setattr(ar, "arch", ARCH)
+    ar = kernel_path(hidden, max_rows, monkeypatch)
     warmed = warmup_keys(ar, monkeypatch, quantize=("mxfp8",))
     model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=2), device="cpu")
     b = Boundaries(ar)
@@ -89,9 +102,7 @@ def test_every_compile_of_the_toy_step_is_a_warmup_job(
                 m.setattr(mhc, "pre_delayed", overlap_kernels)
             for rows in row_counts(hidden, max_rows):
                 decode_step(model, b, random_tokens(model, rows, 0), DecodeStep(rows=rows, side_stream=False))
-    asked = set(recorded)
-    assert {name for name, _ in asked} == {name for _, name in COMPILES}, "the stand-in missed a kind of kernel"
-    assert asked <= warmed, sorted(asked - warmed, key=str)[:3]
+    assert_covered(recorded, warmed)
 
 
 def test_every_compile_of_the_v4_toy_step_is_a_warmup_job(
@@ -101,20 +112,12 @@ def test_every_compile_of_the_v4_toy_step_is_a_warmup_job(
     V4Boundaries.warmup's jobs, with each quantized form the step may write (H 2048: the final in one launch up to
     256 rows, in two beyond)."""
     hidden, max_rows = 2048, 512
-    ar = BoundaryAllReduce(hidden, max_rows=max_rows, device="cpu")
-    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
-    monkeypatch.setattr(ar, "arch", ARCH)
-    b = V4Boundaries(ar)
-    jobs: list = []
-    monkeypatch.setattr("boundary.all_reduce.warmup", lambda js, **kw: jobs.extend(js))
-    b.warmup(progress=False)
-    warmed = {(job.compile_fn.__name__, job.compile_fn.key(*job.args, **dict(job.kwargs))) for job in jobs}
+    b = V4Boundaries(kernel_path(hidden, max_rows, monkeypatch))
+    warmed = warmup_keys(b, monkeypatch)
     model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=2), device="cpu")
     for rows in row_counts(hidden, max_rows):
         decode_step_v4(model, b, random_tokens(model, rows, 0), DecodeStep(rows=rows, side_stream=False))
-    asked = set(recorded)
-    assert {name for name, _ in asked} == {name for _, name in COMPILES}, "the stand-in missed a kind of kernel"
-    assert asked <= warmed, sorted(asked - warmed, key=str)[:3]
+    assert_covered(recorded, warmed)
 
 
 def test_the_check_fails_where_a_call_spells_a_key_warmup_does_not(
@@ -123,9 +126,7 @@ def test_the_check_fails_where_a_call_spells_a_key_warmup_does_not(
     """The negative control: a warmup whose layer-input jobs name another form than the calls' (as if one side
     gained an argument the other never passes) leaves the step's layer-input keys out of warmup's."""
     hidden = 1024
-    ar = BoundaryAllReduce(hidden, max_rows=16, device="cpu")
-    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
-    monkeypatch.setattr(ar, "arch", ARCH)
+    ar = kernel_path(hidden, 16, monkeypatch)
     real_jobs = coefficients.warmup_jobs
 
     def skewed(*args: Any, **kwargs: Any) -> list:
