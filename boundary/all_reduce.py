@@ -532,10 +532,10 @@ class BoundaryAllReduce:
         """Whether a call on a ready partial may take the host's fast path: what the kernel's TVM-FFI entry cannot
         check is as the full checks want it (the streams' row count within max_rows and their device this
         boundary's; a 2-D post, since fused_boundary views any other as [T, hc]; a float eps; the layer-input
-        arguments given together, an MXFP8 buffer whole). The rest of
-        every tensor argument the entry checks, from the argument spec the kernel was compiled against
-        (`boundary_api.fake_args`: dtypes, the shapes with one row count, row-major strides, alignment, one device
-        for all). False sends the call through the full checks, which name what is wrong."""
+        arguments given together, an MXFP8 buffer whole). The rest of every tensor argument the entry checks, from
+        the argument spec the kernel was compiled against (`boundary_api.fake_args`: dtypes, the shapes with one row
+        count, row-major strides, alignment, one device for all). False sends the call through the full checks,
+        which name what is wrong."""
         if type(residual) is not Tensor or residual.dim() != 3 or type(post) is not Tensor or post.dim() != 2:
             return False
         if not (

@@ -270,9 +270,9 @@ def fused_boundary(
         return
     g, ew, idx = moe if moe is not None else (None, None, None)
     if compiled is not None and peer is None:
-        fn, slots, peers, state = compiled, None, None, None
+        fn, slots, peers, state, first = compiled, None, None, None, False
     else:
-        fn, slots, peers, state = _resolve(H, rows, variant, peer, arch)
+        fn, slots, peers, state, first = _resolve(H, rows, variant, peer, arch)
     fn(
         residual,
         post if post.dim() == 2 else post.view(rows, HC),
@@ -299,16 +299,17 @@ def fused_boundary(
         mix_params,
         float(norm_eps),
     )
-    if peer is not None and not launched(fn):
+    if first:
         mark_launched(fn)  # a rank of its own GPU: this first launch loaded it, which only delayed this rank
 
 
 def _resolve(
     H: int, rows: int, variant: BoundaryVariant, peer: PeerArgs | None, arch: str
-) -> tuple[Callable[..., Any], Any, Any, Any]:
-    """The compiled kernel of a fused_boundary call, and its peer tensors (slots, peers, state; None at W = 1)."""
+) -> tuple[Callable[..., Any], Any, Any, Any, bool]:
+    """The compiled kernel of a fused_boundary call, its peer tensors (slots, peers, state; None at W = 1), and
+    whether this is a peer kernel's first launch in the process (marked once it has launched)."""
     if peer is None:
-        return compiled_boundary(H, variant, arch=arch), None, None, None
+        return compiled_boundary(H, variant, arch=arch), None, None, None, False
     protocol = call_protocol(peer.world_size, H, rows, peer.protocol)
     fn = compiled_boundary(
         H,
@@ -320,7 +321,8 @@ def _resolve(
         rows=rows,
     )
     slots, peers, state = peer.slots, peer.peers, peer.state
-    if not launched(fn):
+    first = not launched(fn)
+    if first:
         if peer.shared_context:
             # The ranks share this context: loading the module here could wait for a peer spinning on this
             # very launch, until its timeout.
@@ -331,4 +333,4 @@ def _resolve(
                 " was never loaded onto this GPU, whose ranks share one context: call warmup() on every rank "
                 "(with the max_rows, protocol and quantize forms of these calls) before the first boundary"
             )
-    return fn, slots, peers, state
+    return fn, slots, peers, state, first
