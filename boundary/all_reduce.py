@@ -183,6 +183,10 @@ class BoundaryAllReduce:
         self._peer_args: boundary_api.PeerArgs | None = None
         # The variant and one-rank kernel of each call form this boundary has launched, by its flags: decided once.
         self._launches: dict[tuple, tuple[BoundaryVariant, Callable[..., Any] | None]] = {}
+        # The launch of each plain call form (ready x; no shared, aux, FP8 1x128 or own pre) by (rows, no pre, no
+        # MXFP8), kept after its first launch: the protocol and staging follow from the rows, and a peer kernel is
+        # marked loaded only once it has launched.
+        self._ready: dict[tuple[int, bool, bool], Callable[..., None]] = {}
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
@@ -234,6 +238,7 @@ class BoundaryAllReduce:
             raise ValueError(f"protocol must be None (the switch's choice) or one of {PROTOCOLS}, got {value!r}")
         self._protocol = value
         self._peer_args = None
+        self._ready = {}
 
     @classmethod
     def simulated(
@@ -353,7 +358,17 @@ class BoundaryAllReduce:
             # launches; where it refuses, the full checks below name the fault (and where they pass, the launch
             # failed for another reason: the checked call makes it again, and its error is the caller's).
             try:
-                return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
+                launch = self._ready.get((residual.shape[0], pre is None, mxfp8_out is None))
+                if launch is None:  # this form's first call at this row count: through _kernel, which keeps it
+                    return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
+                new_residual = torch.empty_like(residual)
+                out = None if pre is None else torch.empty_like(x)  # [T, H] bf16 as x, or the entry refuses x
+                if mxfp8_out is None:
+                    launch(residual, post, comb, pre, norm_weight, x, new_residual, out, None, None, norm_eps)
+                else:
+                    data, scale = mxfp8_out.data, mxfp8_out.scale
+                    launch(residual, post, comb, pre, norm_weight, x, new_residual, out, data, scale, norm_eps)
+                return new_residual, out
             except Exception:  # noqa: BLE001, S110 - the checked call below raises what is wrong
                 pass
         residual = self._check_residual(residual)
@@ -696,7 +711,7 @@ class BoundaryAllReduce:
                     ws.ranks_per_device,
                     ws.shared_context,
                 )
-        boundary_api.fused_boundary(
+        fn = boundary_api.fused_boundary(
             variant,
             residual=residual,
             post=post,
@@ -721,6 +736,10 @@ class BoundaryAllReduce:
             compiled=compiled,
             arch=self.arch,
         )
+        plain = moe is None and shared is None and aux_out is None and fp8_out is None and mix is None
+        if plain and fn is not None and self._fused:
+            held = (peer.slots, peer.peers, peer.state, self.workspace.error) if peer else (None, None, None, None)
+            self._ready[(rows, pre is None, mxfp8_out is None)] = boundary_api.ready_launch(fn, *held)
         return new_residual, out
 
     def _reduce(self, x: Tensor) -> Tensor:

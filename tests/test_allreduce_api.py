@@ -538,6 +538,73 @@ def test_a_call_the_kernels_entry_refuses_goes_through_the_full_checks(monkeypat
     assert launches == [shapes]  # refused at the entry; the full checks named x, nothing launched again
 
 
+def test_a_plain_call_form_launches_through_its_kept_launch_after_its_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host's ready path: a plain call form's first call at a row count goes through _kernel and fused_boundary,
+    which keep its launch; its later calls launch the same kernel with the same argument tuple straight from there,
+    each row count and form (residual-only, bf16, MXFP8) its own; the forms with more (an FP8 1x128 output) keep none;
+    a kept launch the kernel's entry refuses still ends in the full checks' error; setting the protocol drops them.
+    (The kernel path stood in on the CPU by a launch that records its arguments.)"""
+    from boundary.all_reduce import BoundaryPath
+    from boundary.types import empty_fp8_group, empty_quantized
+
+    H = 256
+    ar = BoundaryAllReduce(H, max_rows=4, device="cpu")
+    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
+    ar.arch = "sm_90a"
+    calls: list[tuple] = []
+    refuse = []
+
+    def kernel(*args: object) -> None:
+        calls.append(args)
+        if refuse:
+            refuse.pop()
+            raise RuntimeError("the entry refused an argument")
+
+    monkeypatch.setattr(api, "compiled_boundary", lambda h, v, **k: kernel)
+    cpu = torch.device("cpu")
+
+    def call(rows: int, form: str, x: torch.Tensor | None = None) -> tuple:
+        inp = boundary_inputs(rows, H)
+        pre, w = (None, None) if form == "residual-only" else (inp["pre"], inp["norm_weight"])
+        mx = empty_quantized(rows, H, cpu) if form == "mxfp8" else None
+        fp8 = empty_fp8_group(rows, H, cpu, False) if form == "fp8" else None
+        args = (inp["x"] if x is None else x, inp["residual"], inp["post"], inp["comb"], pre, w, 1e-6, mx)
+        return ar(*args, fp8_out=fp8), args, mx, fp8
+
+    def kept() -> set:
+        return set(ar._ready)
+
+    for rows, form in [(2, "bf16"), (3, "bf16"), (2, "mxfp8"), (2, "residual-only")]:
+        (first, args, mx, _), (second, again, mx2, _) = call(rows, form), call(rows, form)
+        assert len(calls) == 2
+        one, two = calls
+
+        # Argument for argument the second call's own where the first passed its own: the ready launch builds the
+        # tuple fused_boundary builds.
+        def own(given: tuple, out: tuple, mx: object) -> list:
+            return [*given[:6], *out, *((mx.data, mx.scale) if mx is not None else ())]
+
+        same = {id(a): b for a, b in zip(own(args, first, mx), own(again, second, mx2)) if a is not None}
+        assert len(one) == len(two) == len(api.BoundaryArgs._fields)
+        for field, a, b in zip(api.BoundaryArgs._fields, one, two):
+            assert b is same.get(id(a)) if a is not None and field != "eps" else b == a, field
+        assert second[0].shape == again[1].shape and (second[1] is None) == (form == "residual-only")
+        calls.clear()
+    assert kept() == {(2, False, True), (3, False, True), (2, False, False), (2, True, True)}
+    call(2, "fp8"), call(2, "fp8")
+    assert kept() == {(2, False, True), (3, False, True), (2, False, False), (2, True, True)}  # FP8 1x128: none
+    calls.clear()
+    # A kept launch refused at the entry: the full checks name x, and nothing launches again.
+    refuse.append(True)
+    with pytest.raises(TypeError, match="^x must have dtype torch.bfloat16"):
+        call(2, "bf16", x=torch.zeros(2, H))
+    assert len(calls) == 1
+    ar.protocol = None
+    assert kept() == set()
+
+
 def test_every_call_form_the_kernel_path_builds_is_a_warmup_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """The variants BoundaryAllReduce's kernel path builds from its call forms (a ready or MoE partial, an addend or
     not, residual-only or with a layer input in bf16 / MXFP8 / FP8 1x128 / its UE8M0 form, aux or not) are exactly

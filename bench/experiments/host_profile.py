@@ -5,7 +5,8 @@
 the pieces of the public call on their own: its full input checks and the one-pass test that stands for them on a
 well-formed call, its two output allocations (and the same outputs as views of one), building the kernel's
 argument record, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel with its arguments ready, and
-`fused_boundary` (lookup + launch). Then cProfile's top functions over the public call.
+`fused_boundary` (lookup + launch); the route the public call took before its launches were kept (`_fits`, then
+`_kernel`), and the floor (two allocations and the launch). Then cProfile's top functions over the public call.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
     return {
         "torch_add": host_us_per_call(lambda: torch.add(inp["x"], inp["x"], out=scratch)),
         "public_call": host_us_per_call(lambda: ar(inp["x"], *epilogue, None)),
+        # The public call's route before its launches were kept per call form (v38): _fits, then _kernel.
+        "kernel_path": host_us_per_call(
+            lambda: (
+                ar._fits(inp["residual"], inp["post"], inp["pre"], inp["norm_weight"], 1e-6, None)
+                and ar._kernel(*epilogue, None, None, None, x=inp["x"])
+            )
+        ),
+        # What no Python call path can go below: the two outputs allocated as the ready path does, and the launch.
+        "floor": host_us_per_call(lambda: (torch.empty_like(inp["residual"]), torch.empty_like(inp["x"]), fn(*args))),
         "custom_op": host_us_per_call(lambda: _op(ar, inp, inp["residual"])),
         "checks": host_us_per_call(checks),
         "fast_checks": host_us_per_call(

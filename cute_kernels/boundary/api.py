@@ -253,10 +253,11 @@ def fused_boundary(
     peer: PeerArgs | None = None,
     compiled: Callable[..., Any] | None = None,
     arch: str,
-) -> None:
+) -> Callable[..., Any] | None:
     """Run the fused boundary of one rank on checked arguments, writing new_residual (and out, MXFP8, FP8 1x128,
-    aux): the kernel of `variant`, which the caller decided where the call entered (its tensors must match it: the
-    compiled kernel refuses a None where it takes a tensor, and the reverse).
+    aux), and return the compiled kernel it launched (None for no rows): the kernel of `variant`, which the caller
+    decided where the call entered (its tensors must match it: the compiled kernel refuses a None where it takes a
+    tensor, and the reverse).
 
     y is `x` (plus `shared`), or with `moe=(gemm2_permuted, expert_weights, idx)` the MoE top-k
     combine (plus `shared`, the shared-expert output); with `peer`, the rank-order sum of that partial
@@ -267,7 +268,7 @@ def fused_boundary(
     """
     rows, _, H = residual.shape
     if rows == 0:
-        return
+        return None
     g, ew, idx = moe if moe is not None else (None, None, None)
     if compiled is not None and peer is None:
         fn, slots, peers, state, first = compiled, None, None, None, False
@@ -301,6 +302,57 @@ def fused_boundary(
     )
     if first:
         mark_launched(fn)  # a rank of its own GPU: this first launch loaded it, which only delayed this rank
+    return fn
+
+
+def ready_launch(fn: Callable[..., Any], slots: Any, peers: Any, state: Any, error: Any) -> Callable[..., None]:
+    """The launch through `fn` (a kernel fused_boundary has launched) of a call on a ready partial x with no shared
+    addend, aux, FP8 1x128 or own pre, its peer tensors bound (None at W = 1): (residual, post, comb, pre,
+    norm_weight, x, new_residual, out, mxfp8_data, mxfp8_scale, eps) -> None, on arguments the caller has tested as
+    fused_boundary's are. The positional tuple is spelled out here as in fused_boundary, for host time (a test
+    holds both to BoundaryArgs)."""
+
+    def launch(
+        residual: Any,
+        post: Any,
+        comb: Any,
+        pre: Any,
+        norm_weight: Any,
+        x: Any,
+        new_residual: Any,
+        out: Any,
+        mxfp8_data: Any,
+        mxfp8_scale: Any,
+        eps: float,
+    ) -> None:
+        fn(
+            residual,
+            post,
+            comb,
+            pre,
+            norm_weight,
+            x,
+            None,
+            None,
+            None,
+            None,
+            new_residual,
+            out,
+            mxfp8_data,
+            mxfp8_scale,
+            None,
+            None,
+            None,
+            slots,
+            peers,
+            state,
+            error,
+            None,
+            None,
+            eps,
+        )
+
+    return launch
 
 
 def _resolve(
