@@ -40,6 +40,7 @@ F32 = torch.float32
 # ranks (a Python pause, a first-call load), short enough that a dead rank surfaces as an error.
 DEFAULT_TIMEOUT_US = 10_000_000
 MAX_TIMEOUT_US = 2**31 - 1
+INF = math.inf
 # The custom ops (boundary.ops) name a BoundaryAllReduce by an int key: weak, so a handle outlives nothing.
 _REGISTRY: weakref.WeakValueDictionary[int, BoundaryAllReduce] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
@@ -346,29 +347,30 @@ class BoundaryAllReduce:
         (DeepSeek-V4, CONTRACT §4d; pre=None) the pre is computed from the new streams in the same launch, with
         those weights (`boundary.mhc.mix_weights`), and written to `pre_out` ([T, 4] fp32) where one is given.
         """
-        if (
-            shared_output is None
-            and aux_out is None
-            and fp8_out is None
-            and mix is None
-            and self._fused
-            and self._fits(residual, post, pre, norm_weight, norm_eps, mxfp8_out)
-        ):
-            # The common call. What `_fits` leaves out, the compiled kernel's TVM-FFI entry checks before it
-            # launches; where it refuses, the full checks below name the fault (and where they pass, the launch
-            # failed for another reason: the checked call makes it again, and its error is the caller's).
+        if shared_output is None and aux_out is None and fp8_out is None and mix is None:
+            # The common call. A call form launched before at this row count takes its kept launch (the rows are
+            # then within max_rows); its first call takes _kernel once `_fits` passes. What this tests, or `_fits`,
+            # leaves out, the compiled kernel's TVM-FFI entry checks before it launches; where it refuses, the full
+            # checks below name the fault (and where they pass, the launch failed for another reason: the checked
+            # call makes it again, and its error is the caller's).
             try:
-                launch = self._ready.get((residual.shape[0], pre is None, mxfp8_out is None))
-                if launch is None:  # this form's first call at this row count: through _kernel, which keeps it
-                    return self._kernel(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x)
-                new_residual = torch.empty_like(residual)
-                out = None if pre is None else torch.empty_like(x)  # [T, H] bf16 as x, or the entry refuses x
-                if mxfp8_out is None:
-                    launch(residual, post, comb, pre, norm_weight, x, new_residual, out, None, None, norm_eps)
-                else:
+                rows = residual.shape[0]
+                launch = self._ready.get((rows, pre is None, mxfp8_out is None))
+                if launch is None:
+                    if self._fused and self._fits(residual, post, pre, norm_weight, norm_eps, mxfp8_out):
+                        return self._kernel(
+                            residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x
+                        )
+                elif residual.get_device() == self._device_index and type(norm_eps) is float and 0.0 <= norm_eps < INF:
+                    new_residual = torch.empty_like(residual)
+                    out = None if pre is None else torch.empty_like(x)  # [T, H] bf16 as x, or the entry refuses x
+                    if mxfp8_out is None:
+                        launch(residual, post, comb, pre, norm_weight, x, new_residual, out, None, None, norm_eps)
+                        return new_residual, out
                     data, scale = mxfp8_out.data, mxfp8_out.scale
-                    launch(residual, post, comb, pre, norm_weight, x, new_residual, out, data, scale, norm_eps)
-                return new_residual, out
+                    if type(mxfp8_out) is QuantizedActivation and scale.shape[0] == self._scale_bytes(rows):
+                        launch(residual, post, comb, pre, norm_weight, x, new_residual, out, data, scale, norm_eps)
+                        return new_residual, out
             except Exception:  # noqa: BLE001, S110 - the checked call below raises what is wrong
                 pass
         residual = self._check_residual(residual)
@@ -536,6 +538,10 @@ class BoundaryAllReduce:
     def _fused(self) -> bool:
         """Whether this boundary's calls are the fused kernel's single launch (the "kernel" and "peer" paths)."""
         return self.path is BoundaryPath.KERNEL or self.path is BoundaryPath.PEER
+
+    def _scale_bytes(self, rows: int) -> int:
+        """The bytes of a `rows`-row MXFP8 layer input's swizzled scales at this hidden size."""
+        return reference.mxfp8_scale_bytes(rows, self.hidden_size)
 
     def _align(self, nbytes: int) -> int:
         """The byte boundary a buffer the kernel accesses `nbytes` at a time must start on: 1 on the torch path."""

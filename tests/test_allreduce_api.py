@@ -565,12 +565,14 @@ def test_a_plain_call_form_launches_through_its_kept_launch_after_its_first_call
     monkeypatch.setattr(api, "compiled_boundary", lambda h, v, **k: kernel)
     cpu = torch.device("cpu")
 
-    def call(rows: int, form: str, x: torch.Tensor | None = None) -> tuple:
+    def call(rows: int, form: str, x: torch.Tensor | None = None, eps: float = 1e-6, mx_rows: int = 0) -> tuple:
         inp = boundary_inputs(rows, H)
         pre, w = (None, None) if form == "residual-only" else (inp["pre"], inp["norm_weight"])
-        mx = empty_quantized(rows, H, cpu) if form == "mxfp8" else None
+        mx = empty_quantized(mx_rows or rows, H, cpu) if form == "mxfp8" else None
+        if mx_rows:  # the data of `rows` rows, the scales of `mx_rows`
+            mx = dataclasses.replace(mx, data=torch.empty(rows, H, dtype=torch.float8_e4m3fn))
         fp8 = empty_fp8_group(rows, H, cpu, False) if form == "fp8" else None
-        args = (inp["x"] if x is None else x, inp["residual"], inp["post"], inp["comb"], pre, w, 1e-6, mx)
+        args = (inp["x"] if x is None else x, inp["residual"], inp["post"], inp["comb"], pre, w, eps, mx)
         return ar(*args, fp8_out=fp8), args, mx, fp8
 
     def kept() -> set:
@@ -601,6 +603,13 @@ def test_a_plain_call_form_launches_through_its_kept_launch_after_its_first_call
     with pytest.raises(TypeError, match="^x must have dtype torch.bfloat16"):
         call(2, "bf16", x=torch.zeros(2, H))
     assert len(calls) == 1
+    calls.clear()
+    # What the entry cannot see is tested before a kept launch too: the eps, the MXFP8 scales' size.
+    with pytest.raises(ValueError, match="^norm_eps must be"):
+        call(2, "bf16", eps=float("nan"))
+    with pytest.raises(ValueError, match="^mxfp8_out.scale "):
+        call(2, "mxfp8", mx_rows=200)
+    assert calls == []
     ar.protocol = None
     assert kept() == set()
 
