@@ -96,6 +96,8 @@ class BoundaryAllReduce:
       the torch epilogue (the CPU path and the oracle).
     `backend="auto"` takes the kernels on a supported GPU and the reference on the CPU; on any other GPU
     it raises, naming the GPU, and `backend="reference"` is the way out.
+    `early_loads=True`: every kernel launch issues its first row's streams and coefficients before waiting for the
+    previous kernel (PDL), on the caller's promise that they are complete before that kernel starts (CONTRACT §7).
     """
 
     _warned_lazy = False  # simulated() has said that CUDA loads kernels lazily in this process
@@ -112,6 +114,7 @@ class BoundaryAllReduce:
         backend: str = "auto",
         timeout_us: int = DEFAULT_TIMEOUT_US,
         protocol: str | None = None,
+        early_loads: bool = False,
     ) -> None:
         if group is not None and not dist.is_initialized():
             raise ValueError("group was given but torch.distributed is not initialised")
@@ -119,6 +122,7 @@ class BoundaryAllReduce:
         world = dist.get_world_size(group) if group is not None else 1
         self._setup(hidden_size, max_rows, hc_mult, device, backend, timeout_us, rank, world, group)
         self.protocol = protocol
+        self.early_loads = checks.flag("early_loads", early_loads)
         # The checked values (plain ints: a numpy int would key its own compile cache entries).
         hidden_size, max_rows, timeout_us = self.hidden_size, self.max_rows, self.timeout_us
         why = ""
@@ -251,6 +255,7 @@ class BoundaryAllReduce:
         device: Any = None,
         timeout_us: int = DEFAULT_TIMEOUT_US,
         protocol: str | None = None,
+        early_loads: bool = False,
     ) -> list[BoundaryAllReduce]:
         """W ranks inside this process on one GPU (CONTRACT §5): separate receive slots, one object and one
         stream per rank, the "peer" path. Their timings are "simulated": the ranks share one GPU's SMs and
@@ -272,6 +277,7 @@ class BoundaryAllReduce:
             ar.simulated_ranks = True
             ar.path = BoundaryPath.PEER
             ar.protocol = protocol
+            ar.early_loads = checks.flag("early_loads", early_loads)
             ar.stream = torch.cuda.Stream(ar.device)
             ranks.append(ar)
         if lazy_module_loading() and not BoundaryAllReduce._warned_lazy:
@@ -482,8 +488,11 @@ class BoundaryAllReduce:
             arch=self.arch,
             world_size=world,
             ranks_per_device=self.workspace.ranks_per_device,
-            variants=boundary_api.engine_variants(tuple(quantize))
-            + (boundary_api.own_pre_variants(tuple(quantize)) if own_pre else ()),
+            variants=boundary_api.early(
+                boundary_api.engine_variants(tuple(quantize))
+                + (boundary_api.own_pre_variants(tuple(quantize)) if own_pre else ()),
+                self.early_loads,
+            ),
             protocols=protocols,
         ) + mhc.warmup_jobs(
             self.hidden_size,
@@ -697,6 +706,7 @@ class BoundaryAllReduce:
                 *flags[1:5],
                 None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
                 flags[6],
+                self.early_loads,
             )
             compiled = None
             if self.path is not BoundaryPath.PEER:

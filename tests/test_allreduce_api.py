@@ -26,6 +26,7 @@ from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config, row_split
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
 from tests.inputs import boundary_inputs
+from tests.test_boundary_kernel_compile import job_args
 
 BF16 = torch.bfloat16
 
@@ -159,7 +160,7 @@ def test_a_warmup_compiles_the_protocols_its_rows_can_take() -> None:
     assert protocols_up_to(4, 7168, limit) == ("oneshot",)
     assert protocols_up_to(4, 7168, limit + 1) == ("oneshot", "twoshot")
     jobs = api.warmup_jobs(7168, arch="sm_90a", world_size=2, protocols=protocols_up_to(2, 7168, 512))
-    assert jobs and {j.args[10] for j in jobs} == {"oneshot"}
+    assert jobs and {job_args(j)["protocol"] for j in jobs} == {"oneshot"}
 
 
 def test_the_slot_layout() -> None:

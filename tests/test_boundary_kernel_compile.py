@@ -112,15 +112,27 @@ def test_engine_variants_and_warmup_jobs() -> None:
     assert jobs[0].compile_fn is api.compile_fused_boundary
     config = default_config(5120, "sm_90a")
     assert isinstance(config, BoundaryConfig) and (config.cluster_n, config.threads) == (5, 128)
-    assert all(
-        j.args[0] == 5120 and j.args[7:] == (False, config, 1, "oneshot") and dict(j.kwargs) == {"arch": "sm_90a"}
-        for j in jobs
+    fixed = dict(H=5120, own_pre=False, early_loads=False, config=config, world_size=1, protocol="oneshot")
+    assert all(job_args(j).items() >= fixed.items() and dict(j.kwargs) == {"arch": "sm_90a"} for j in jobs)
+    assert [api.BoundaryVariant(*(job_args(j)[f] for f in api.BoundaryVariant._fields)) for j in jobs] == list(
+        api.ENGINE_VARIANTS
     )
-    peer = api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)
+    peer = [job_args(j) for j in api.warmup_jobs(5120, arch="sm_90a", world_size=4, ranks_per_device=4)]
     # Both protocols of every variant, each inline, and staged too for the 20 variants with a ready partial x.
-    assert len(peer) == 40 * 2 + 20 * 2 and {j.args[10] for j in peer} == {"oneshot", "twoshot"}
-    assert {(j.args[1], j.args[11]) for j in peer} == {("x", False), ("x", True), ("moe", False)}
-    assert all(j.args[9] == 4 and j.args[8] == default_config(5120, "sm_90a", 4, 4) for j in peer)
+    assert len(peer) == 40 * 2 + 20 * 2 and {a["protocol"] for a in peer} == {"oneshot", "twoshot"}
+    assert {(a["y_source"], a["staged"]) for a in peer} == {("x", False), ("x", True), ("moe", False)}
+    assert all(a["world_size"] == 4 and a["config"] == default_config(5120, "sm_90a", 4, 4) for a in peer)
+    # A BoundaryAllReduce(early_loads=True) warms up the same variants with the flag set, nothing else changed.
+    early = api.warmup_jobs(5120, arch="sm_90a", variants=api.early(api.ENGINE_VARIANTS, True))
+    assert [job_args(j) for j in early] == [job_args(j) | {"early_loads": True} for j in jobs]
+    assert all(j.name.endswith(" early-loads") for j in early)
+
+
+def job_args(job: object) -> dict:
+    """A warmup job's compile arguments by parameter name, defaults filled in."""
+    bound = inspect.signature(job.compile_fn).bind(*job.args, **dict(job.kwargs))
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def test_the_sm100a_variants_set_every_flag_to_each_of_its_values() -> None:

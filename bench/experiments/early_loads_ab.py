@@ -1,7 +1,7 @@
-"""Loading before the wait (#46, step 3), an A/B: the shipped boundary waits for its predecessor grid (PDL) before
-any load; the early form issues the first row's streams and coefficients before `griddepcontrol.wait` and only the
-partial after it, as SGLang's V4.1 boundary does. Safe only when the streams and coefficients are complete before
-the predecessor starts (CONTRACT's precondition if it ever ships).
+"""Loading before the wait (#46, step 3), an A/B: the default boundary waits for its predecessor grid (PDL) before
+any load; the early form (`BoundaryAllReduce(early_loads=True)`) issues the first row's streams and coefficients
+before `griddepcontrol.wait` and only the partial after it, as SGLang's V4.1 boundary does. Safe only when the
+streams and coefficients are complete before the predecessor starts (CONTRACT §7's precondition).
 
 The chain times what an engine's step would see: STEPS repeats of (a sublayer's last kernel, the boundary) in one
 CUDA graph. The stand-in for the sublayer's last kernel (`LastKernel`) waits for the boundary before it (PDL), reads
@@ -37,19 +37,6 @@ STEPS = 16
 THREADS = 256
 UNROLL = 4  # 16-byte loads in flight per thread per trip
 VARIANT = BoundaryVariant("x", False, True)  # a ready partial, the bf16 layer input
-
-
-class EarlyLoadsKernel(FusedBoundaryKernel):
-    """The shipped kernel with the first row's streams and coefficients loaded before the PDL wait (unstaged)."""
-
-    @cute.jit
-    def wait_and_load_first(self, ctx, regs, first_row: Int32):
-        if const_expr(self.allreduce is not None and self.allreduce.staged):
-            cute.arch.griddepcontrol_wait()
-        else:
-            self.loads.load_row(ctx, regs, first_row, partial=False)
-            cute.arch.griddepcontrol_wait()
-            self.loads.load_partial(ctx, regs, first_row)
 
 
 class LastKernel:
@@ -125,9 +112,9 @@ def compile_boundaries(H: int, arch: str) -> dict[str, Any]:
     """The plain (shipped) and early boundary kernels of VARIANT at one rank, uncached."""
     config = default_config(H, arch)
     out = {}
-    for name, cls in (("plain", FusedBoundaryKernel), ("early", EarlyLoadsKernel)):
-        kernel = cls(H, config, y_source="x", shared=False, pre=True)
-        out[name] = compile_boundary_kernel(kernel, H, VARIANT, 1, arch=arch)
+    for name, early in (("plain", False), ("early", True)):
+        kernel = FusedBoundaryKernel(H, config, y_source="x", shared=False, pre=True, early_loads=early)
+        out[name] = compile_boundary_kernel(kernel, H, VARIANT._replace(early_loads=early), 1, arch=arch)
     return out
 
 

@@ -210,7 +210,22 @@ def v4_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
     return jobs
 
 
-EXTRA_JOBS: tuple[tuple[str, Callable[[int, str, int], list[Any]]], ...] = (("v4", v4_warmup_jobs),)
+def early_loads_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
+    """The engine variants of a BoundaryAllReduce(early_loads=True), at one rank and every peer world size (none where
+    the layout has no such flag)."""
+    api = _import_new("boundary")
+    if api is None or not hasattr(api, "early"):
+        return []
+    from cute_kernels.allreduce.protocol import PEER_WORLD_SIZES
+
+    variants = api.early(api.ENGINE_VARIANTS, True)
+    return [j for w in (1, *PEER_WORLD_SIZES) for j in api.warmup_jobs(H, arch=arch, world_size=w, variants=variants)]
+
+
+EXTRA_JOBS: tuple[tuple[str, Callable[[int, str, int], list[Any]]], ...] = (
+    ("v4", v4_warmup_jobs),
+    ("early-loads", early_loads_jobs),
+)
 
 
 def warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
@@ -325,6 +340,8 @@ def job_name(kind: str, key: dict[str, Any]) -> str:
             parts.append(_tag(p["fp8"]))
         if p.get("own_pre"):  # DeepSeek-V4's boundary that computes its own pre
             parts.append("own-pre")
+        if p.get("early_loads"):  # the opt-in that loads the first row before the PDL wait
+            parts.append("early-loads")
         if p.get("world_size", 1) > 1:  # one-rank names stay as they were, so older snapshots compare
             parts += [f"W{p['world_size']}", _tag(p["protocol"])] + (["staged"] if p.get("staged") else [])
     elif kind == "coefficients":

@@ -27,6 +27,7 @@ from cute_kernels.boundary.args import (  # noqa: F401 (the variant names are re
     BoundaryVariant,
     concrete_dims,
     divisibility,
+    early,
     engine_variants,
     own_pre_variants,
     variant_name,
@@ -85,6 +86,7 @@ def compile_fused_boundary(
     aux: bool,
     fp8: str | None,
     own_pre: bool,
+    early_loads: bool,
     config: BoundaryConfig,
     world_size: int,
     protocol: str,
@@ -94,7 +96,7 @@ def compile_fused_boundary(
 ) -> Callable[..., Any]:
     """Compile one fused-boundary variant: the flags, the launch shape, the world size, the protocol and whether
     the exchange is staged."""
-    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8, own_pre)
+    variant = BoundaryVariant(y_source, shared, pre, mxfp8, aux, fp8, own_pre, early_loads)
     kernel = FusedBoundaryKernel(
         H,
         config,
@@ -108,6 +110,7 @@ def compile_fused_boundary(
         protocol=protocol,
         staged=staged,
         own_pre=own_pre,
+        early_loads=early_loads,
     )
     return compile_boundary_kernel(kernel, H, variant, world_size, arch=arch)
 

@@ -29,6 +29,7 @@ class BoundaryVariant(NamedTuple):
     aux: bool = False
     fp8: str | None = None  # the FP8 1x128 form (FP8_FORMS), beside or instead of MXFP8
     own_pre: bool = False  # DeepSeek-V4: the pre computed from the new streams (mix_fn, mix_params), written to `pre`
+    early_loads: bool = False  # the first row's streams and coefficients loaded before the PDL wait (CONTRACT §7)
 
 
 # The layer-input forms a boundary may write beside bf16, by the name the scheduler's `quantize=` takes: (MXFP8, FP8).
@@ -71,7 +72,13 @@ def variant_name(v: BoundaryVariant) -> str:
     parts.append("pre" if v.pre else "residual-only")
     parts += [flag for flag, on in (("mxfp8", v.mxfp8), (v.fp8, v.fp8 is not None), ("aux", v.aux)) if on]
     parts += ["own-pre"] if v.own_pre else []
+    parts += ["early-loads"] if v.early_loads else []
     return " ".join(parts)
+
+
+def early(variants: Sequence[BoundaryVariant], early_loads: bool) -> tuple[BoundaryVariant, ...]:
+    """`variants` with their early_loads flag set to `early_loads` (a BoundaryAllReduce's, for all its launches)."""
+    return tuple(v._replace(early_loads=early_loads) for v in variants)
 
 
 # A tensor maker for BoundaryArgs.build: (argument name, dtype name, shape) -> the argument. The dtype names are
@@ -120,7 +127,7 @@ class BoundaryArgs(NamedTuple):
     def build(cls, H: int, variant: BoundaryVariant, world_size: int, tensor: TensorMaker, eps: Any) -> BoundaryArgs:
         """The arguments of `variant` at hidden size H and `world_size` ranks, each tensor made by `tensor` from its
         name, dtype and shape: the one shape rule of the kernel's arguments."""
-        y_source, shared, pre, mxfp8, aux, fp8, own_pre = variant
+        y_source, shared, pre, mxfp8, aux, fp8, own_pre, _ = variant  # early_loads changes no argument
         moe, peers = y_source == "moe", world_size > 1
 
         def t(name: str, dtype: str, *shape: Any, when: bool = True) -> Any:

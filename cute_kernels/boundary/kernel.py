@@ -58,10 +58,13 @@ class FusedBoundaryKernel:
         protocol: str = "oneshot",
         staged: bool = False,
         own_pre: bool = False,
+        early_loads: bool = False,
     ) -> None:
         if own_pre and not pre:
             raise ValueError("own_pre computes the pre of the layer input: it needs pre=True")
         self.H = H
+        # The first row's streams and coefficients issued before the PDL wait (unstaged; CONTRACT §7's precondition).
+        self.early_loads = early_loads
         self.pre = pre
         self.mxfp8 = mxfp8
         self.cluster_n = config.cluster_n
@@ -358,10 +361,16 @@ class FusedBoundaryKernel:
     def wait_and_load_first(self, ctx: Ctx, regs: RowRegs, first_row: Int32):
         """Wait for the predecessor grid (PDL); then, unstaged, issue the first row's loads, before the call counter
         is read (no load of an unstaged row needs the peer state): in one basic block with the wait, their address
-        arithmetic is scheduled before it, as at one rank. (bench/experiments/early_loads_ab.py times issuing all but
-        the partial's before the wait.)"""
-        cute.arch.griddepcontrol_wait()
-        if const_expr(not (self.allreduce is not None and self.allreduce.staged)):
+        arithmetic is scheduled before it, as at one rank. With `early_loads` (unstaged) the first row's streams and
+        coefficients go out before the wait and only its partial after it (bench/experiments/early_loads_ab.py)."""
+        if const_expr(self.allreduce is not None and self.allreduce.staged):
+            cute.arch.griddepcontrol_wait()
+        elif const_expr(self.early_loads):
+            self.loads.load_row(ctx, regs, first_row, partial=False)
+            cute.arch.griddepcontrol_wait()
+            self.loads.load_partial(ctx, regs, first_row)
+        else:
+            cute.arch.griddepcontrol_wait()
             self.load_row(ctx, regs, first_row)
 
     @cute.jit
