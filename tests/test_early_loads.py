@@ -82,9 +82,7 @@ def test_early_loads_give_the_default_kernels_bits_on_simulated_ranks(world: int
             inputs = make_inputs(world, rows, H, mode, seed=rows)
             results = []
             for ranks in sets:
-                outs = BoundaryAllReduce.run_simulated(
-                    ranks, [lambda ar, i=i: call(ar, inputs[i], mode) for i in range(world)]
-                )
+                outs = BoundaryAllReduce.run_simulated(ranks, [lambda ar, p=p, m=mode: call(ar, p, m) for p in inputs])
                 torch.cuda.synchronize()
                 for ar in ranks:
                     ar.check()
