@@ -108,7 +108,8 @@ def _run_boundary(
     `mix` the boundary computes its own pre (pre None)."""
     ar = from_handle(handle)
     moe = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)
-    if (x is None) == all(t is None for t in moe) or (x is None and any(t is None for t in moe)):
+    given = (gemm2_permuted is not None) + (expert_weights is not None) + (expanded_idx_to_permuted_idx is not None)
+    if (x is None) != (given == 3) or (x is not None and given):
         raise ValueError(
             "pass the partial as x, or as gemm2_permuted, expert_weights and expanded_idx_to_permuted_idx, not both"
         )
