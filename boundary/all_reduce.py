@@ -122,7 +122,7 @@ class BoundaryAllReduce:
         world = dist.get_world_size(group) if group is not None else 1
         self._setup(hidden_size, max_rows, hc_mult, device, backend, timeout_us, rank, world, group)
         self.protocol = protocol
-        self.early_loads = checks.flag("early_loads", early_loads)
+        self._early_loads = checks.flag("early_loads", early_loads)
         # The checked values (plain ints: a numpy int would key its own compile cache entries).
         hidden_size, max_rows, timeout_us = self.hidden_size, self.max_rows, self.timeout_us
         why = ""
@@ -245,6 +245,11 @@ class BoundaryAllReduce:
         self._peer_args = None
         self._ready = {}
 
+    @property
+    def early_loads(self) -> bool:
+        """Whether this boundary's kernels load the first row before the PDL wait (set at construction, CONTRACT §7)."""
+        return self._early_loads
+
     @classmethod
     def simulated(
         cls,
@@ -277,7 +282,7 @@ class BoundaryAllReduce:
             ar.simulated_ranks = True
             ar.path = BoundaryPath.PEER
             ar.protocol = protocol
-            ar.early_loads = checks.flag("early_loads", early_loads)
+            ar._early_loads = checks.flag("early_loads", early_loads)
             ar.stream = torch.cuda.Stream(ar.device)
             ranks.append(ar)
         if lazy_module_loading() and not BoundaryAllReduce._warned_lazy:
@@ -491,7 +496,7 @@ class BoundaryAllReduce:
             variants=boundary_api.early(
                 boundary_api.engine_variants(tuple(quantize))
                 + (boundary_api.own_pre_variants(tuple(quantize)) if own_pre else ()),
-                self.early_loads,
+                self._early_loads,
             ),
             protocols=protocols,
         ) + mhc.warmup_jobs(
@@ -706,7 +711,7 @@ class BoundaryAllReduce:
                 *flags[1:5],
                 None if fp8_out is None else ("fp8_1x128_ue8m0" if fp8_out.ue8m0 else "fp8_1x128"),
                 flags[6],
-                self.early_loads,
+                self._early_loads,
             )
             compiled = None
             if self.path is not BoundaryPath.PEER:
