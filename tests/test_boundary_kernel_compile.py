@@ -126,6 +126,11 @@ def test_engine_variants_and_warmup_jobs() -> None:
     early = api.warmup_jobs(5120, arch="sm_90a", variants=api.early(api.ENGINE_VARIANTS, True))
     assert [job_args(j) for j in early] == [job_args(j) | {"early_loads": True} for j in jobs]
     assert all(j.name.endswith(" early-loads") for j in early)
+    # A staged kernel waits first either way: its early variant is the default one, compiled once.
+    variants = api.early(api.ENGINE_VARIANTS, True)
+    early_peer = [job_args(j) for j in api.warmup_jobs(5120, arch="sm_90a", world_size=4, variants=variants)]
+    assert {(a["staged"], a["early_loads"]) for a in early_peer} == {(False, True), (True, False)}
+    assert len(early_peer) == 40 * 2 + 20 * 2
 
 
 def job_args(job: object) -> dict:

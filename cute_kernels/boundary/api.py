@@ -131,7 +131,13 @@ def compiled_boundary(
     if world_size == 1:
         return compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
     staged = staged_call(variant, config, rows)
-    return compile_fused_boundary(H, *variant, config, world_size, protocol, staged, arch=arch)
+    return compile_fused_boundary(H, *unstaged_only(variant, staged), config, world_size, protocol, staged, arch=arch)
+
+
+def unstaged_only(variant: BoundaryVariant, staged: bool) -> BoundaryVariant:
+    """The variant a call compiles: a staged kernel waits for its predecessor first either way, so its early_loads
+    flag is dropped (one kernel, not two byte-identical ones)."""
+    return variant._replace(early_loads=False) if staged and variant.early_loads else variant
 
 
 def peer_launch_shape(H: int, arch: str, ranks_per_device: int, world_size: int) -> tuple[int, int, int]:
@@ -179,18 +185,20 @@ def warmup_jobs(
             )
             for v in variants
         ]
-    return [
-        WarmupJob(
-            name=f"boundary H={H} {variant_name(v)} W={world_size} {p}" + (" staged" if staged else ""),
+    jobs = {
+        (unstaged_only(v, staged), p, staged): WarmupJob(
+            name=f"boundary H={H} {variant_name(unstaged_only(v, staged))} W={world_size} {p}"
+            + (" staged" if staged else ""),
             compile_fn=compile_fused_boundary,
-            args=(H, *v, config, world_size, p, staged),
+            args=(H, *unstaged_only(v, staged), config, world_size, p, staged),
             kwargs=(("arch", arch),),
             load=functools.partial(load_boundary, H=H, variant=v, world_size=world_size),
         )
         for v in variants
         for p in protocols
         for staged in ((False, True) if v.y_source == "x" else (False,))
-    ]
+    }
+    return list(jobs.values())
 
 
 def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: BoundaryVariant, world_size: int) -> None:
