@@ -41,20 +41,30 @@ F32 = torch.float32
 DEFAULT_TIMEOUT_US = 10_000_000
 MAX_TIMEOUT_US = 2**31 - 1
 INF = math.inf
-# The custom ops (boundary.ops) name a BoundaryAllReduce by an int key: weak, so a handle outlives nothing.
-_REGISTRY: weakref.WeakValueDictionary[int, BoundaryAllReduce] = weakref.WeakValueDictionary()
+# The custom ops (boundary.ops) name a BoundaryAllReduce by an int key: weak, so a handle outlives nothing. A dict of
+# weak references (each removes its key when its object goes) rather than a WeakValueDictionary, whose lookup is
+# Python code: this runs on every op call.
+_REGISTRY: dict[int, weakref.ref[BoundaryAllReduce]] = {}
 _HANDLES = itertools.count(1)
 
 
 def from_handle(handle: int) -> BoundaryAllReduce:
     """The BoundaryAllReduce whose `handle` is `handle` (the custom ops' per-rank state)."""
-    try:
-        return _REGISTRY[handle]
-    except KeyError:
+    ref = _REGISTRY.get(handle)
+    ar = None if ref is None else ref()
+    if ar is None:
         raise ValueError(
             f"handle {handle!r} names no live BoundaryAllReduce: pass all_reduce.handle, and keep the "
             "BoundaryAllReduce alive while anything calls an op with it"
-        ) from None
+        )
+    return ar
+
+
+def _register(ar: BoundaryAllReduce) -> int:
+    """A new handle for `ar`, dropped from the registry when `ar` goes."""
+    handle = next(_HANDLES)
+    _REGISTRY[handle] = weakref.ref(ar, lambda _, handle=handle: _REGISTRY.pop(handle, None))
+    return handle
 
 
 class BoundaryPath(str, enum.Enum):
@@ -177,8 +187,7 @@ class BoundaryAllReduce:
             raise ValueError(f"timeout_us must be at most {MAX_TIMEOUT_US}, got {timeout_us}")
         self.hidden_size = hidden_size
         self.max_rows = max_rows
-        self.handle = next(_HANDLES)
-        _REGISTRY[self.handle] = self
+        self.handle = _register(self)
         self.hc_mult = hc_mult
         self.group = group
         self.rank = rank
