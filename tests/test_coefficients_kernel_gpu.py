@@ -36,6 +36,20 @@ EPS = dict(rms_eps=1e-6, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, sinkhor
 NORM_EPS = 1e-6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled() -> None:
+    """Every shipped coefficients and layer-input kernel of the hidden sizes here, compiled side by side once (the
+    warmup's jobs, on every core) before the first test: the tests then load them instead of compiling one at a time.
+    The knob configs some tests try compile on their first call."""
+    from cute_kernels.coefficients import api
+    from cute_kernels.compile import warmup
+
+    device = torch.device("cuda")
+    arch = arch_for_device(device)
+    jobs = [job for H in HIDDEN for job in api.warmup_jobs(H, arch=arch, max_rows=MAX_ROWS, unnormed=True)]
+    warmup(jobs, progress=False, desc="coefficients kernels", device=device)
+
+
 class Weights(NamedTuple):
     """One sublayer's mHC parameters on the GPU."""
 
