@@ -185,20 +185,22 @@ def warmup_jobs(
             )
             for v in variants
         ]
-    jobs = {
-        (unstaged_only(v, staged), p, staged): WarmupJob(
-            name=f"boundary H={H} {variant_name(unstaged_only(v, staged))} W={world_size} {p}"
-            + (" staged" if staged else ""),
-            compile_fn=compile_fused_boundary,
-            args=(H, *unstaged_only(v, staged), config, world_size, p, staged),
-            kwargs=(("arch", arch),),
-            load=functools.partial(load_boundary, H=H, variant=v, world_size=world_size),
-        )
+    compiled = dict.fromkeys(  # (variant compiled, protocol, staged), once each: a staged early form is the default
+        (unstaged_only(v, staged), p, staged)
         for v in variants
         for p in protocols
         for staged in ((False, True) if v.y_source == "x" else (False,))
-    }
-    return list(jobs.values())
+    )
+    return [
+        WarmupJob(
+            name=f"boundary H={H} {variant_name(v)} W={world_size} {p}" + (" staged" if staged else ""),
+            compile_fn=compile_fused_boundary,
+            args=(H, *v, config, world_size, p, staged),
+            kwargs=(("arch", arch),),
+            load=functools.partial(load_boundary, H=H, variant=v, world_size=world_size),
+        )
+        for v, p, staged in compiled
+    ]
 
 
 def load_boundary(fn: Callable[..., Any], device: Any, *, H: int, variant: BoundaryVariant, world_size: int) -> None:
