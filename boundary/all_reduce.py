@@ -573,7 +573,8 @@ class BoundaryAllReduce:
     def _fits(
         self, residual: object, post: object, pre: object, norm_weight: object, norm_eps: object, mxfp8_out: object
     ) -> bool:
-        """Whether a call on a ready partial may take the host's fast path: what the kernel's TVM-FFI entry cannot
+        """Whether a call form's first call on a ready partial may go to _kernel unchecked (its later calls take the
+        kept launch, which tests the device, the eps and the MXFP8 scales only): what the kernel's TVM-FFI entry cannot
         check is as the full checks want it (the streams' row count within max_rows and their device this
         boundary's; a 2-D post, since fused_boundary views any other as [T, hc]; a float eps; the layer-input
         arguments given together, an MXFP8 buffer whole). The rest of every tensor argument the entry checks, from
