@@ -1,5 +1,6 @@
 """Host cost of a boundary call (#29): median µs of host time per call, inputs already made, for the direct path
-(BoundaryAllReduce), the custom op in eager, a decode loop of custom ops under torch.compile(fullgraph=True), and
+(BoundaryAllReduce), the custom op in eager (`boundary_ready`, what the scheduler's ops call for this form, and the
+18-argument `boundary`, "op 18"), a decode loop of custom ops under torch.compile(fullgraph=True), and
 torch's eager reference chain; then what two boundaries per layer cost a 61-layer decode step on the host."""
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ LOOP = 16  # boundary ops per compiled loop call
 
 
 def _op(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple:
+    """The op `Boundaries(custom_ops=True)` calls for this form (a ready partial, nothing written in place)."""
+    return OPS.boundary_ready(
+        ar.handle, inp["x"], residual, inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6
+    )
+
+
+def _op_full(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple:
+    """The same call through the 18-argument `boundary` op (every form's schema)."""
     return OPS.boundary(
         ar.handle,
         inp["x"],
@@ -70,6 +79,7 @@ def host_row(
     row["torch_add_us"] = timer(lambda: torch.add(inp["x"], inp["x"], out=scratch))
     row["direct_us"] = timer(lambda: ar(inp["x"], *epilogue, None))
     row["op_eager_us"] = timer(lambda: _op(ar, inp, inp["residual"]))
+    row["op_full_eager_us"] = timer(lambda: _op_full(ar, inp, inp["residual"]))
     row["op_compiled_loop_us"] = timer(compiled_loop(ar, inp)) / LOOP
     row["torch_eager_chain_us"] = timer(lambda: boundary_chain(inp["x"], *epilogue))
     for key in ("direct", "op_eager", "op_compiled_loop", "torch_eager_chain"):
@@ -89,17 +99,19 @@ def print_host(rows: list[dict]) -> None:
     """The host-cost table."""
     print(
         f"\nhost cost of one boundary call (median us, inputs made; per step: 2 boundaries x {LAYERS} layers, ms); "
-        "torch.add: one torch op's host cost on this machine, the yardstick"
+        "torch.add: one torch op's host cost on this machine, the yardstick; op: boundary_ready (what Boundaries' "
+        "ops call for a plain boundary), op 18: the same call through the 18-argument boundary op"
     )
     head = (
-        f"{'H':>5} | {'direct':>7} {'op':>7} {'compiled':>8} {'torch chain':>11} {'torch.add':>9} "
+        f"{'H':>5} | {'direct':>7} {'op':>7} {'op 18':>7} {'compiled':>8} {'torch chain':>11} {'torch.add':>9} "
         "| per step ms: direct / op / compiled"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['H']:>5} | {r['direct_us']:7.1f} {r['op_eager_us']:7.1f} {r['op_compiled_loop_us']:8.1f} "
+            f"{r['H']:>5} | {r['direct_us']:7.1f} {r['op_eager_us']:7.1f} {r['op_full_eager_us']:7.1f} "
+            f"{r['op_compiled_loop_us']:8.1f} "
             f"{r['torch_eager_chain_us']:11.1f} {r['torch_add_us']:9.1f} | {r['direct_step_ms']:.2f} / {r['op_eager_step_ms']:.2f} / "
             f"{r['op_compiled_loop_step_ms']:.2f} (torch chain {r['torch_eager_chain_step_ms']:.2f})"
         )

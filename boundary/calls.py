@@ -114,8 +114,10 @@ class OpCalls(DirectCalls):
         fp8: Fp8GroupActivation | None,
         aux: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        source = ops.partial_args(state.pending)
         handle, streams = self.all_reduce.handle, (state.residual, state.post, state.comb)
+        if pre is not None and mxfp8 is None and fp8 is None and aux is None and isinstance(state.pending, Tensor):
+            return torch.ops.mhc_boundary.boundary_ready(handle, state.pending, *streams, pre, norm_weight, norm_eps)
+        source = ops.partial_args(state.pending)
         if pre is None:
             return torch.ops.mhc_boundary.post_only(handle, *source, *streams), None
         mx = (None, None) if mxfp8 is None else (mxfp8.data, mxfp8.scale)

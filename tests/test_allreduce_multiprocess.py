@@ -58,7 +58,13 @@ def _worker(rank: int, world: int, rendezvous: str, scenario: str, failures, one
                     mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in res.tensors()]).to(wire)
                     everyone = [torch.empty_like(mine) for _ in range(world)]
                     dist.all_gather(everyone, mine)
-                    assert all(torch.equal(e, mine) for e in everyone), f"rows {rows} {mode} {protocol}: ranks differ"
+                    if not all(torch.equal(e, mine) for e in everyone):  # every rank sees it: the gather is collective
+                        verdicts = [None] * world
+                        dist.all_gather_object(verdicts, _verdict(ar))
+                        differ = [r for r, e in enumerate(everyone) if not torch.equal(e, everyone[0])]
+                        raise AssertionError(
+                            f"rows {rows} {mode} {protocol}: ranks {differ} differ from rank 0; error words: {verdicts}"
+                        )
                     sim.check([res], inputs, mode)
             ar.check()
         elif scenario == "stall":
@@ -123,7 +129,19 @@ def _exact_call(sim, ar, world: int, rows: int, hidden: int, *, seed: int) -> No
     inputs = sim.make_inputs(world, rows, hidden, "partial", seed=seed)
     res = sim.call(ar, inputs[ar.rank], "partial")
     torch.cuda.synchronize()
-    sim.check([res], inputs, "partial")
+    try:
+        sim.check([res], inputs, "partial")
+    except AssertionError as exc:
+        raise AssertionError(f"rows {rows}, rank {ar.rank}: {exc}; its error word: {_verdict(ar)}") from exc
+
+
+def _verdict(ar) -> str:
+    """What check() says of this rank's error word: a wait that gave up (a timeout) or "clean"."""
+    try:
+        ar.check()
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+    return "clean"
 
 
 def _assert_reported(ar, rank: int) -> None:

@@ -31,6 +31,7 @@ ROWS = 3
 OPS = torch.ops.mhc_boundary
 OP_NAMES = [
     "boundary",
+    "boundary_ready",
     "post_only",
     "final",
     "hc_head_final",
@@ -126,6 +127,11 @@ def test_the_boundary_op_gives_the_direct_paths_bits(ar: BoundaryAllReduce, form
         assert bitwise_equal(a, b)
     only = OPS.post_only(ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"])
     assert bitwise_equal(only, direct(ar, inp, form, False)[0])
+    if form == "ready":
+        epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20)
+        ready_new, ready_out = OPS.boundary_ready(ar.handle, inp["x"], *epilogue)
+        plain_new, plain_out = direct(ar, inp, form, True)
+        assert bitwise_equal(ready_new, plain_new) and bitwise_equal(ready_out, plain_out)
     h = OPS.final(
         ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20
     )
@@ -195,6 +201,9 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
             None,
         )
         only = OPS.post_only(ar.handle, *source(fake, "ready"), fake["residual"], fake["post"], fake["comb"])
+        ready = OPS.boundary_ready(
+            ar.handle, fake["x"], fake["residual"], fake["post"], fake["comb"], fake["pre"], fake["norm_weight"], 1e-20
+        )
         h = OPS.final(
             ar.handle,
             *source(fake, "shared"),
@@ -242,6 +251,7 @@ def test_the_fake_implementations_give_shapes_and_dtypes(ar: BoundaryAllReduce) 
         (new, real_new),
         (out, real_out),
         (only, real_new),
+        *zip(ready, (real_new, real_out)),
         (h, real_out),
         (post, real_new),
         *zip(coeffs, real_coeffs),
@@ -271,6 +281,7 @@ def test_opcheck(ar: BoundaryAllReduce, op: str) -> None:
             False,
             torch.empty(ROWS, H, dtype=BF16),
         ),
+        "boundary_ready": (ar.handle, inp["x"], *epi, inp["pre"], inp["norm_weight"], 1e-20),
         "post_only": (ar.handle, *src, *epi),
         "final": (ar.handle, *src, *epi, inp["pre"], inp["norm_weight"], 1e-20),
         "hc_head_final": (
@@ -341,6 +352,39 @@ def test_the_decode_step_through_the_ops_gives_the_direct_paths_bits() -> None:
         tokens = random_tokens(model, rows, rows)
         got = decode_step(model, op_b, tokens, DecodeStep.for_rows(rows))
         assert compare(got, decode_step(model, direct_b, tokens, DecodeStep.for_rows(rows)))["bitwise"]
+
+
+def test_the_scheduler_takes_a_plain_boundary_through_the_eight_argument_op() -> None:
+    """Boundaries(custom_ops=True) takes a ready partial with nothing written in place through `boundary_ready`, and
+    the quantized, aux and MoE forms through `boundary`, in the module's own call sequence, with the direct path's
+    bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.test_module_calls import module_step
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "mhc_boundary":
+                self.ops.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    model = ToyModel(SMALL)
+    ar = BoundaryAllReduce(H, max_rows=8, device="cpu")
+    tokens = random_tokens(model, 3, 0)
+    seen = Seen()
+    with seen:
+        got = module_step(model, Boundaries(ar, custom_ops=True), ar, tokens)
+    want = module_step(model, Boundaries(ar), ar, tokens)
+    # Layers 0 and 2 take their attention output (a ready x) to the plain op; the MoE outputs, and the last layer's
+    # quantized and aux forms, take `boundary`.
+    assert seen.ops.count("boundary_ready") == 2 and seen.ops.count("boundary") == 2, seen.ops
+    for key in ("final", "hidden", "aux"):
+        assert bitwise_equal(got[key], want[key]), key
+    assert bitwise_equal(got["sublayer"][1], want["sublayer"][1])
 
 
 def test_the_compiled_decode_loop_has_no_graph_break_and_gives_the_direct_paths_bits() -> None:
