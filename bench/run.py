@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--full",
         action="store_true",
         help="the full sweep (3 H x 7 row counts, the step at 6 row counts, H 5120 and 7168, TP 1-8, the compile "
-        "baseline at every step shape): about 20-30 minutes on an H200, most of it torch.compile; the default is a few "
-        "representative shapes of every part",
+        "baseline at every step shape): about 15 and a half minutes on an H200 from cold caches (README), most of it "
+        "torch.compile; the default is a few representative shapes of every part",
     )
     p.add_argument("--hidden", type=int, nargs="+", help=f"default {DEFAULTS['hidden']}, --full {FULL['hidden']}")
     p.add_argument("--rows", type=int, nargs="+", help=f"default {DEFAULTS['rows']}, --full {FULL['rows']}")
