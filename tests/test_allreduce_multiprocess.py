@@ -52,20 +52,18 @@ def _worker(rank: int, world: int, rendezvous: str, scenario: str, failures, one
             for rows, protocol in plan:
                 for mode in MODES:
                     inputs = sim.make_inputs(world, rows, hidden, mode, seed=rows)  # the same on every rank
+                    launched = time.monotonic_ns()
                     with sim.forcing([ar], protocol):
                         res = sim.call(ar, inputs[rank], mode)
                     torch.cuda.synchronize()
                     mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in res.tensors()]).to(wire)
                     everyone = [torch.empty_like(mine) for _ in range(world)]
                     dist.all_gather(everyone, mine)
-                    if not all(torch.equal(e, mine) for e in everyone):  # every rank sees it: the gather is collective
-                        verdicts = [None] * world
-                        dist.all_gather_object(verdicts, _verdict(ar))
-                        differ = [r for r, e in enumerate(everyone) if not torch.equal(e, everyone[0])]
-                        raise AssertionError(
-                            f"rows {rows} {mode} {protocol}: ranks {differ} differ from rank 0; error words: {verdicts}"
-                        )
-                    sim.check([res], inputs, mode)
+                    differ = [r for r, e in enumerate(everyone) if not torch.equal(e, everyone[0])]
+                    failure = (
+                        f"bytes differ from rank 0's on ranks {differ}" if differ else _check(sim, res, inputs, mode)
+                    )
+                    _settle(ar, world, f"rows {rows} {mode} {protocol}", launched, failure)
             ar.check()
         elif scenario == "stall":
             for rows in (4, 300):
@@ -127,21 +125,44 @@ def _worker(rank: int, world: int, rendezvous: str, scenario: str, failures, one
 def _exact_call(sim, ar, world: int, rows: int, hidden: int, *, seed: int) -> None:
     """One partial boundary of this rank (inputs made the same on every rank), held to the reference."""
     inputs = sim.make_inputs(world, rows, hidden, "partial", seed=seed)
+    launched = time.monotonic_ns()
     res = sim.call(ar, inputs[ar.rank], "partial")
     torch.cuda.synchronize()
+    _settle(ar, world, f"rows {rows}", launched, _check(sim, res, inputs, "partial"))
+
+
+def _check(sim, res, inputs, mode: str) -> str | None:
+    """sim.check's failure message (None: exact)."""
     try:
-        sim.check([res], inputs, "partial")
+        sim.check([res], inputs, mode)
     except AssertionError as exc:
-        raise AssertionError(f"rows {rows}, rank {ar.rank}: {exc}; its error word: {_verdict(ar)}") from exc
+        return str(exc)[:400]
+    return None
 
 
-def _verdict(ar) -> str:
-    """What check() says of this rank's error word: a wait that gave up (a timeout) or "clean"."""
+def _settle(ar, world: int, what: str, launched: int, failure: str | None) -> None:
+    """Every rank's outcome of one call, gathered (so the ranks also leave it together: a rank's first float64 check,
+    which loads cuBLAS, makes no rank start the next call late): where any failed, every rank raises, naming each
+    rank's failure, its error word (a wait that gave up, a bad MoE index) and how much later than the first its call
+    was launched."""
+    import torch.distributed as dist
+
     try:
         ar.check()
+        word = "clean"
     except (RuntimeError, ValueError) as exc:
-        return str(exc)
-    return "clean"
+        word = str(exc)
+    reports = [None] * world
+    dist.all_gather_object(reports, (failure, word, launched))
+    if any(f is not None or w != "clean" for f, w, _ in reports):  # a word set on exact outputs fails as well
+        first = min(report[2] for report in reports)
+        raise AssertionError(
+            f"{what}: "
+            + "; ".join(
+                f"rank {r}: {f or 'exact'} (error word: {w}; launched {(t - first) / 1e6:.1f} ms after the first)"
+                for r, (f, w, t) in enumerate(reports)
+            )
+        )
 
 
 def _assert_reported(ar, rank: int) -> None:
