@@ -644,3 +644,29 @@ def test_every_call_form_the_kernel_path_builds_is_a_warmup_variant(monkeypatch:
                     )
     assert len(built) == len(set(built)) == len(api.ENGINE_VARIANTS)
     assert set(built) == set(api.ENGINE_VARIANTS)
+
+
+@pytest.mark.parametrize("scheme", ["v4.1", "v4"])
+@pytest.mark.parametrize("custom_ops", [False, True])
+def test_a_boundary_object_goes_with_its_last_reference_and_takes_its_all_reduce_along(
+    scheme: str, custom_ops: bool
+) -> None:
+    """No reference cycle keeps a scheduler or its BoundaryAllReduce (and so its process group) alive until a garbage
+    collection: an engine's destroy_process_group after dropping them must find them gone (a V4Boundaries whose
+    closures held itself kept gloo's group to interpreter exit, which then aborted about 1 run in 20)."""
+    import gc
+    import weakref
+
+    from boundary import Boundaries, V4Boundaries
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
+        boundaries = (V4Boundaries if scheme == "v4" else Boundaries)(ar, custom_ops=custom_ops)
+        refs = weakref.ref(boundaries), weakref.ref(ar)
+        del boundaries, ar
+        assert all(ref() is None for ref in refs), [ref() for ref in refs]
+    finally:
+        if was_enabled:
+            gc.enable()
