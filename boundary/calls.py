@@ -114,12 +114,14 @@ class OpCalls(DirectCalls):
         fp8: Fp8GroupActivation | None,
         aux: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        handle, streams = self.all_reduce.handle, (state.residual, state.post, state.comb)
-        if pre is not None and mxfp8 is None and fp8 is None and aux is None and isinstance(state.pending, Tensor):
-            return torch.ops.mhc_boundary.boundary_ready(handle, state.pending, *streams, pre, norm_weight, norm_eps)
         source = ops.partial_args(state.pending)
+        handle, streams = self.all_reduce.handle, (state.residual, state.post, state.comb)
         if pre is None:
             return torch.ops.mhc_boundary.post_only(handle, *source, *streams), None
+        x, gemm2_permuted, *_, shared = source
+        if gemm2_permuted is None and shared is None and mxfp8 is None and fp8 is None and aux is None:
+            # A ready partial (a tensor, or a MoE output's routed tensor alone) with nothing in place: 8 arguments.
+            return torch.ops.mhc_boundary.boundary_ready(handle, x, *streams, pre, norm_weight, norm_eps)
         mx = (None, None) if mxfp8 is None else (mxfp8.data, mxfp8.scale)
         grouped = (None, None, False) if fp8 is None else (fp8.data, fp8.scale, fp8.ue8m0)
         return torch.ops.mhc_boundary.boundary(

@@ -188,7 +188,7 @@ def boundary(
         and fp8_scale is None
         and aux_out is None
         and x is not None
-    ):  # the plain call, straight to the public one (host time: this op runs ~120 times a decode step)
+    ):  # the plain call, straight to the public one (host time; the scheduler's ops call boundary_ready for it)
         return from_handle(handle)(x, residual, post, comb, pre, norm_weight, norm_eps, None)
     return _run_boundary(
         handle,

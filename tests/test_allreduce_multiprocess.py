@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,8 +136,9 @@ def _check(sim, res, inputs, mode: str) -> str | None:
     """sim.check's failure message (None: exact)."""
     try:
         sim.check([res], inputs, mode)
-    except AssertionError as exc:
-        return str(exc)[:400]
+    except AssertionError as exc:  # its asserts are not rewritten in a spawned worker: some have no message
+        line = traceback.extract_tb(exc.__traceback__)[-1]
+        return (str(exc) or f"assert at {Path(line.filename).name}:{line.lineno}")[:400]
     return None
 
 
@@ -159,7 +161,8 @@ def _settle(ar, world: int, what: str, launched: int, failure: str | None) -> No
         raise AssertionError(
             f"{what}: "
             + "; ".join(
-                f"rank {r}: {f or 'exact'} (error word: {w}; launched {(t - first) / 1e6:.1f} ms after the first)"
+                f"rank {r}: {'exact' if f is None else f} (error word: {w}; launched {(t - first) / 1e6:.1f} ms after "
+                "the first)"
                 for r, (f, w, t) in enumerate(reports)
             )
         )

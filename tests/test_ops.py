@@ -379,12 +379,27 @@ def test_the_scheduler_takes_a_plain_boundary_through_the_eight_argument_op() ->
     with seen:
         got = module_step(model, Boundaries(ar, custom_ops=True), ar, tokens)
     want = module_step(model, Boundaries(ar), ar, tokens)
-    # Layers 0 and 2 take their attention output (a ready x) to the plain op; the MoE outputs, and the last layer's
-    # quantized and aux forms, take `boundary`.
+    # Layers 0 and 1 take their attention output (a ready x) to the plain op; layer 2's, quantized with aux, and the
+    # MoE output before it (with a shared addend) take `boundary`.
     assert seen.ops.count("boundary_ready") == 2 and seen.ops.count("boundary") == 2, seen.ops
     for key in ("final", "hidden", "aux"):
         assert bitwise_equal(got[key], want[key]), key
     assert bitwise_equal(got["sublayer"][1], want["sublayer"][1])
+    # A MoE output whose routed part is a ready tensor and which has no shared addend takes the plain op too.
+    from boundary import MoEOutput
+
+    step = DecodeStep.for_rows(3)
+    results = []
+    for custom_ops in (True, False):
+        b = Boundaries(ar, custom_ops=custom_ops)
+        state, x = b.first(model.layers[0], model.embed[tokens], step)
+        state.pending = MoEOutput(model.attention(model.layers[0], x), None)
+        seen.ops.clear()
+        with seen:
+            results.append(b.sublayer(model.layers[0], False, state, step)[:2])
+        boundary_ops = [op for op in seen.ops if op.startswith("boundary")]
+        assert boundary_ops == (["boundary_ready"] if custom_ops else []), boundary_ops
+    assert bitwise_equal(results[0][1], results[1][1])
 
 
 def test_the_compiled_decode_loop_has_no_graph_break_and_gives_the_direct_paths_bits() -> None:
