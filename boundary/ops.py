@@ -189,7 +189,7 @@ def boundary(
         and aux_out is None
         and x is not None
     ):  # the plain call, straight to the public one (host time; the scheduler's ops call boundary_ready for it)
-        return from_handle(handle)(x, residual, post, comb, pre, norm_weight, norm_eps, None)
+        return boundary_ready(handle, x, residual, post, comb, pre, norm_weight, norm_eps)
     return _run_boundary(
         handle,
         x,

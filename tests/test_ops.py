@@ -132,6 +132,9 @@ def test_the_boundary_op_gives_the_direct_paths_bits(ar: BoundaryAllReduce, form
         ready_new, ready_out = OPS.boundary_ready(ar.handle, inp["x"], *epilogue)
         plain_new, plain_out = direct(ar, inp, form, True)
         assert bitwise_equal(ready_new, plain_new) and bitwise_equal(ready_out, plain_out)
+        nothing_in_place = (None, None, None, None, False, None)
+        full_new, full_out = OPS.boundary(ar.handle, *source(inp, form), *epilogue, *nothing_in_place)
+        assert bitwise_equal(full_new, plain_new) and bitwise_equal(full_out, plain_out)
     h = OPS.final(
         ar.handle, *source(inp, form), inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-20
     )
