@@ -176,7 +176,7 @@ def precompile(hidden: list[int], variants: list[str], arch: str, jobs: int, onl
     keys = set()
     for H in hidden:
         for variant in variants:
-            if variant == "input-only":
+            if variant in ("input-only", "own-quant"):  # the shipped configs: compiled at their first call
                 continue
             form = FORM_VARIANTS[variant]
             keys.update((H, form, EPS["sinkhorn_repeat"], c) for c in variant_configs(H, variant, only).values())
@@ -231,6 +231,40 @@ def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str,
     return call
 
 
+OWN_QUANT_FORMS = {"bf16*": None, "mxfp8*": "mxfp8", "fp8*": "fp8_1x128", "fp8 ue8m0*": "fp8_1x128_ue8m0"}
+
+
+def own_quant_call(s: dict, ws: CoefficientsWorkspace, arch: str, quant: str | None):
+    """The own-pre variant at its shipped config, its layer input also in the quantized form `quant` (None: bf16
+    only): what each form adds to the kernel, without the boundary around it."""
+    rows, H = s["streams"].shape[0], s["streams"].shape[-1]
+    data, scale = api._scratch_quantized(rows, H, quant, s["streams"].device)
+
+    def call() -> None:
+        api.mhc_coefficients(
+            s["streams"],
+            s["fn"],
+            s["scale"],
+            s["base"],
+            **EPS,
+            broadcast=False,
+            workspace=ws,
+            post_out=s["post"],
+            comb_out=s["comb"],
+            pre_out=s["pre"],
+            norm_weight=s["norm_weight"],
+            norm_eps=1e-20,
+            layer_input_out=s["layer_input"],
+            own_pre=True,
+            quant=quant,
+            quant_data=data,
+            quant_scale=scale,
+            arch=arch,
+        )
+
+    return call
+
+
 def input_only_call(s: dict, arch: str, mode: str):
     def call() -> None:
         api.mhc_layer_input(
@@ -253,7 +287,7 @@ def floor_us(rows: int, H: int, variant: str, bandwidth: float) -> float:
     else:
         width = H if variant == "broadcast" else 4 * H
         total = 24 * width * 4 + rows * (width * 2 + 24 * 4)
-        if variant in ("inline", "own"):
+        if variant in ("inline", "own", "own-quant"):
             total += rows * (H * 2 + 16) + H * 2
     return total / bandwidth * 1e6
 
@@ -267,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="+",
         default=["standard", "broadcast", "inline", "input-only"],
-        choices=["standard", "broadcast", "inline", "input-only", "own"],
+        choices=["standard", "broadcast", "inline", "input-only", "own", "own-quant"],
+        help="own-quant: the own-pre variant at its shipped config in bf16 and each quantized form",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="only standard and inline at H 7168 and 4096")
@@ -283,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.only = [7168, 4096], ["standard", "inline"]
     if args.configs is not None:  # a typo fails before any GPU work
-        projections = [v for v in args.only if v != "input-only"]
+        projections = [v for v in args.only if v not in ("input-only", "own-quant")]
         known = {label for H in args.hidden for v in projections for label in variant_configs(H, v, None)}
         if set(args.configs) - known:
             p.error(f"unknown config labels {sorted(set(args.configs) - known)}; known: {sorted(known)}")
@@ -312,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                     alts = {
                         label: [input_only_call(s, arch, mode) for s in sets]
                         for label, mode in INPUT_ONLY_MODES.items()
+                    }
+                elif variant == "own-quant":
+                    alts = {
+                        label: [own_quant_call(s, ws, arch, quant) for s in sets]
+                        for label, quant in OWN_QUANT_FORMS.items()
                     }
                 else:
                     broadcast = variant == "broadcast"
