@@ -31,6 +31,7 @@ import torch
 
 from bench.kernels import coefficient_inputs
 from bench.timing import GraphTimer
+from boundary.types import empty_layer_input_form
 from cute_kernels.coefficients import (
     FORM_VARIANTS,
     SENTINEL,
@@ -204,8 +205,19 @@ def make_sets(rows: int, H: int, device: torch.device) -> tuple[list[dict[str, A
     return sets, ws
 
 
-def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str, config: CoefficientsConfig):
+def projection_call(
+    s: dict,
+    ws: CoefficientsWorkspace,
+    arch: str,
+    variant: str,
+    config: CoefficientsConfig | None,
+    quant: str | None = None,
+):
+    """One set's coefficients call of `variant` at `config` (None: the shipped one); own with `quant`: its layer input
+    also in that quantized form."""
     broadcast, inline, own = variant == "broadcast", variant == "inline", variant == "own"
+    rows, H = s["streams"].shape[0], s["streams"].shape[-1]
+    quantized = empty_layer_input_form(quant, rows, H, s["streams"].device)
 
     def call() -> None:
         api.mhc_coefficients(
@@ -224,6 +236,9 @@ def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str,
             norm_eps=1e-20 if inline or own else None,
             layer_input_out=s["layer_input"] if inline or own else None,
             own_pre=own,
+            quant=quant,
+            quant_data=None if quantized is None else quantized.data,
+            quant_scale=None if quantized is None else quantized.scale,
             arch=arch,
             config=config,
         )
@@ -232,37 +247,6 @@ def projection_call(s: dict, ws: CoefficientsWorkspace, arch: str, variant: str,
 
 
 OWN_QUANT_FORMS = {"bf16*": None, "mxfp8*": "mxfp8", "fp8*": "fp8_1x128", "fp8 ue8m0*": "fp8_1x128_ue8m0"}
-
-
-def own_quant_call(s: dict, ws: CoefficientsWorkspace, arch: str, quant: str | None):
-    """The own-pre variant at its shipped config, its layer input also in the quantized form `quant` (None: bf16
-    only): what each form adds to the kernel, without the boundary around it."""
-    rows, H = s["streams"].shape[0], s["streams"].shape[-1]
-    data, scale = api._scratch_quantized(rows, H, quant, s["streams"].device)
-
-    def call() -> None:
-        api.mhc_coefficients(
-            s["streams"],
-            s["fn"],
-            s["scale"],
-            s["base"],
-            **EPS,
-            broadcast=False,
-            workspace=ws,
-            post_out=s["post"],
-            comb_out=s["comb"],
-            pre_out=s["pre"],
-            norm_weight=s["norm_weight"],
-            norm_eps=1e-20,
-            layer_input_out=s["layer_input"],
-            own_pre=True,
-            quant=quant,
-            quant_data=data,
-            quant_scale=scale,
-            arch=arch,
-        )
-
-    return call
 
 
 def input_only_call(s: dict, arch: str, mode: str):
@@ -350,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 elif variant == "own-quant":
                     alts = {
-                        label: [own_quant_call(s, ws, arch, quant) for s in sets]
+                        label: [projection_call(s, ws, arch, "own", None, quant) for s in sets]
                         for label, quant in OWN_QUANT_FORMS.items()
                     }
                 else:
