@@ -7,21 +7,17 @@ negative control is test_peer_sanitizer's planted store)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.test_peer_sanitizer import ROOT, errors, pytestmark, report, sanitize  # noqa: F401  (the GPU and sanitizer marks)
+from tests.test_peer_sanitizer import errors, pytestmark, report, sanitize, warm  # noqa: F401  (the GPU and sanitizer marks)
 
 CASE = "tests.own_pre_sanitizer_case"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache() -> None:
-    """The case run once unsanitized: every kernel it launches in the disk cache before any sanitized run (the
-    compiles, in workers or in the process, are no part of the check)."""
-    subprocess.run([sys.executable, "-m", CASE], cwd=ROOT, check=True, timeout=1200)
+    """The own-pre case's kernels compiled before its sanitized runs."""
+    warm(CASE)
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
