@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from bench.chains import boundary_chain
-from bench.timing import host_us_per_call
+from bench.timing import host_us_interleaved
 from boundary import BoundaryAllReduce
 
 OPS = torch.ops.mhc_boundary
@@ -66,22 +66,30 @@ def compiled_loop(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> Callab
 
 
 def host_row(
-    hidden: int, rows: int, inp: dict[str, torch.Tensor], timer: Callable[[Callable[[], object]], float]
+    hidden: int,
+    rows: int,
+    inp: dict[str, torch.Tensor],
+    timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]],
 ) -> dict[str, Any]:
-    """Host µs per boundary call of each calling form at one hidden size (`timer`: µs per call of a closure), and
-    per 61-layer step in ms."""
+    """Host µs per boundary call of each calling form at one hidden size (`timer`: µs per call of each closure, timed
+    in interleaved rounds), and per 61-layer step in ms."""
     ar = BoundaryAllReduce(hidden, max_rows=rows, device=inp["x"].device)
     ar.warmup(progress=False, quantize=())
     epilogue = (inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], 1e-6)
-    row: dict[str, Any] = {"H": hidden, "rows": rows}
     # The machine's own host speed, as a yardstick: one torch op on the same tensors (about 2-5 µs on a fast host).
     scratch = torch.empty_like(inp["x"])
-    row["torch_add_us"] = timer(lambda: torch.add(inp["x"], inp["x"], out=scratch))
-    row["direct_us"] = timer(lambda: ar(inp["x"], *epilogue, None))
-    row["op_eager_us"] = timer(lambda: _op(ar, inp, inp["residual"]))
-    row["op_full_eager_us"] = timer(lambda: _op_full(ar, inp, inp["residual"]))
-    row["op_compiled_loop_us"] = timer(compiled_loop(ar, inp)) / LOOP
-    row["torch_eager_chain_us"] = timer(lambda: boundary_chain(inp["x"], *epilogue))
+    times = timer(
+        {
+            "torch_add": lambda: torch.add(inp["x"], inp["x"], out=scratch),
+            "direct": lambda: ar(inp["x"], *epilogue, None),
+            "op_eager": lambda: _op(ar, inp, inp["residual"]),
+            "op_full_eager": lambda: _op_full(ar, inp, inp["residual"]),
+            "op_compiled_loop": compiled_loop(ar, inp),
+            "torch_eager_chain": lambda: boundary_chain(inp["x"], *epilogue),
+        }
+    )
+    row: dict[str, Any] = {"H": hidden, "rows": rows, **{f"{name}_us": us for name, us in times.items()}}
+    row["op_compiled_loop_us"] /= LOOP
     for key in ("direct", "op_compiled_loop", "torch_eager_chain"):
         row[f"{key}_step_ms"] = row[f"{key}_us"] * 2 * LAYERS / 1000
     # Through the ops, a MoE layer's two boundaries are one plain (boundary_ready) and one MoE form (boundary).
@@ -94,7 +102,7 @@ def bench_host(args: argparse.Namespace, inputs: Callable[[int, int], dict[str, 
     does not depend on rows; the GPU work is far shorter than the host's, so the queue never fills)."""
     rows = min(args.rows)
     hiddens = tqdm(args.hidden, desc="host cost", unit="H")
-    return [host_row(hidden, rows, inputs(rows, hidden), host_us_per_call) for hidden in hiddens]
+    return [host_row(hidden, rows, inputs(rows, hidden), host_us_interleaved) for hidden in hiddens]
 
 
 def print_host(rows: list[dict]) -> None:

@@ -88,6 +88,24 @@ def host_us_per_call(call: Callable[[], object], n: int = 300) -> float:
     return statistics.median(samples)
 
 
+def host_us_interleaved(calls: dict[str, Callable[[], object]], n: int = 300, rounds: int = 7) -> dict[str, float]:
+    """Eager host cost of each call (Python + launch) in microseconds: the median over `rounds` rounds, each timing n
+    calls of every form back to back, so that a slow phase of the host weighs on every form alike."""
+    for call in calls.values():
+        for _ in range(20):
+            call()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            samples[name].append((time.perf_counter() - t0) * 1e6 / n)
+            torch.cuda.synchronize()
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def on_streams(streams: Sequence[torch.cuda.Stream], work: Sequence[Callable[[], Any]]) -> None:
     """work[i]() on streams[i], every stream forked once from the current one and joined back once."""
     main = torch.cuda.current_stream()

@@ -38,9 +38,13 @@ class OnceTimer:
         return 1.0
 
 
+def once_each(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    return {name: once(call) for name, call in calls.items()}
+
+
 def test_the_host_part_times_every_calling_form() -> None:
     torch._dynamo.reset()
-    row = host.host_row(512, 2, boundary_inputs(2, 512, CPU, seed=0), once)
+    row = host.host_row(512, 2, boundary_inputs(2, 512, CPU, seed=0), once_each)
     assert row["op_compiled_loop_us"] == 1.0 / host.LOOP
     assert row["direct_step_ms"] == 2 * host.LAYERS / 1000
     host.print_host([row])
@@ -697,3 +701,14 @@ def test_the_run_prints_and_records_each_stages_wall_time(capsys) -> None:
     assert elapsed["kernel warm-up"] >= 0.0 and elapsed["total"] >= elapsed["kernel warm-up"]
     out = capsys.readouterr().out
     assert "make bench: kernel warm-up took" in out and "make bench: boundary took" in out
+
+
+def test_host_timing_interleaves_the_forms_round_by_round(monkeypatch) -> None:
+    from bench.timing import host_us_interleaved
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    order: list[str] = []
+    times = host_us_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, n=3, rounds=2)
+    assert set(times) == {"a", "b"} and all(us > 0 for us in times.values())
+    timed = order[40:]  # after 20 warm-up calls of each
+    assert timed == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
