@@ -102,7 +102,6 @@ class PostPartialsKernel:
         """ProjectionRole.partials_cta (without staged rows) with the rows' words made here: post_rows."""
         proj = self.proj
         rank, cluster, _ = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()
         sum_words = const_expr(proj.warps * proj.batch_rows * NV)
         sSums = smem.allocate_tensor(Float32, cute.make_layout(proj.sum_buffers * sum_words), byte_alignment=16)
