@@ -7,14 +7,14 @@ the partials, runs Sinkhorn and writes the layer input collapsed with that pre: 
 Here the first launch is the projection's partials grid (about 128 CTAs, each a K slice of every row) computing the
 A-fragment words of R' itself, from y, R and the carried post / comb of its columns, storing them as R' and
 multiplying them at once: the words the shipped partials kernel loads, so the same partial sums in the same order.
-The second launch is the shipped finish kernel unchanged. So the outputs (R', post, comb, pre, the layer input) must
-equal the shipped seam's bit for bit; each stream's columns are read by the four K slices that make its 4 new
+The second launch is the shipped finish kernel unchanged. So the outputs (R', post, comb, pre, the layer input and
+its quantized form) must equal the shipped seam's bit for bit (the run prints the bytes that differ, per output); each stream's columns are read by the four K slices that make its 4 new
 streams (4x the streams' reads, from L2 after the first).
 
-    python -m bench.experiments.v4_post_partials [--hidden 4096 7168] [--rows 1 4 16] [--replays 7]
+    python -m bench.experiments.v4_post_partials [--hidden 4096 7168] [--rows 1 4 16] [--quant none mxfp8 ...]
 
 What it decides: whether the V4 seam at <= 16 rows should take this form (the #47 target: <= 5 us).
-Not shipped; W = 1, bf16 layer input only.
+Not shipped; W = 1 (no peers), a ready partial (no shared addend).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from cute_kernels import ptx as prim
+from cute_kernels.coefficients.api import _fake_quantized
 from cute_kernels.coefficients.config import CLUSTER, HC, MIX, NV
 from cute_kernels.coefficients.kernel import OWN, CoefficientsKernel
+from cute_kernels.coefficients.layer_input import QUANT_FORMS
 from cute_kernels.coefficients.tuning import SPLIT_P
 from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 
@@ -39,12 +41,12 @@ from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 class PostPartialsKernel:
     """The V4 seam at one rank: the post and the projection's partials in one launch, then the own-pre finish."""
 
-    def __init__(self, H: int, sinkhorn_repeat: int = 20) -> None:
+    def __init__(self, H: int, sinkhorn_repeat: int = 20, quant: str | None = None) -> None:
         self.H = H
         config = SPLIT_P.config(H, False)  # the shipped own-pre partials config at 2-40 rows: every config's bits
         assert not config.stage_rows
         self.base = CoefficientsKernel(
-            H, variant="standard", layer_input=OWN, sinkhorn_repeat=sinkhorn_repeat, config=config
+            H, variant="standard", layer_input=OWN, sinkhorn_repeat=sinkhorn_repeat, config=config, quant=quant
         )
         self.proj = self.base.projection
         self.epilogue = self.base.epilogue
@@ -66,6 +68,8 @@ class PostPartialsKernel:
         mRank: cute.Tensor,  # [>= 8G, >= T, 25] fp32 workspace
         mW: cute.Tensor,  # [H] bf16 norm weight
         mOut: cute.Tensor,  # [T, H] bf16 layer input (out)
+        mQ: cute.Tensor | None,  # [T, H] e4m3 (with quant)
+        mQScale: cute.Tensor | None,  # its scales (CONTRACT §4 / §4b layouts)
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -81,7 +85,7 @@ class PostPartialsKernel:
             use_pdl=True,
         )
         finish = (mScale, mBase, mPost, mComb, mPre, mRank, rms_eps, pre_eps, sinkhorn_eps, post_mult)
-        self.epilogue.own_finish_kernel(*finish, mNewR, mW, mOut, None, None, norm_eps).launch(
+        self.epilogue.own_finish_kernel(*finish, mNewR, mW, mOut, mQ, mQScale, norm_eps).launch(
             grid=[rows, 1, 1],
             block=[self.epilogue.finish_threads, 1, 1],
             stream=stream,
@@ -179,10 +183,12 @@ class PostPartialsKernel:
 
 
 @functools.cache
-def compile_post_partials(H: int, sinkhorn_repeat: int = 20, arch: str = "sm_90a") -> Any:
-    """The compiled experiment kernel at hidden size H; the row count and the workspace stay dynamic."""
-    kernel = PostPartialsKernel(H, sinkhorn_repeat)
+def compile_post_partials(H: int, sinkhorn_repeat: int = 20, quant: str | None = None, arch: str = "sm_90a") -> Any:
+    """The compiled experiment kernel at hidden size H with the quantized form `quant` (None: bf16 alone); the row
+    count and the workspace stay dynamic."""
+    kernel = PostPartialsKernel(H, sinkhorn_repeat, quant)
     T = cute.sym_int()
+    q, q_scale = _fake_quantized(H, quant, T)
     f32 = lambda shape, d=1: fake_tensor(Float32, shape, divisibility=d)  # noqa: E731
     args = (
         fake_tensor(BFloat16, (T, H), divisibility=8),
@@ -199,6 +205,8 @@ def compile_post_partials(H: int, sinkhorn_repeat: int = 20, arch: str = "sm_90a
         f32((cute.sym_int(), cute.sym_int(), NV)),
         fake_tensor(BFloat16, (H,), divisibility=8),
         fake_tensor(BFloat16, (T, H), divisibility=8),
+        q,
+        q_scale,
         Float32(0.0),
         Float32(0.0),
         Float32(0.0),
@@ -208,22 +216,24 @@ def compile_post_partials(H: int, sinkhorn_repeat: int = 20, arch: str = "sm_90a
     return compile_kernel(kernel, *args, fake_stream(), arch=arch)
 
 
-def measure(timer: Any, hidden: int, rows: int) -> dict[str, Any]:
-    """Bit equality with the shipped seam on every input set, then GPU us per call of both (same graph method)."""
+def measure(timer: Any, hidden: int, rows: int, quant: str | None) -> dict[str, Any]:
+    """Bit equality with the shipped seam on every input set, then GPU us per call of both (same graph method);
+    `quant`: the quantized layer input beside bf16 (a `quantize=` name, or None)."""
     from bench.kernels import CALLS_PER_GRAPH
     from bench.v4 import _inputs, _ours
     from boundary import BoundaryAllReduce, DecodeStep, V4Boundaries
     from boundary.toy import ToyConfig, ToyModel
+    from boundary.types import empty_layer_input_form
     from cute_kernels.coefficients.api import CoefficientsWorkspace
 
     device = timer.device
     model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=1, vocab=16), device=device)
     layer = model.layers[0]
     b = V4Boundaries(BoundaryAllReduce(hidden, max_rows=rows, device=device))
-    b.warmup(rows, quantize=(), progress=False)
+    b.warmup(rows, quantize=() if quant is None else (quant,), progress=False)
     step = DecodeStep(rows=rows, side_stream=False)
     sets = [_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
-    compiled = compile_post_partials(hidden, layer.hc_sinkhorn_iters)
+    compiled = compile_post_partials(hidden, layer.hc_sinkhorn_iters, quant)
     weight, eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
 
     def ours(inp: dict[str, Any]):
@@ -236,6 +246,9 @@ def measure(timer: Any, hidden: int, rows: int) -> dict[str, Any]:
             pre=f32(rows, HC),
             layer_input=torch.empty(rows, hidden, dtype=torch.bfloat16, device=device),
         )
+        q = empty_layer_input_form(quant, rows, hidden, device)
+        if q is not None:
+            outs["q_data"], outs["q_scale"] = q.data, q.scale
         inp["mine"] = outs
 
         def call() -> None:
@@ -254,6 +267,8 @@ def measure(timer: Any, hidden: int, rows: int) -> dict[str, Any]:
                 ws.rank_partials,
                 weight,
                 outs["layer_input"],
+                outs.get("q_data"),
+                outs.get("q_scale"),
                 float(layer.rms_norm_eps),
                 float(layer.hc_eps),
                 float(layer.hc_eps),
@@ -263,7 +278,7 @@ def measure(timer: Any, hidden: int, rows: int) -> dict[str, Any]:
 
         return call
 
-    shipped_calls = [_ours(b, layer, s, step, False) for s in sets]
+    shipped_calls = [_ours(b, layer, s, step, quant or False) for s in sets]
     our_calls = [ours(s) for s in sets]
     for shipped, mine in zip(shipped_calls, our_calls):
         shipped()
@@ -271,17 +286,15 @@ def measure(timer: Any, hidden: int, rows: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     differ = {}
     for inp in sets:
-        state, layer_input, _ = inp["outputs"]
+        state, layer_input, quantized = inp["outputs"]
         got = inp["mine"]
         want = dict(residual=state.residual, post=state.post.reshape(rows, HC), comb=state.comb, pre=state.pre)
         want["layer_input"] = layer_input
+        if quantized is not None:
+            want["q_data"], want["q_scale"] = quantized.data, quantized.scale
         for name, ref in want.items():
-            bits = (
-                (got[name].view(torch.int16) != ref.view(torch.int16))
-                if ref.dtype == torch.bfloat16
-                else (got[name].view(torch.int32) != ref.reshape(got[name].shape).view(torch.int32))
-            )
-            differ[name] = differ.get(name, 0) + int(bits.sum())
+            a, b_ = got[name].reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
+            differ[name] = differ.get(name, 0) + int((a != b_).sum())  # bytes that differ
     return {
         "shipped": timer.per_call_us(shipped_calls),
         "post-partials": timer.per_call_us(our_calls),
@@ -293,30 +306,34 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument(
+        "--quant", nargs="+", default=["none"], choices=["none", *QUANT_FORMS], help="layer-input forms beside bf16"
+    )
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a and stop (no GPU needed)")
     args = ap.parse_args(argv)
+    forms = [None if q == "none" else q for q in args.quant]
     if args.compile_only:
         for hidden in args.hidden:
-            compile_post_partials(hidden)
-            print(f"compiled H={hidden}", flush=True)
+            for quant in forms:
+                compile_post_partials(hidden, quant=quant)
+                print(f"compiled H={hidden} quant={quant}", flush=True)
         return
     from bench.timing import GraphTimer
 
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
-    print(
-        f"{'H':>5} {'rows':>4} | {'shipped':>8} {'post-partials':>13} | words that differ (R', post, comb, pre, input)"
-    )
+    print(f"{'H':>5} {'rows':>4} {'quant':>15} | {'shipped':>8} {'post-partials':>13} | bytes that differ per output")
     for hidden in args.hidden:
-        for rows in args.rows:
-            r = measure(timer, hidden, rows)
-            d = r["differ"]
-            print(
-                f"{hidden:>5} {rows:>4} | {r['shipped']:8.2f} {r['post-partials']:13.2f} | "
-                f"{d['residual']} {d['post']} {d['comb']} {d['pre']} {d['layer_input']}",
-                flush=True,
-            )
-            torch.cuda.empty_cache()
+        for quant in forms:
+            for rows in args.rows:
+                r = measure(timer, hidden, rows, quant)
+                differ = " ".join(f"{name} {n}" for name, n in r["differ"].items())
+                print(
+                    f"{hidden:>5} {rows:>4} {quant or 'bf16':>15} | {r['shipped']:8.2f} {r['post-partials']:13.2f} | "
+                    f"{differ}",
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
