@@ -1,6 +1,6 @@
 """Experiment (#47): DeepSeek-V4's seam at one rank in two launches, the post feeding the projection from registers.
 
-Shipped at one rank: the residual-only fused boundary writes R' = bf16(post * y + sum_k comb[k, j] * R[k]), then the
+Shipped (main, 2026-12-04) at one rank: the residual-only fused boundary writes R' = bf16(post * y + sum_k comb[k, j] * R[k]), then the
 coefficients kernel's own-pre variant reads R' back, projects it (partials) and a finish kernel (one CTA per row) sums
 the partials, runs Sinkhorn and writes the layer input collapsed with that pre: three launches from 2 rows, two at 1.
 
@@ -220,8 +220,9 @@ def measure(timer: Any, hidden: int, rows: int, quant: str | None) -> dict[str, 
     """Bit equality with the shipped seam on every input set, then GPU us per call of both (same graph method);
     `quant`: the quantized layer input beside bf16 (a `quantize=` name, or None)."""
     from bench.kernels import CALLS_PER_GRAPH
-    from bench.v4 import _inputs, _ours
-    from boundary import BoundaryAllReduce, DecodeStep, V4Boundaries
+    from bench.v4 import _inputs
+    from boundary import BoundaryAllReduce, V4Boundaries, mhc
+    from boundary.params import MHCParams
     from boundary.toy import ToyConfig, ToyModel
     from boundary.types import empty_layer_input_form
     from cute_kernels.coefficients.api import CoefficientsWorkspace
@@ -231,7 +232,6 @@ def measure(timer: Any, hidden: int, rows: int, quant: str | None) -> dict[str, 
     layer = model.layers[0]
     b = V4Boundaries(BoundaryAllReduce(hidden, max_rows=rows, device=device))
     b.warmup(rows, quantize=() if quant is None else (quant,), progress=False)
-    step = DecodeStep(rows=rows, side_stream=False)
     sets = [_inputs(rows, hidden, device, seed) for seed in range(CALLS_PER_GRAPH)]
     compiled = compile_post_partials(hidden, layer.hc_sinkhorn_iters, quant)
     weight, eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
@@ -278,7 +278,29 @@ def measure(timer: Any, hidden: int, rows: int, quant: str | None) -> dict[str, 
 
         return call
 
-    shipped_calls = [_ours(b, layer, s, step, quant or False) for s in sets]
+    params = MHCParams(
+        layer.hc_attn_fn,
+        layer.hc_attn_scale,
+        layer.hc_attn_base,
+        layer.rms_norm_eps,
+        layer.hc_eps,
+        layer.hc_eps,
+        layer.hc_post_alpha,
+        layer.hc_sinkhorn_iters,
+    )
+
+    def three_launches(inp: dict[str, Any]):
+        """The three-launch seam: the residual-only fused boundary, then the own-pre coefficients (one launch at 1 row,
+        two from 2): V4Boundaries.sublayer's launches before the seam, without its host checks (a graph drops them)."""
+        q = empty_layer_input_form(quant, rows, hidden, device)
+
+        def call() -> None:
+            new = mhc.mhc_post(inp["y"], inp["residual"], inp["post"], inp["comb"])
+            inp["outputs"] = (new, *mhc.own_pre(new, params, weight, eps, quantized_out=q), q)
+
+        return call
+
+    shipped_calls = [three_launches(s) for s in sets]
     our_calls = [ours(s) for s in sets]
     for shipped, mine in zip(shipped_calls, our_calls):
         shipped()
@@ -286,10 +308,9 @@ def measure(timer: Any, hidden: int, rows: int, quant: str | None) -> dict[str, 
     torch.cuda.synchronize()
     differ = {}
     for inp in sets:
-        state, layer_input, quantized = inp["outputs"]
+        new, post, comb, pre, layer_input, quantized = inp["outputs"]
         got = inp["mine"]
-        want = dict(residual=state.residual, post=state.post.reshape(rows, HC), comb=state.comb, pre=state.pre)
-        want["layer_input"] = layer_input
+        want = dict(residual=new, post=post, comb=comb, pre=pre, layer_input=layer_input)
         if quantized is not None:
             want["q_data"], want["q_scale"] = quantized.data, quantized.scale
         for name, ref in want.items():
