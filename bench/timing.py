@@ -75,17 +75,7 @@ class GraphTimer:
 
 def host_us_per_call(call: Callable[[], object], n: int = 300) -> float:
     """Eager host cost of one call (Python + launch), median of 5 runs of n calls, in microseconds."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        samples.append((time.perf_counter() - t0) * 1e6 / n)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    return host_us_interleaved({"call": call}, n, rounds=5)["call"]
 
 
 def host_us_interleaved(calls: dict[str, Callable[[], object]], n: int = 300, rounds: int = 7) -> dict[str, float]:
