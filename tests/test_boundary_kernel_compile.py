@@ -94,6 +94,25 @@ def test_default_schedule_is_sized_from_the_sm_count(monkeypatch) -> None:
         default_config.cache_clear()
 
 
+def test_the_one_rank_own_pre_boundary_holds_its_weights_in_registers() -> None:
+    # One vector a thread: the own pre's 128 fn values a thread stay in registers, at 255 registers a thread.
+    for H in (2560, 4096, 5120, 7168):
+        config = default_config(H, "sm_90a", own_pre=True)
+        assert config.fn_in_registers, H
+        assert config.min_ctas_per_sm == hardware.REGISTERS_PER_SM // (255 * config.threads) >= 1, H
+        plain = default_config(H, "sm_90a")
+        assert (config.cluster_n, config.threads) == (plain.cluster_n, plain.threads)  # the same rows per CTA
+        assert not plain.fn_in_registers
+        # With peers the exchange's registers come first: fn from L2 (the peer kernels' one launch shape).
+        assert default_config(H, "sm_90a", 2, 2, own_pre=True) == default_config(H, "sm_90a", 2, 2)
+    assert default_config(7168, "sm_90a", own_pre=True).min_ctas_per_sm == 2  # 256 threads a CTA
+    with pytest.raises(ValueError, match="needs own_pre=True"):
+        FusedBoundaryKernel(4096, default_config(4096, "sm_90a", own_pre=True), world_size=1)
+    own = api.BoundaryVariant("x", pre=True, own_pre=True)
+    (job,) = api.warmup_jobs(4096, arch="sm_90a", variants=[own])
+    assert [a for a in job.args if isinstance(a, BoundaryConfig)] == [default_config(4096, "sm_90a", own_pre=True)]
+
+
 def test_engine_variants_and_warmup_jobs() -> None:
     # 2 y sources x shared x aux x {residual-only, pre with bf16 only, + MXFP8, + FP8 1x128, + FP8 1x128 UE8M0}.
     assert len(set(api.ENGINE_VARIANTS)) == len(api.ENGINE_VARIANTS) == 40

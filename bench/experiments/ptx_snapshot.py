@@ -179,8 +179,8 @@ def coefficients_warmup_jobs(H: int, arch: str, max_rows: int) -> list[Any]:
 # Kernels that ship but that no engine-side warmup list above compiles: DeepSeek-V4's (the own-pre coefficients
 # variants in bf16 and every quantized form, hc_head's, and the layer-input kernel's quantized forms), which
 # `mhc.warmup_jobs(own_pre=True)` adds for V4Boundaries.warmup; its list repeats the coefficients jobs above, which
-# enumerate_jobs keeps once. The fused boundary's only call path (fused_boundary) uses default_config(H) and a
-# BoundaryVariant, and ENGINE_VARIANTS is the engine's variant space (2 y sources x shared x {residual-only, pre,
+# enumerate_jobs keeps once. The fused boundary's only call path (fused_boundary) uses default_config(H, own_pre) and
+# a BoundaryVariant, and ENGINE_VARIANTS is the engine's variant space (2 y sources x shared x {residual-only, pre,
 # pre+mxfp8, pre+fp8 1x128, pre+fp8 1x128 ue8m0} x aux = 40; MXFP8 and FP8 1x128 at once, which no scheduler call
 # asks for, compiles on first use and is not snapshotted); mhc_coefficients uses coefficients_config(H, variant,
 # rows) with CoefficientsVariant.of(...), which coefficients_warmup_keys covers for 1..max_rows rows
@@ -333,7 +333,7 @@ def job_name(kind: str, key: dict[str, Any]) -> str:
         raise RuntimeError(f"no hidden size among the key fields {sorted(p)}")
     parts = [kind, f"H{p['H']}"]
     if kind == "boundary":
-        # The config is a function of H only (default_config(H)) and BoundaryConfig is being pruned, so it
+        # The config is a function of H and own_pre (default_config(H, own_pre=)), which the name holds, so it
         # is recorded in the index but kept out of the name; two configs of one variant would collide below.
         parts += [_tag(p["y_source"]), *(f"{f}-{_tag(bool(p[f]))}" for f in ("shared", "pre", "mxfp8", "aux"))]
         if p.get("fp8"):  # the FP8 1x128 variants; the others keep their names, so older snapshots compare

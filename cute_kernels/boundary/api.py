@@ -127,7 +127,7 @@ def compiled_boundary(
 ) -> Callable[..., Any]:
     """The compiled kernel of one variant at the shipped launch shape for a call of `rows` rows (compiled or loaded
     on first use): with peers, staged when the clusters take several rows each and the partial is a ready x."""
-    config = default_config(H, arch, ranks_per_device, world_size)
+    config = default_config(H, arch, ranks_per_device, world_size, variant.own_pre)
     if world_size == 1:
         return compile_fused_boundary(H, *variant, config, 1, "oneshot", arch=arch)
     staged = staged_call(variant, config, rows)
@@ -173,18 +173,18 @@ def warmup_jobs(
 ) -> list[WarmupJob]:
     """One warmup job per variant (and, with W > 1, per protocol of `protocols`, inline and, for a ready partial,
     staged) an engine may launch at hidden size H; each loads its kernel with one scratch launch (`load_boundary`)."""
-    config = default_config(H, arch, ranks_per_device, world_size)
     if world_size == 1:
         return [
             WarmupJob(
                 f"boundary H={H} {variant_name(v)}",
                 compile_fused_boundary,
-                (H, *v, config, 1, "oneshot"),
+                (H, *v, default_config(H, arch, ranks_per_device, 1, v.own_pre), 1, "oneshot"),
                 (("arch", arch),),
                 functools.partial(load_boundary, H=H, variant=v, world_size=1),
             )
             for v in variants
         ]
+    config = default_config(H, arch, ranks_per_device, world_size)
     compiled = dict.fromkeys(  # (variant compiled, protocol, staged), once each: a staged early form is the default
         (unstaged_only(v, staged), p, staged)
         for v in variants

@@ -12,6 +12,9 @@ COEFS = HC + HC * HC + HC  # post, comb ([src, dst], row-major) and pre of one r
 # The peer exchange holds W slot vectors besides the row: 96 registers spill there (ptxas remarks).
 REGISTER_BUDGET = 96
 PEER_REGISTER_BUDGET = 128
+# The one-rank own-pre boundary holds its 128 fn values a thread (own_pre.OwnPreRole.load_fn) beside the row: ptxas
+# takes 254 registers at H 7168, no spills (at 96 it spilled 84 bytes loading fn per row), so two CTAs per SM.
+OWN_PRE_REGISTER_BUDGET = 255
 # The cluster cap takes this share of the clusters that fit, so that every cluster is resident from
 # the start (one that waited for a free slot would run its rows after the others had finished theirs).
 RESIDENT_SHARE = 0.9
@@ -31,6 +34,7 @@ class BoundaryConfig:
     threads: int
     max_clusters: int
     min_ctas_per_sm: int
+    fn_in_registers: bool = False  # own pre: its fn values in registers from before the PDL wait (OwnPreRole.load_fn)
 
     def vecs_per_thread(self, H: int) -> int:
         """16-byte vectors each thread owns in its CTA's chunk (the last may be idle on some threads)."""
@@ -78,17 +82,31 @@ def row_split(H: int) -> tuple[int, int]:
 
 
 @functools.cache
-def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int = 1) -> BoundaryConfig:
+def default_config(
+    H: int, arch: str, ranks_per_device: int = 1, world_size: int = 1, own_pre: bool = False
+) -> BoundaryConfig:
     """The shipped launch shape and row schedule for hidden size H on `arch`'s hardware: a function of H
-    (and the device), never of the row count, so a row's bits never depend on the batch.
+    (and the device, and whether the kernel computes its own pre), never of the row count, so a row's bits never
+    depend on the batch.
 
     `ranks_per_device` > 1 (ranks sharing one GPU) divides the resident clusters among them, counting
     `SHARED_GPU_CTAS_PER_SM` CTAs per SM: every rank's grid must be resident at once, and leave room for
     the kernels a late rank runs before its boundary. `world_size` > 1 (the peer exchange) takes a larger
-    register budget, so fewer CTAs per SM.
+    register budget, so fewer CTAs per SM. `own_pre` at one rank: the own pre's fn values stay in registers
+    (OWN_PRE_REGISTER_BUDGET), loaded before the PDL wait.
     """
     cluster_n, threads = row_split(H)
-    budget = REGISTER_BUDGET if world_size == 1 else PEER_REGISTER_BUDGET
+    # One vector a thread (128 fn values) and room for at least one CTA of them per SM; else fn per row from L2.
+    vecs = H // cluster_n // VEC
+    fn_in_registers = (
+        own_pre
+        and world_size == 1
+        and vecs <= threads
+        and hardware.REGISTERS_PER_SM // (OWN_PRE_REGISTER_BUDGET * threads) >= 1
+    )
+    budget = (
+        OWN_PRE_REGISTER_BUDGET if fn_in_registers else REGISTER_BUDGET if world_size == 1 else PEER_REGISTER_BUDGET
+    )
     ctas_per_sm = min(
         hardware.MAX_CTAS_PER_SM,
         hardware.MAX_THREADS_PER_SM // threads,
@@ -97,7 +115,7 @@ def default_config(H: int, arch: str, ranks_per_device: int = 1, world_size: int
     sms = hardware.for_arch(arch).sm_count
     resident = ctas_per_sm if ranks_per_device == 1 else min(ctas_per_sm, SHARED_GPU_CTAS_PER_SM)
     cap = int(RESIDENT_SHARE * (sms * resident // cluster_n)) // ranks_per_device
-    return BoundaryConfig(cluster_n, threads, max(1, min(cap, hardware.MAX_GRID_Y)), ctas_per_sm)
+    return BoundaryConfig(cluster_n, threads, max(1, min(cap, hardware.MAX_GRID_Y)), ctas_per_sm, fn_in_registers)
 
 
 # DeepSeek-V4's final boundary computes hc_head's weights in its own launch (mix=) up to this many elements of a

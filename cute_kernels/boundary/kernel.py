@@ -62,6 +62,11 @@ class FusedBoundaryKernel:
     ) -> None:
         if own_pre and not pre:
             raise ValueError("own_pre computes the pre of the layer input: it needs pre=True")
+        if config.fn_in_registers and not own_pre:
+            raise ValueError("a config with fn_in_registers holds the own pre's weights: it needs own_pre=True")
+        # The own pre's fn values loaded into registers before the PDL wait and kept across the CTA's rows, or (False)
+        # prefetched into L2 there and loaded per row after it (bench/experiments/own_pre_fn_regs.py).
+        self.fn_in_registers = config.fn_in_registers
         self.H = H
         # The first row's streams and coefficients issued before the PDL wait (unstaged; CONTRACT §7's precondition).
         self.early_loads = early_loads
@@ -241,6 +246,7 @@ class FusedBoundaryKernel:
             sMix = smem.allocate_tensor(Float32, epi.mix_layout(), byte_alignment=16)
         own = self.own
         sOwn, mbarOwn = None, None
+        own_fn = None
         if const_expr(own is not None):
             sOwn = smem.allocate_tensor(Float32, cute.make_layout(own.smem_floats()), byte_alignment=16)
         if const_expr(epi.use_cluster):
@@ -274,7 +280,10 @@ class FusedBoundaryKernel:
         if const_expr(own is not None):
             # The row's fn columns into L2, by the first cluster's CTAs only (every cluster's would repeat the same
             # 16 x 4 x H bytes once per cluster at many rows): weights, so no wait (a prefetch fills no register).
-            own.prefetch(mMixFn, cta, tidx, first_row == 0)
+            if const_expr(self.fn_in_registers):
+                own_fn = own.load_fn(mMixFn, vcols, valid)
+            else:
+                own.prefetch(mMixFn, cta, tidx, first_row == 0)
         rank, timeout_us, table = None, None, None
         if const_expr(self.allreduce is not None):
             # The workspace's constants (the call counter is written by the previous call: read after the wait).
@@ -319,6 +328,7 @@ class FusedBoundaryKernel:
             sOwn=sOwn,
             mbarOwn=mbarOwn,
             peer=None,
+            own_fn=own_fn,
         )
         # Row i of this cluster (first_row + i*clusters) lands in regs; its successor's loads go out
         # while it is reduced and stored.
@@ -418,6 +428,7 @@ class FusedBoundaryKernel:
                 ctx.tidx,
                 stage,
                 phase,
+                ctx.own_fn,
             )
             rC, sumsq = self.epilogue.collapse(ctx, kept, pre)
         if const_expr(self.pre):

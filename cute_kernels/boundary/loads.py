@@ -65,6 +65,7 @@ class Ctx:
     sOwn: cute.Tensor | None
     mbarOwn: cute.Pointer | None
     peer: PeerState | None  # the peer exchange's state (W > 1, once the call's generation is known)
+    own_fn: list | None = None  # the own pre's fn values in registers (FusedBoundaryKernel's fn_in_registers)
 
 
 class RowRegs:

@@ -59,22 +59,40 @@ class OwnPreRole:
             ptx.prefetch_l2(base + Int64(piece) * (self.H * 4) + Int64(off))
 
     @cute.jit
-    def partials(self, mFn: cute.Tensor, kept: list, vcols: list, valid: list) -> list:
-        """This thread's 4 dot products of `fn` with its values of R' (`kept`: per vector and stream, the 8 rounded
-        values as 4 packed bf16 words) and their sum of squares, in the order vector, stream, element."""
-        acc = [Float32(0.0) for _ in range(HC + 1)]
+    def fn_vector(self, mFn: cute.Tensor, v: int, j: int, vcols: list, ok: cutlass.Boolean) -> list:
+        """fn's 4 pre rows at stream j's columns of this thread's vector v: [m][8] fp32 (zeros where not `ok`)."""
         base = mFn.iterator.toint()
+        f = []
+        for m in cutlass.range_constexpr(HC):
+            addr = base + (Int64(m * self.K + j * self.H) + Int64(vcols[v] * VEC)) * 4
+            lo = ptx.ld_global_v4_pred(addr, ok)
+            hi = ptx.ld_global_v4_pred(addr + 16, ok)
+            f.append([ptx.f32_from_bits(w) for w in (*lo, *hi)])
+        return f
+
+    @cute.jit
+    def load_fn(self, mFn: cute.Tensor, vcols: list, valid: list) -> list:
+        """Every fn value this thread's columns take, [v][j][m][8] fp32, into registers (weights: before the wait)."""
+        fn = []
+        for v in cutlass.range_constexpr(self.vpt):
+            ok = cutlass.Boolean(True)
+            if const_expr(valid[v] is not None):
+                ok = valid[v]
+            fn.append([self.fn_vector(mFn, v, j, vcols, ok) for j in range(HC)])
+        return fn
+
+    @cute.jit
+    def partials(self, mFn: cute.Tensor, kept: list, vcols: list, valid: list, fn: list | None = None) -> list:
+        """This thread's 4 dot products of `fn` with its values of R' (`kept`: per vector and stream, the 8 rounded
+        values as 4 packed bf16 words) and their sum of squares, in the order vector, stream, element; `fn`: the
+        weights load_fn holds in registers, or None to load them here (from L2, after `prefetch`)."""
+        acc = [Float32(0.0) for _ in range(HC + 1)]
         for v in cutlass.range_constexpr(self.vpt):
             ok = cutlass.Boolean(True)
             if const_expr(valid[v] is not None):
                 ok = valid[v]
             for j in cutlass.range_constexpr(HC):
-                f = []
-                for m in cutlass.range_constexpr(HC):
-                    addr = base + (Int64(m * self.K + j * self.H) + Int64(vcols[v] * VEC)) * 4
-                    lo = ptx.ld_global_v4_pred(addr, ok)
-                    hi = ptx.ld_global_v4_pred(addr + 16, ok)
-                    f.append([ptx.f32_from_bits(w) for w in (*lo, *hi)])
+                f = self.fn_vector(mFn, v, j, vcols, ok) if const_expr(fn is None) else fn[v][j]
                 for e in cutlass.range_constexpr(VEC):
                     # A clamped duplicate vector (a tail thread's last) adds nothing: its weights loaded as zeros.
                     word = kept[v][j][e // 2]
@@ -145,9 +163,10 @@ class OwnPreRole:
         tidx: Int32,
         stage: int,
         phase: Int32,
+        fn: list | None = None,
     ) -> list:
-        """The pre of one row (every thread), also written to mPre[row] by the row's first thread."""
-        acc = self.partials(mFn, kept, vcols, valid)
+        """The pre of one row (every thread), also written to mPre[row] by the row's first thread; `fn` as partials'."""
+        acc = self.partials(mFn, kept, vcols, valid, fn)
         totals = self.exchange(acc, sOwn, mbar, cta, stage, phase)
         pre = self.pre(totals, mix)
         if (cta == 0) & (tidx == 0):
