@@ -216,7 +216,7 @@ def print_v4(rows: list[dict]) -> None:
         "ours: the residual-only fused boundary, then the coefficients kernel's own-pre variant (the mixes of R' and "
         "the layer input collapsed with their pre by the CTAs that finish the rows: one launch at 1 row, the partials "
         "schedule's two from 2 rows); +mxfp8 / +fp8: the MXFP8 / FP8 1x128 form beside bf16 (written by those CTAs); "
-        "final: V4Boundaries.final (up to 128 x 4096 elements one fused boundary that computes hc_head's weights from "
+        "final: V4Boundaries.final (up to 512 x 4096 elements one fused boundary that computes hc_head's weights from "
         "its new streams, then the collapse and the final norm; beyond, the residual-only boundary and one "
         "coefficients call); TileLang: "
         "DeepSeek's mhc_post_fwd + TF32 projection + mhc_pre_big_fuse_fwd + RMSNorm (bench.tilelang_step --boundary, "

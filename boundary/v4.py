@@ -203,7 +203,7 @@ class V4Boundaries:
     def final(self, state: BoundaryState, head: V4Head, norm: Norm | Tensor, eps: float | None = None) -> Tensor:
         """The last boundary on state.pending (which it consumes): R' = the post with the carried mixes, then hc_head
         and the final norm, h = RMSNorm(bf16(sum_i p_i * R'_i)). `head` holds the model's hc_head_* attributes (V4Head);
-        `norm` is the final norm, or its weight followed by `eps`. One launch up to 128 x 4096 elements of a stream
+        `norm` is the final norm, or its weight followed by `eps`. One launch up to 512 x 4096 elements of a stream
         (`own_pre_final`), two beyond; the bits are the same."""
         norm_weight, norm_eps = final_norm(norm, eps)
         if norm_eps is None:

@@ -94,9 +94,9 @@ def test_the_final_takes_one_launch_at_few_elements_and_two_beyond() -> None:
     """own_pre_final: the one-launch final (the boundary computes hc_head's weights) where it was measured faster."""
     from cute_kernels.boundary.config import own_pre_final
 
-    for rows, hidden in ((1, 4096), (16, 7168), (64, 7168), (128, 4096)):
+    for rows, hidden in ((1, 4096), (16, 7168), (128, 7168), (256, 7168), (512, 4096)):
         assert own_pre_final(rows, hidden)
-    for rows, hidden in ((128, 7168), (256, 4096), (512, 4096), (512, 7168)):
+    for rows, hidden in ((293, 7168), (513, 4096), (512, 7168), (512, 5120)):
         assert not own_pre_final(rows, hidden)
 
 

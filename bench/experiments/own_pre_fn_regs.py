@@ -1,6 +1,6 @@
 """A/B (#47): the own-pre boundary with its fn values in registers, loaded before the PDL wait, against fn from L2.
 
-The boundary that computes its own pre (DeepSeek-V4's `final`, one launch up to 128 x 4096 elements of a stream;
+The boundary that computes its own pre (DeepSeek-V4's `final`, one launch up to 512 x 4096 elements of a stream;
 CONTRACT §4d) needs its CTA's columns of fn (4 rows x 4 streams x its chunk, fp32: 64 KB a CTA at H 4096 and 7168).
 Before (main, 2026-12-04): prefetched into L2 before the wait and loaded from L2 per row after it. Now
 (`BoundaryConfig.fn_in_registers`, which `default_config(..., own_pre=True)` sets at one rank): each thread loads its

@@ -120,8 +120,9 @@ def default_config(
 
 # DeepSeek-V4's final boundary computes hc_head's weights in its own launch (mix=) up to this many elements of a
 # stream (rows x H); beyond it, the residual-only boundary, then the coefficients kernel's head weights, collapse and
-# norm, is faster: every row's CTAs read their columns of fn again (docs/PERF.md decisions: OWN_PRE_FINAL_MAX_ELEMENTS).
-OWN_PRE_FINAL_MAX_ELEMENTS = 128 * 4096
+# norm, is faster: the one launch holds fn in registers at two CTAs per SM, so its few clusters take many rows each
+# (docs/PERF.md decisions: OWN_PRE_FINAL_MAX_ELEMENTS; bench/experiments/final_paths.py).
+OWN_PRE_FINAL_MAX_ELEMENTS = 512 * 4096
 
 
 def own_pre_final(rows: int, H: int) -> bool:
