@@ -13,7 +13,8 @@ COEFS = HC + HC * HC + HC  # post, comb ([src, dst], row-major) and pre of one r
 REGISTER_BUDGET = 96
 PEER_REGISTER_BUDGET = 128
 # The one-rank own-pre boundary holds its 128 fn values a thread (own_pre.OwnPreRole.load_fn) beside the row: ptxas
-# takes 254 registers at H 7168, no spills (at 96 it spilled 84 bytes loading fn per row), so two CTAs per SM.
+# takes 254 registers at H 7168, no spills (at 96 it spilled 84 bytes loading fn per row), so two CTAs per SM
+# (docs/PERF.md decisions: fn_in_registers).
 OWN_PRE_REGISTER_BUDGET = 255
 # The cluster cap takes this share of the clusters that fit, so that every cluster is resident from
 # the start (one that waited for a free slot would run its rows after the others had finished theirs).
