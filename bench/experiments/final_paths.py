@@ -12,11 +12,11 @@ What it decides: `OWN_PRE_FINAL_MAX_ELEMENTS`, the rows x H up to which `V4Bound
 
 from __future__ import annotations
 
-import argparse
 from unittest import mock
 
 import torch
 
+from bench.experiments import shape_parser
 from bench.kernels import CALLS_PER_GRAPH
 from bench.timing import GraphTimer
 from bench.v4 import _final, _inputs
@@ -41,10 +41,7 @@ def measure(timer: GraphTimer, hidden: int, rows: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
-    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512])
-    ap.add_argument("--replays", type=int, default=7)
+    ap = shape_parser(__doc__, rows=[64, 128, 256, 512])
     args = ap.parse_args(argv)
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'H':>5} {'rows':>4} | {'one':>7} {'two':>7} | shipped   (GPU us per final call)")

@@ -15,12 +15,12 @@ today 3.77-4.74; the own boundary 3.76-4.81), and whether `final` then takes one
 
 from __future__ import annotations
 
-import argparse
 import functools
 from typing import Any
 
 import torch
 
+from bench.experiments import shape_parser
 from cute_kernels.boundary.api import compile_boundary_kernel
 from cute_kernels.boundary.args import BoundaryArgs, BoundaryVariant
 from cute_kernels.boundary.config import default_config
@@ -93,10 +93,7 @@ def measure(timer: Any, hidden: int, rows: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 128])
-    ap.add_argument("--replays", type=int, default=7)
+    ap = shape_parser(__doc__, rows=[1, 4, 16, 64, 128])
     ap.add_argument("--compile-only", action="store_true", help="compile both forms for sm_90a and stop (no GPU)")
     args = ap.parse_args(argv)
     if args.compile_only:

@@ -17,10 +17,9 @@ comb free to move beside the next sublayer) at no cost in one stream.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from bench.experiments import shape_parser
 from bench.kernels import CALLS_PER_GRAPH
 from bench.timing import GraphTimer
 from bench.v4 import _final, _inputs, _ours
@@ -66,10 +65,7 @@ def measure(timer: GraphTimer, hidden: int, rows: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128])
-    ap.add_argument("--replays", type=int, default=7)
+    ap = shape_parser(__doc__, rows=[1, 4, 16, 128])
     args = ap.parse_args(argv)
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'H':>5} {'rows':>4} | {'shipped':>8} {'own':>8} {'own+mixes':>10} {'final':>8}   (GPU us per call)")

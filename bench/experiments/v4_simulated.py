@@ -9,11 +9,11 @@ SIMULATED: the ranks share one GPU's SMs and HBM; never NVLink numbers.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
+from bench.experiments import shape_parser
 from bench.timing import GraphTimer, on_streams
 from bench.v4 import _inputs
 from boundary import BoundaryAllReduce, BoundaryState, DecodeStep, V4Boundaries
@@ -80,12 +80,9 @@ def measure(timer: GraphTimer, world: int, hidden: int, rows: int, calls: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = shape_parser(__doc__, rows=[1, 16], hidden=[7168])
     ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[7168])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--calls", type=int, default=8, help="boundary calls per rank in one graph")
-    ap.add_argument("--replays", type=int, default=7)
     args = ap.parse_args(argv)
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'W':>2} {'H':>5} {'rows':>4} | {'SIMULATED':>9} {'W one-rank':>10} {'one rank':>8}   (GPU us per call)")
