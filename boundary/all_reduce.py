@@ -18,6 +18,7 @@ from boundary import checks, mhc, reference
 from boundary.backend import BACKENDS, kernel_arch
 from boundary.types import Fp8GroupActivation, MixWeights, QuantizedActivation, check_fp8_out, check_mxfp8_out
 from boundary.workspace import Workspace, peers_can_map, ranks_on_each_device
+from cute_kernels import native
 from cute_kernels.allreduce.protocol import (
     ERROR_MISSING,
     ERROR_MOE_INDEX,
@@ -200,7 +201,7 @@ class BoundaryAllReduce:
         # The launch of each plain call form (ready x; no shared, aux, FP8 1x128 or own pre) by (rows, no pre, no
         # MXFP8), kept after its first launch: the protocol and staging follow from the rows, and a peer kernel is
         # marked loaded only once it has launched.
-        self._ready: dict[tuple[int, bool, bool], Callable[..., None]] = {}
+        self._ready: dict[tuple[int, bool, bool], Callable[..., tuple]] = {}
         self._protocol: str | None = None
         self.stream: torch.cuda.Stream | None = None
         self.device = checks.device("device", device)
@@ -382,15 +383,13 @@ class BoundaryAllReduce:
                             residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x
                         )
                 elif residual.get_device() == self._device_index and type(norm_eps) is float and 0.0 <= norm_eps < INF:
-                    new_residual = torch.empty_like(residual)
-                    out = None if pre is None else torch.empty_like(x)  # [T, H] bf16 as x, or the entry refuses x
+                    # The outputs are made like residual and x (the layer input [T, H] bf16 as x, or the entry
+                    # refuses x).
                     if mxfp8_out is None:
-                        launch(residual, post, comb, pre, norm_weight, x, new_residual, out, None, None, norm_eps)
-                        return new_residual, out
+                        return launch(residual, post, comb, pre, norm_weight, x, None, None, norm_eps)
                     data, scale = mxfp8_out.data, mxfp8_out.scale
                     if type(mxfp8_out) is QuantizedActivation and scale.shape[0] == self._scale_bytes(rows):
-                        launch(residual, post, comb, pre, norm_weight, x, new_residual, out, data, scale, norm_eps)
-                        return new_residual, out
+                        return launch(residual, post, comb, pre, norm_weight, x, data, scale, norm_eps)
             except Exception:  # noqa: BLE001, S110 - the checked call below raises what is wrong
                 pass
         residual = self._check_residual(residual)
@@ -519,6 +518,7 @@ class BoundaryAllReduce:
         )
         mhc.prepare_workspace(self.hidden_size, rows, self.device, self.rank if self.simulated_ranks else None)
         warmup(jobs, progress=progress, desc=f"mHC kernels H={self.hidden_size} {self.arch}", device=self.device)
+        native.available()  # builds the kept launches' C entry now, not at the first call (or warns why not)
 
     def check(self) -> None:
         """Raise if a boundary of this rank gave up waiting for a peer or met a MoE index outside [-1, P).
@@ -770,7 +770,9 @@ class BoundaryAllReduce:
         plain = moe is None and shared is None and aux_out is None and fp8_out is None and mix is None
         if plain and fn is not None and self._fused:
             held = (peer.slots, peer.peers, peer.state, self.workspace.error) if peer else (None, None, None, None)
-            self._ready[(rows, pre is None, mxfp8_out is None)] = boundary_api.ready_launch(fn, *held)
+            self._ready[(rows, pre is None, mxfp8_out is None)] = boundary_api.ready_launch(
+                fn, *held, layer_input=pre is not None
+            )
         return new_residual, out
 
     def _reduce(self, x: Tensor) -> Tensor:

@@ -137,19 +137,22 @@ model = ToyModel(ToyConfig(hidden_size=512, num_layers=2, vocab=64))
 ar = boundary.BoundaryAllReduce(512, max_rows=4, device="cpu")
 tokens = random_tokens(model, 3, 0)
 step = decode_step(model, boundary.Boundaries(ar), tokens, boundary.DecodeStep.for_rows(3))
+from cute_kernels import native  # its C source ships in the wheel and builds from there
+built = native.available() and native.library_path().exists()
 files = {{m: getattr(mod, "__file__", None) for m, mod in sys.modules.items() if m.split(".")[0] in {PACKAGES!r}}}
-print(json.dumps(dict(names=names, files=files, bitwise=compare(step, decode_step_plain(model, tokens))["bitwise"])))
+files["launch.c"] = str(native.SOURCE)
+bitwise = compare(step, decode_step_plain(model, tokens))["bitwise"]
+print(json.dumps(dict(names=names, files=files, bitwise=bitwise, native=built)))
 """
-    run = subprocess.run(
-        [python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300
-    )
+    env = {**clean_env(), "MHC_BOUNDARY_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["names"] == list(boundary.__all__)
     assert set(got["files"]) >= source_modules()
     outside = {m: f for m, f in got["files"].items() if not Path(f).resolve().is_relative_to(purelib.resolve())}
     assert not outside, f"imported from outside the fresh venv: {outside}"
-    assert got["bitwise"]
+    assert got["bitwise"] and got["native"]
 
 
 def make_dry_run(*args: str) -> str:

@@ -4,9 +4,11 @@
 `make bench`'s host part): one `torch.add` (the yardstick), the public `BoundaryAllReduce` call, the custom op, and
 the pieces of the public call on their own: its full input checks and the one-pass test that stands for them on a
 well-formed call, its two output allocations (and the same outputs as views of one), building the kernel's
-argument record, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel with its arguments ready (and
-through the kept launch the public call takes), `fused_boundary` (lookup + launch); the route the public call took before its launches were kept (`_fits`, then
-`_kernel`), and the floor (two allocations and the launch). Then cProfile's top functions over the public call.
+argument record, the compiled-kernel lookup, the TVM-FFI launch of the compiled kernel with its arguments ready, the
+kept launch the public call takes (the C entry: both outputs allocated and the launch in one call) and its Python
+form, `fused_boundary` (lookup + launch); the route the public call took before its launches were kept (`_fits`,
+then `_kernel`), and the Python floor (two allocations and the TVM-FFI launch). Then cProfile's top functions over
+the public call.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
     scratch = torch.empty_like(inp["x"])
     ar(inp["x"], *epilogue, None)  # keeps this form's launch
     kept = ar._ready[(rows, False, True)]
-    kept_args = (*epilogue[:5], inp["x"], inp["new_residual"], inp["out"], None, None, 1e-6)
+    kept_args = (*epilogue[:5], inp["x"], None, None, 1e-6)
+    # The same kept launch in Python (a stand-in that is not a TVM-FFI function takes ready_launch's Python form).
+    python_kept = api.ready_launch(lambda *a: fn(*a), None, None, None, None, layer_input=True)
     # Timed in interleaved rounds (as the bench's host part), so that a slow phase of the host weighs on all alike.
     return host_us_interleaved(
         {
@@ -78,8 +82,10 @@ def pieces(ar: BoundaryAllReduce, inp: dict[str, torch.Tensor]) -> dict[str, flo
             "args_record": lambda: api.BoundaryArgs(*args),
             "kernel_lookup": lambda: api.compiled_boundary(hidden, variant, arch=ar.arch),
             "tvm_ffi_launch": lambda: fn(*args),
-            # The kept launch the public call takes (api.ready_launch: the wrapper that spells the positional tuple).
+            # The kept launch the public call takes (api.ready_launch: the C entry that allocates both outputs and
+            # launches), and its Python form (two torch.empty_like, the TVM-FFI call).
             "kept_launch": lambda: kept(*kept_args),
+            "python_kept_launch": lambda: python_kept(*kept_args),
             "fused_boundary": fused_call(inp, ar.arch, None),
         }
     )

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from cute_kernels import HC
+from cute_kernels import HC, native
 from cute_kernels.allreduce.protocol import PROTOCOLS, STATE_CALLS, STATE_RANK, STATE_TIMEOUT_US
 from cute_kernels.allreduce.tuning import protocol_for, protocols_up_to
 from cute_kernels.boundary.args import (  # noqa: F401 (the variant names are re-exported: callers reach them here)
@@ -318,12 +318,29 @@ def fused_boundary(
     return fn
 
 
-def ready_launch(fn: Callable[..., Any], slots: Any, peers: Any, state: Any, error: Any) -> Callable[..., None]:
+# A kept launch's own arguments, in the order it takes them; the outputs it makes (a field, the argument it is like).
+READY_INPUTS = ("residual", "post", "comb", "pre", "norm_weight", "x", "mxfp8_data", "mxfp8_scale", "eps")
+READY_OUTPUTS = (("new_residual", "residual"), ("out", "x"))
+
+
+def ready_launch(
+    fn: Callable[..., Any], slots: Any, peers: Any, state: Any, error: Any, *, layer_input: bool
+) -> Callable[..., tuple]:
     """The launch through `fn` (a kernel fused_boundary has launched) of a call on a ready partial x with no shared
     addend, aux, FP8 1x128 or own pre, its peer tensors bound (None at W = 1): (residual, post, comb, pre,
-    norm_weight, x, new_residual, out, mxfp8_data, mxfp8_scale, eps) -> None, on arguments the caller has tested as
-    fused_boundary's are. The positional tuple is spelled out here as in fused_boundary, for host time (a test
-    holds both to BoundaryArgs)."""
+    norm_weight, x, mxfp8_data, mxfp8_scale, eps) -> (new_residual, out), out None without `layer_input`, on
+    arguments the caller has tested as fused_boundary's are. The outputs are allocated like residual and x.
+
+    Through the C entry (cute_kernels.native) where it is built, which allocates and launches in one call; else
+    in Python, the same tuple spelled out for host time (a test holds both to BoundaryArgs)."""
+    makes = READY_OUTPUTS if layer_input else READY_OUTPUTS[:1]
+    bound = BoundaryArgs(residual=None, post=None, comb=None, slots=slots, peers=peers, state=state, error=error)
+    source = {name: i for i, name in enumerate(READY_INPUTS)}
+    source.update({field: -1 - source[like] for field, like in makes})
+    plan = tuple(source.get(field, getattr(bound, field)) for field in BoundaryArgs._fields)
+    native_launch = native.launch(fn, plan, len(READY_OUTPUTS))
+    if native_launch is not None:
+        return native_launch
 
     def launch(
         residual: Any,
@@ -332,12 +349,12 @@ def ready_launch(fn: Callable[..., Any], slots: Any, peers: Any, state: Any, err
         pre: Any,
         norm_weight: Any,
         x: Any,
-        new_residual: Any,
-        out: Any,
         mxfp8_data: Any,
         mxfp8_scale: Any,
         eps: float,
-    ) -> None:
+    ) -> tuple:
+        new_residual = torch.empty_like(residual)
+        out = torch.empty_like(x) if layer_input else None
         fn(
             residual,
             post,
@@ -364,6 +381,7 @@ def ready_launch(fn: Callable[..., Any], slots: Any, peers: Any, state: Any, err
             None,
             eps,
         )
+        return new_residual, out
 
     return launch
 
