@@ -228,3 +228,35 @@ def test_on_the_gpu_the_c_launch_is_the_python_launch_in_a_graph_on_a_side_strea
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
             assert torch.equal(a.view(torch.int16), c.view(torch.int16))
         del graph
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("locked", [True, False])
+def test_processes_that_start_together_build_the_entry_once(tmp_path: Path, locked: bool) -> None:
+    """Four processes asking for the entry at once on a cold cache (a TP group's warmups): each loads it, one builds.
+    Each build is held a second longer, so that all four meet; the control without the file lock builds in several."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import contextlib, logging, sys, time; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from cute_kernels import native\n"
+        "real = native.build\n"
+        "native.build = lambda path: (time.sleep(1.0), real(path))\n"
+        + ("" if locked else "native._FileLock = lambda path: contextlib.nullcontext()\n")
+        + "print('available', native.available())\n"
+    )
+    env = {**os.environ, "MHC_BOUNDARY_CACHE_DIR": str(tmp_path / "group")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all("available True" in out for out in outs), outs
+    builds = sum("building the C launch entry" in out for out in outs)
+    assert builds == 1 if locked else builds > 1, outs
+    assert len(list((tmp_path / "group" / "native").glob("*.so"))) == 1
