@@ -102,7 +102,7 @@ def test_a_refused_launch_raises_and_returns_nothing() -> None:
     seen: list = []
     launch = api.ready_launch(recorder(seen, refuse=["bad x"]), None, None, None, None, layer_input=True)
     args = [inp["residual"], inp["post"], inp["comb"], inp["pre"], inp["norm_weight"], inp["x"], None, None, 1e-6]
-    with pytest.raises(RuntimeError, match="entry refused"):
+    with pytest.raises(RuntimeError, match="entry refused the call: RuntimeError: bad x"):
         launch(*args)
     assert len(seen) == 1
     for i, bad, kind in [(8, 1, TypeError), (1, "post", TypeError), (0, [inp["residual"]], TypeError)]:
@@ -112,9 +112,34 @@ def test_a_refused_launch_raises_and_returns_nothing() -> None:
             launch(*wrong)
     with pytest.raises(TypeError, match="takes 9 arguments, got 8"):
         launch(*args[:8])
+    with pytest.raises(TypeError, match="takes 9 arguments, got 10"):
+        launch(*args, None)
     assert len(seen) == 1  # nothing launched after the refusal
     new_residual, out = launch(*args)  # and it still launches
     assert len(seen) == 2 and seen[1][10][0] == new_residual.data_ptr() and seen[1][11][0] == out.data_ptr()
+
+
+def test_a_launch_is_made_whole_once() -> None:
+    """What the entry refuses to be built from: a plan naming an argument past its 32, an integer past a C long, a
+    TVM-FFI object that is not a function; and it is initialised once, and never called uninitialised."""
+    Launch = native.module().Launch
+    api_capsule, fn = torch.Tensor.__dlpack_c_exchange_api__, recorder([])
+    with pytest.raises(ValueError, match="names call argument 32"):
+        Launch(fn, (0, 32), api_capsule, torch.Tensor, 0)
+    with pytest.raises(ValueError, match="names call argument 1099511627775"):
+        Launch(fn, (-(2**40),), api_capsule, torch.Tensor, 1)
+    with pytest.raises(OverflowError):
+        Launch(fn, (2**70,), api_capsule, torch.Tensor, 0)
+    with pytest.raises(ValueError, match="outputs"):
+        Launch(fn, (-1, -2), api_capsule, torch.Tensor, 1)
+    with pytest.raises(TypeError, match="fn must be a TVM-FFI function"):
+        Launch(tvm_ffi.convert([1, 2]), (0,), api_capsule, torch.Tensor, 0)
+    launch = Launch(fn, (0,), api_capsule, torch.Tensor, 0)
+    with pytest.raises(RuntimeError, match="initialised once"):
+        launch.__init__(fn, (0, 1), api_capsule, torch.Tensor, 0)
+    assert launch(None) == ()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        Launch.__new__(Launch)(None)
 
 
 def test_a_parameter_passes_as_a_tensor() -> None:

@@ -46,6 +46,23 @@ static void alloc_error(void* ctx, const char* kind, const char* message) {
   PyErr_Format(PyExc_RuntimeError, "output allocation failed: %s: %s", kind, message);
 }
 
+/* Raise the pending TVM-FFI error as a RuntimeError naming `what`, its kind and message (and clear it). */
+static void raise_ffi_error(const char* what) {
+  TVMFFIObjectHandle error = NULL;
+  TVMFFIErrorMoveFromRaised(&error);
+  if (error == NULL) {
+    PyErr_Format(PyExc_RuntimeError, "%s", what);
+    return;
+  }
+  const TVMFFIErrorCell* cell = (const TVMFFIErrorCell*)((const char*)error + sizeof(TVMFFIObject));
+  PyObject* kind = PyUnicode_DecodeUTF8(cell->kind.data, (Py_ssize_t)cell->kind.size, "replace");
+  PyObject* message = PyUnicode_DecodeUTF8(cell->message.data, (Py_ssize_t)cell->message.size, "replace");
+  TVMFFIObjectDecRef(error);
+  if (kind != NULL && message != NULL) PyErr_Format(PyExc_RuntimeError, "%s: %U: %U", what, kind, message);
+  Py_XDECREF(kind);
+  Py_XDECREF(message);
+}
+
 /* One call argument as a TVMFFIAny (tensors through `dl`, which must outlive the call). */
 static int set_value(Launch* self, PyObject* obj, TVMFFIAny* out, DLTensor* dl) {
   out->zero_padding = 0;
@@ -75,8 +92,13 @@ static PyObject* launch_call(Launch* self, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "the launch takes positional arguments only");
     return NULL;
   }
+  if (self->handle == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "the launch was not initialised");
+    return NULL;
+  }
+  const int length = self->length;
   Py_ssize_t nargs = PyTuple_GET_SIZE(args);
-  if (nargs < self->max_source) {
+  if (nargs != self->max_source) {
     PyErr_Format(PyExc_TypeError, "the launch takes %d arguments, got %zd", self->max_source, nargs);
     return NULL;
   }
@@ -120,7 +142,7 @@ static PyObject* launch_call(Launch* self, PyObject* args, PyObject* kwargs) {
     if (set_stream) {
       if (self->api->current_work_stream((DLDeviceType)device_type, device_id, &stream) != 0) goto fail;
       if (TVMFFIEnvSetStream(device_type, device_id, stream, &previous) != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "TVMFFIEnvSetStream failed");
+        raise_ffi_error("setting the TVM-FFI stream");
         goto fail;
       }
     }
@@ -129,26 +151,31 @@ static PyObject* launch_call(Launch* self, PyObject* args, PyObject* kwargs) {
     result.zero_padding = 0;
     result.v_int64 = 0;
     int rc = TVMFFIFunctionCall(self->handle, packed, self->num_args, &result);
-    if (set_stream && previous != stream) TVMFFIEnvSetStream(device_type, device_id, previous, NULL);
-    if (rc != 0) {
-      TVMFFIObjectHandle error = NULL;
-      TVMFFIErrorMoveFromRaised(&error);
-      if (error != NULL) TVMFFIObjectDecRef(error);
-      PyErr_SetString(PyExc_RuntimeError, "the kernel's entry refused the call");
-      goto fail;
+    if (rc != 0) raise_ffi_error("the kernel's entry refused the call");
+    if (set_stream && previous != stream && TVMFFIEnvSetStream(device_type, device_id, previous, NULL) != 0) {
+      if (rc == 0) {
+        if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+        raise_ffi_error("restoring the TVM-FFI stream");
+        goto fail;
+      }
+      TVMFFIObjectHandle ignored = NULL;
+      TVMFFIErrorMoveFromRaised(&ignored);
+      if (ignored != NULL) TVMFFIObjectDecRef(ignored);
     }
+    if (rc != 0) goto fail;
     if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
   }
   {
-    PyObject* tuple = PyTuple_New(self->length);
+    PyObject* tuple = PyTuple_New(length);
     if (tuple == NULL) goto fail;
-    for (int j = made; j < self->length; ++j) {
+    for (int j = made; j < length; ++j) {
       Py_INCREF(Py_None);
       PyTuple_SET_ITEM(tuple, j, Py_None);
     }
     for (int j = 0; j < made; ++j) {
       void* obj = NULL;
-      if (self->api->managed_tensor_to_py_object_no_sync(outputs[j], &obj) != 0) {
+      if (self->api->managed_tensor_to_py_object_no_sync(outputs[j], &obj) != 0 || obj == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "an output could not become a tensor");
         /* outputs[j] is consumed either way (the producer owns it from here); free the rest */
         for (int r = j + 1; r < made; ++r) outputs[r]->deleter(outputs[r]);
         Py_DECREF(tuple);
@@ -166,6 +193,10 @@ fail:
 static int launch_init(Launch* self, PyObject* args, PyObject* kwargs) {
   PyObject *fn, *plan, *capsule, *tensor_type;
   int length;
+  if (self->handle != NULL) {  /* a kernel that re-initialised its own launch mid-call would pull the plan away */
+    PyErr_SetString(PyExc_RuntimeError, "a launch is initialised once");
+    return -1;
+  }
   static char* names[] = {"fn", "plan", "api", "tensor_type", "length", NULL};
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!i", names, &fn, &PyTuple_Type, &plan, &capsule,
                                    &PyType_Type, &tensor_type, &length))
@@ -176,6 +207,10 @@ static int launch_init(Launch* self, PyObject* args, PyObject* kwargs) {
   Py_DECREF(h);
   if (handle == NULL) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "fn has no TVM-FFI handle");
+    return -1;
+  }
+  if (((const TVMFFIObject*)handle)->type_index != kTVMFFIFunction) {
+    PyErr_SetString(PyExc_TypeError, "fn must be a TVM-FFI function");
     return -1;
   }
   const DLPackExchangeAPI* api = (const DLPackExchangeAPI*)PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
@@ -195,9 +230,14 @@ static int launch_init(Launch* self, PyObject* args, PyObject* kwargs) {
     PyObject* entry = PyTuple_GET_ITEM(plan, k);
     if (!PyLong_CheckExact(entry)) continue;
     long i = PyLong_AsLong(entry);
+    if (i == -1 && PyErr_Occurred()) return -1;
     if (i < 0) {
       ++outputs;
       i = -1 - i;
+    }
+    if (i >= MAX_ARGS) {
+      PyErr_Format(PyExc_ValueError, "a plan entry names call argument %ld (at most %d)", i, MAX_ARGS - 1);
+      return -1;
     }
     if (i + 1 > max_source) max_source = (int)(i + 1);
   }
