@@ -430,7 +430,7 @@ def recorded_posts(boundaries: V4Boundaries, log: list) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("moe", ["ready", "in kernel"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_v4_simulated_ranks_step_on_the_rank_order_sums(world: int, moe: str) -> None:
     """W simulated ranks run the V4 step at once on one GPU (sublayers as fixed outputs), eagerly and captured in one
     CUDA graph replayed on new tokens: no rank gives up waiting, every rank gets the same bits, and the step tracks the
