@@ -42,13 +42,7 @@ class Mxfp8Writer:
         Idle tail lanes come in whole groups of 16 (a chunk is a multiple of 128 columns), so they
         never mix into a real block; they only skip the stores.
         """
-        # amax over bf16 bit patterns: |x| orders like its bits, and NaN sorts above Inf.
-        amax = Uint32(0)
-        for i in cutlass.range_constexpr(4):
-            amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
-        for off in cutlass.range_constexpr(2):
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
-        abits = amax << 16
+        abits = self.block_amax(words) << 16
         # E = smallest with 2^(E-127) >= amax/448: amax = 1.f * 2^(ea-127) needs ea-8, plus 1 when 1.f > 1.75.
         ea = Int32(abits >> 23)
         rounded_up = Int32(cutlass.select_((abits & Uint32(0x7FFFFF)) > Uint32(0x600000), Int32(1), Int32(0)))
@@ -80,6 +74,17 @@ class Mxfp8Writer:
         else:
             if valid:
                 self.store(place, q_lo, q_hi, word)
+
+    @cute.jit
+    def block_amax(self, words: list) -> Uint32:
+        """The bf16 bit pattern of the 32-element block's amax (this lane's 8 values, then its 4 lanes): |x| orders like
+        its bits, and NaN sorts above Inf."""
+        amax = Uint32(0)
+        for i in cutlass.range_constexpr(4):
+            amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
+        for off in cutlass.range_constexpr(2):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
+        return amax
 
     @cute.jit
     def store(self, place: tuple, q_lo: Uint32, q_hi: Uint32, word: Uint32):

@@ -26,7 +26,7 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Uint32
 
 from bench.experiments import shape_parser
 from bench.timing import GraphTimer
@@ -56,37 +56,12 @@ def _no_quant(self, words, place, valid):
 
 
 @cute.jit
-def _local_amax(self, words, place, valid):
-    # Mxfp8Writer.quantize_vector without the two amax shuffles (each lane's scale from its own 8 values).
+def _local_amax(self, words) -> Uint32:
+    # Mxfp8Writer.block_amax without its two shuffles: this lane's 8 values only.
     amax = Uint32(0)
     for i in cutlass.range_constexpr(4):
         amax = cutlass.max(amax, words[i] & Uint32(0x7FFF), (words[i] >> 16) & Uint32(0x7FFF))
-    abits = amax << 16
-    ea = Int32(abits >> 23)
-    rounded_up = Int32(cutlass.select_((abits & Uint32(0x7FFFFF)) > Uint32(0x600000), Int32(1), Int32(0)))
-    e = cutlass.max(ea - 8 + rounded_up, Int32(0))
-    e = Int32(cutlass.select_(abits == Uint32(0x7F800000), Int32(254), e))
-    e = Int32(cutlass.select_(abits > Uint32(0x7F800000), Int32(255), e))
-    m1 = ptx.f32_from_bits(Uint32(cutlass.max(254 - e, Int32(1))) << 23)
-    m1 = Float32(cutlass.select_(e == 0, Float32(1.0), m1))
-    m1 = Float32(cutlass.select_(e == 254, Float32(2.0**-64), m1))
-    m2 = Float32(cutlass.select_(e == 254, Float32(2.0**-63), Float32(1.0)))
-    q = []
-    for i in cutlass.range_constexpr(8):
-        x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
-        x = x * m1 * m2
-        q.append(cute.arch.fmax(cute.arch.fmin(x, Float32(448.0)), Float32(-448.0)))
-    q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
-    q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
-    lane = cute.arch.lane_idx()
-    word = Uint32(e) << Uint32(8 * ((lane >> 2) & 3))
-    word = word | cute.arch.shuffle_sync_bfly(word, offset=4)
-    word = word | cute.arch.shuffle_sync_bfly(word, offset=8)
-    if const_expr(valid is None):
-        self.store(place, q_lo, q_hi, word)
-    else:
-        if valid:
-            self.store(place, q_lo, q_hi, word)
+    return amax
 
 
 def _patch(ablation: str) -> None:
@@ -96,7 +71,7 @@ def _patch(ablation: str) -> None:
     elif ablation == "no_scale":
         Mxfp8Writer.store = _data_only_store
     elif ablation == "no_amax_shfl":
-        Mxfp8Writer.quantize_vector = _local_amax
+        Mxfp8Writer.block_amax = _local_amax
     elif ablation == "no_quant":
         Mxfp8Writer.quantize_vector = _no_quant
     elif ablation != "shipped":
