@@ -150,7 +150,12 @@ static PyObject* launch_call(Launch* self, PyObject* args, PyObject* kwargs) {
     result.type_index = kTVMFFINone;
     result.zero_padding = 0;
     result.v_int64 = 0;
-    int rc = TVMFFIFunctionCall(self->handle, packed, self->num_args, &result);
+    int rc;
+    /* As TVM-FFI's own Python calls do: a launch can block (a full launch queue) while another thread's launch is
+     * what lets this stream drain. The arguments are DLTensor views on this stack; their tensors stay referenced. */
+    Py_BEGIN_ALLOW_THREADS;
+    rc = TVMFFIFunctionCall(self->handle, packed, self->num_args, &result);
+    Py_END_ALLOW_THREADS;
     if (rc != 0) raise_ffi_error("the kernel's entry refused the call");
     if (set_stream && previous != stream && TVMFFIEnvSetStream(device_type, device_id, previous, NULL) != 0) {
       if (rc == 0) {
