@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from bench.experiments import shape_parser
+from bench.experiments import shape_parser, shapes
 from bench.kernels import CALLS_PER_GRAPH
 from bench.timing import GraphTimer
 from bench.v4 import _final, _inputs
@@ -45,12 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'H':>5} {'rows':>4} | {'one':>7} {'two':>7} | shipped   (GPU us per final call)")
-    for hidden in args.hidden:
-        for rows in args.rows:
-            us = measure(timer, hidden, rows)
-            shipped = "one" if own_pre_final(rows, hidden) else "two"
-            print(f"{hidden:>5} {rows:>4} | {us['one']:7.2f} {us['two']:7.2f} | {shipped}", flush=True)
-            torch.cuda.empty_cache()
+    for hidden, rows in shapes(args):
+        us = measure(timer, hidden, rows)
+        shipped = "one" if own_pre_final(rows, hidden) else "two"
+        print(f"{hidden:>5} {rows:>4} | {us['one']:7.2f} {us['two']:7.2f} | {shipped}", flush=True)
 
 
 if __name__ == "__main__":

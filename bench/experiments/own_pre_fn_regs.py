@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.experiments import shape_parser
+from bench.experiments import shape_parser, shapes
 from cute_kernels.boundary.api import compile_boundary_kernel
 from cute_kernels.boundary.args import BoundaryArgs, BoundaryVariant
 from cute_kernels.boundary.config import default_config
@@ -106,12 +106,10 @@ def main(argv: list[str] | None = None) -> None:
 
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'H':>5} {'rows':>4} | {'shipped':>8} {'fn in regs':>10} | bytes that differ per output")
-    for hidden in args.hidden:
-        for rows in args.rows:
-            r = measure(timer, hidden, rows)
-            differ = " ".join(f"{name} {n}" for name, n in r["differ"].items())
-            print(f"{hidden:>5} {rows:>4} | {r['shipped']:8.2f} {r['fn in registers']:10.2f} | {differ}", flush=True)
-            torch.cuda.empty_cache()
+    for hidden, rows in shapes(args):
+        r = measure(timer, hidden, rows)
+        differ = " ".join(f"{name} {n}" for name, n in r["differ"].items())
+        print(f"{hidden:>5} {rows:>4} | {r['shipped']:8.2f} {r['fn in registers']:10.2f} | {differ}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.experiments import shape_parser
+from bench.experiments import shape_parser, shapes
 from bench.kernels import CALLS_PER_GRAPH
 from bench.timing import GraphTimer
 from bench.v4 import _final, _inputs, _ours
@@ -69,14 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'H':>5} {'rows':>4} | {'shipped':>8} {'own':>8} {'own+mixes':>10} {'final':>8}   (GPU us per call)")
-    for hidden in args.hidden:
-        for rows in args.rows:
-            us = measure(timer, hidden, rows)
-            cells = " ".join(
-                f"{us[k]:{w}.2f}" for k, w in (("shipped", 8), ("own", 8), ("own+mixes", 10), ("final", 8))
-            )
-            print(f"{hidden:>5} {rows:>4} | {cells}", flush=True)
-            torch.cuda.empty_cache()
+    for hidden, rows in shapes(args):
+        us = measure(timer, hidden, rows)
+        cells = " ".join(f"{us[k]:{w}.2f}" for k, w in (("shipped", 8), ("own", 8), ("own+mixes", 10), ("final", 8)))
+        print(f"{hidden:>5} {rows:>4} | {cells}", flush=True)
 
 
 if __name__ == "__main__":

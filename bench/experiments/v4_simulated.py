@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from bench.experiments import shape_parser
+from bench.experiments import shape_parser, shapes
 from bench.timing import GraphTimer, on_streams
 from bench.v4 import _inputs
 from boundary import BoundaryAllReduce, BoundaryState, DecodeStep, V4Boundaries
@@ -87,15 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     timer = GraphTimer(torch.device("cuda"), replays=args.replays)
     print(f"{'W':>2} {'H':>5} {'rows':>4} | {'SIMULATED':>9} {'W one-rank':>10} {'one rank':>8}   (GPU us per call)")
     for world in args.world:
-        for hidden in args.hidden:
-            for rows in args.rows:
-                us = measure(timer, world, hidden, rows, args.calls)
-                print(
-                    f"{world:>2} {hidden:>5} {rows:>4} | {us['simulated']:9.2f} {us['w_one_rank']:10.2f} "
-                    f"{us['one_rank']:8.2f}",
-                    flush=True,
-                )
-                torch.cuda.empty_cache()
+        for hidden, rows in shapes(args):
+            us = measure(timer, world, hidden, rows, args.calls)
+            print(
+                f"{world:>2} {hidden:>5} {rows:>4} | {us['simulated']:9.2f} {us['w_one_rank']:10.2f} "
+                f"{us['one_rank']:8.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
