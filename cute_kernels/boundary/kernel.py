@@ -278,8 +278,9 @@ class FusedBoundaryKernel:
             for v in cutlass.range_constexpr(vpt):
                 cute.copy(copy16, cute.local_tile(mW, (VEC,), (vcols[v],)), rW[v, None])
         if const_expr(own is not None):
-            # The row's fn columns into L2, by the first cluster's CTAs only (every cluster's would repeat the same
-            # 16 x 4 x H bytes once per cluster at many rows): weights, so no wait (a prefetch fills no register).
+            # fn is weights, so before the wait: this thread's fn values into registers, kept across its rows; or
+            # the row's fn columns into L2, by the first cluster's CTAs only (every cluster's would repeat the same
+            # 16 x 4 x H bytes once per cluster at many rows; a prefetch fills no register).
             if const_expr(self.fn_in_registers):
                 own_fn = own.load_fn(mMixFn, vcols, valid)
             else:

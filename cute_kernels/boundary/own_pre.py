@@ -21,6 +21,11 @@ SLOT = 8  # floats per warp slot of the exchange: the 4 dot products (one 16-byt
 LINE = 128  # bytes of an L2 line
 
 
+def vector_ok(valid: list, v: int) -> cutlass.Boolean:
+    """Whether this thread's vector v is a real one (`valid[v]` None: always)."""
+    return cutlass.Boolean(True) if valid[v] is None else valid[v]
+
+
 class OwnPreRole:
     """The pre of rows whose columns are split over a cluster of `cluster_n` CTAs of `threads` threads (`vpt`
     vectors each); the exchange's slots and mbarriers double-buffered by row parity like the RMS's."""
@@ -73,13 +78,7 @@ class OwnPreRole:
     @cute.jit
     def load_fn(self, mFn: cute.Tensor, vcols: list, valid: list) -> list:
         """Every fn value this thread's columns take, [v][j][m][8] fp32, into registers (weights: before the wait)."""
-        fn = []
-        for v in cutlass.range_constexpr(self.vpt):
-            ok = cutlass.Boolean(True)
-            if const_expr(valid[v] is not None):
-                ok = valid[v]
-            fn.append([self.fn_vector(mFn, v, j, vcols, ok) for j in range(HC)])
-        return fn
+        return [[self.fn_vector(mFn, v, j, vcols, vector_ok(valid, v)) for j in range(HC)] for v in range(self.vpt)]
 
     @cute.jit
     def partials(self, mFn: cute.Tensor, kept: list, vcols: list, valid: list, fn: list | None = None) -> list:
@@ -88,9 +87,7 @@ class OwnPreRole:
         weights load_fn holds in registers, or None to load them here (from L2, after `prefetch`)."""
         acc = [Float32(0.0) for _ in range(HC + 1)]
         for v in cutlass.range_constexpr(self.vpt):
-            ok = cutlass.Boolean(True)
-            if const_expr(valid[v] is not None):
-                ok = valid[v]
+            ok = vector_ok(valid, v)
             for j in cutlass.range_constexpr(HC):
                 f = self.fn_vector(mFn, v, j, vcols, ok) if const_expr(fn is None) else fn[v][j]
                 for e in cutlass.range_constexpr(VEC):
