@@ -1,0 +1,416 @@
+"""DeepSeek-V4's boundary in ONE launch at few rows (#47's <= 5 us target), an experiment, not shipped code.
+
+The shipped V4 boundary is the residual-only boundary (R' written), then the coefficients kernel's own-pre variant
+(R' read back by ~128 K-slice CTAs, their sums handed to a finishing CTA through L2, Sinkhorn beside the layer input):
+5.6-7.3 us at <= 16 rows on the H200. Its chain holds two kernels, an L2 handoff and R' read back. Here a cluster of
+C CTAs (16 at H 7168, 8 at H 4096) owns a row's whole 4H width, as V4's one-launch `final` does with hc_head's 4 mixes,
+and holds all 24 mixes' fn in registers (each thread one 8-column vector of one stream: 24 x 8 fp32, loaded before the
+PDL wait), so one launch makes R', its 25 sums (a DSMEM exchange), post / comb / pre, the collapse and the norm:
+
+  thread (j, v) of CTA c: loads y, R[0..3] at vector c*V + v, makes R'_j (the boundary's operations), stores it,
+  its 24 dot products with fn and its sum of squares; warp sums; every warp's 25 pushed to every CTA (st.async);
+  every warp sums the cluster's slots in slot order -> the row's 25 totals (same bits on every thread);
+  warp `pp` of CTA 0: post and pre (the coefficients epilogue's operations); the last warp of CTA 0: comb (softmax,
+  Sinkhorn) of the cluster's rows, after the last row; threads v < V: collapse of vector v with the pre (its R'_0..3
+  through shared memory), sum of squares -> a second DSMEM exchange -> the norm -> the layer input.
+
+Bits: R' is the boundary kernel's; the mixes' dot products are fp32 FMAs in a fixed order (not the coefficients
+kernel's split-bf16 MMA), so post / comb / pre / the layer input are held to the reference by tolerance here, and a
+shipped form would have to take every row count (or match the MMA's bits) to stay batch invariant. bf16 layer input
+only, W = 1, a ready partial, rows <= 32 per cluster.
+
+    python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--replays 7] [--compile-only]
+
+Prints, per shape: the largest error of each output against the float64 reference (and the shipped boundary's), then
+GPU us per call of this one launch and of the shipped `V4Boundaries.sublayer` (bf16), one graph method (bench.timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from cute_kernels import HC, VEC, ptx, reduce
+from cute_kernels.coefficients.config import MIX, NV
+from cute_kernels.coefficients.epilogue import EpilogueRole
+from cute_kernels.coefficients.layer_input import collapse_vector, normed_vector, square_sum
+from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
+
+SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
+MAX_SHARE = 32  # rows a cluster may take (lanes of the Sinkhorn warp)
+CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
+
+
+class OneClusterV4:
+    """The V4 boundary of rows whose 4H width one cluster of `cluster_n` CTAs owns, in one launch."""
+
+    def __init__(self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20) -> None:
+        if H % (cluster_n * VEC):
+            raise ValueError(f"H {H} does not split into {cluster_n} CTAs of whole vectors")
+        self.H = H
+        self.C = cluster_n
+        self.V = H // cluster_n // VEC  # vectors of one stream per CTA
+        self.threads = HC * self.V
+        if self.threads % 32 or self.threads > 256:
+            # 24 x 8 fn values a thread: 255 registers, so at most 256 threads in an SM's 64K registers.
+            raise ValueError(f"{self.threads} threads (4 x {self.V} vectors): not a whole number of warps <= 256")
+        self.warps = self.threads // 32
+        self.K = HC * H
+        self.max_clusters = max_clusters
+        self.slots = cluster_n * self.warps
+        self.collapse_warps = -(-self.V // 32)
+        self.sink_warp = self.warps - 1  # CTA 0's: comb of the cluster's rows
+        self.pp_warp = self.warps - 2  # CTA 0's: post and pre
+        if self.pp_warp < self.collapse_warps:
+            raise ValueError(f"{self.warps} warps leave none apart from the collapse's {self.collapse_warps}")
+        self.sq_slots = cluster_n * self.collapse_warps
+        self.epi = EpilogueRole(self.K, sinkhorn_repeat, self.threads, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mR: cute.Tensor,  # [T, 4, H] bf16 streams
+        mX: cute.Tensor,  # [T, H] bf16 reduced partial y
+        mPost: cute.Tensor,  # [T, 4] fp32 carried post
+        mComb: cute.Tensor,  # [T, 4, 4] fp32 carried comb
+        mFn: cute.Tensor,  # [24, 4H] fp32
+        mParam: cute.Tensor,  # [27] fp32: scale (3), base (24)
+        mW: cute.Tensor,  # [H] bf16 norm weight
+        mNewR: cute.Tensor,  # [T, 4, H] bf16
+        mOut: cute.Tensor,  # [T, H] bf16 layer input
+        mPostOut: cute.Tensor,  # [T, 4] fp32
+        mCombOut: cute.Tensor,  # [T, 4, 4] fp32
+        mPreOut: cute.Tensor,  # [T, 4] fp32
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        stream,
+    ):
+        rows = mR.shape[0]
+        share = (rows + (self.max_clusters - 1)) // self.max_clusters
+        clusters = (rows + share - 1) // share
+        self.kernel(
+            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut,
+            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, share,
+        ).launch(
+            grid=[self.C, clusters, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.C, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mR: cute.Tensor,
+        mX: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mFn: cute.Tensor,
+        mParam: cute.Tensor,
+        mW: cute.Tensor,
+        mNewR: cute.Tensor,
+        mOut: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        mPreOut: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        share: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, cluster, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = cute.arch.lane_idx()
+        j = tidx // self.V  # this thread's stream
+        v = tidx - j * self.V  # and its vector of the CTA's chunk
+        vc = cta * self.V + v  # the vector's index in a row
+        rows = mR.shape[0]
+        row0 = cluster * share
+        count = cutlass.min(share, rows - row0)
+
+        smem = cutlass.memory.SmemAllocator()
+        sSlot = smem.allocate_tensor(Float32, cute.make_layout(2 * self.slots * SLOT), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout(2 * self.sq_slots), byte_alignment=16)
+        sRp = smem.allocate_tensor(Int32, cute.make_layout(2 * HC * self.V * 4), byte_alignment=16)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * NV), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        mbar = smem.allocate_array(cutlass.Int64, num_elems=4)  # mixes stage 0 / 1, squares stage 0 / 1
+        if tidx == 0:
+            for s in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        # Weights, before the wait: this thread's fn values (24 mixes x 8 columns of stream j), the mix parameters,
+        # the norm weight of vector v (the collapse threads).
+        fn_base = mFn.iterator.toint() + (Int64(j * self.H) + Int64(vc * VEC)) * 4
+        f = []
+        for m in cutlass.range_constexpr(MIX):
+            lo = ptx.ld_global_v4_pred(fn_base + Int64(m * self.K) * 4, cutlass.Boolean(True))
+            hi = ptx.ld_global_v4_pred(fn_base + Int64(m * self.K) * 4 + 16, cutlass.Boolean(True))
+            f.append([ptx.f32_from_bits(w) for w in (*lo, *hi)])
+        if tidx < 3 + MIX:
+            sParam[tidx] = mParam[tidx]
+        w_words = ptx.ld_global_v4_pred(
+            mW.iterator.toint() + Int64(cta * self.V + cutlass.min(tidx, self.V - 1)) * (VEC * 2), tidx < self.V
+        )
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        phase = Int32(0)
+        for i in cutlass.range(count):
+            row = row0 + i
+            stage = i % 2
+            # The row's inputs at vector vc: y, the 4 streams, this stream's post and comb column.
+            xb = mX.iterator.toint() + (Int64(row) * self.H + Int64(vc * VEC)) * 2
+            y = ptx.ld_global_v4_pred(xb, cutlass.Boolean(True))
+            rb = mR.iterator.toint() + (Int64(row) * (HC * self.H) + Int64(vc * VEC)) * 2
+            rs = [ptx.ld_global_v4_pred(rb + Int64(k * self.H) * 2, cutlass.Boolean(True)) for k in range(HC)]
+            post = mPost[row, j]
+            comb = [mComb[row, k, j] for k in range(HC)]
+            # R'_j = bf16(post*y + sum_k comb[k, j] * R[k]): the boundary kernel's operations (Epilogue.compute_row).
+            words = []
+            for e in cutlass.range_constexpr(0, VEC, 2):
+                pair = []
+                for h in cutlass.range_constexpr(2):
+                    unpack = ptx.bf16_lo if h == 0 else ptx.bf16_hi
+                    acc = ptx.mul_rn(post, unpack(y[e // 2]))
+                    for k in cutlass.range_constexpr(HC):
+                        acc = ptx.mul_add_rn(comb[k], unpack(rs[k][e // 2]), acc)
+                    pair.append(acc)
+                words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
+            nb = mNewR.iterator.toint() + (Int64(row) * (HC * self.H) + Int64(j * self.H) + Int64(vc * VEC)) * 2
+            ptx.st_global_v4_b32(nb, words[0], words[1], words[2], words[3])
+            ptx.st_v4_i32(sRp.iterator + (stage * HC * self.V + j * self.V + v) * 4, tuple(words))
+            # The 24 dot products and the sum of squares, elements in order.
+            acc = [Float32(0.0) for _ in range(NV)]
+            for e in cutlass.range_constexpr(VEC):
+                x = ptx.bf16_lo(words[e // 2]) if e % 2 == 0 else ptx.bf16_hi(words[e // 2])
+                acc[MIX] = ptx.mul_add_rn(x, x, acc[MIX])
+                for m in cutlass.range_constexpr(MIX):
+                    acc[m] = ptx.mul_add_rn(f[m][e], x, acc[m])
+            totals = self.exchange_mixes(acc, sSlot, mbar + stage, cta, warp, lane, stage, phase)
+            cute.arch.barrier()  # sRp of this row complete
+            r = ptx.rsqrt_approx(ptx.div_rn(totals[MIX], Float32(self.K)) + rms_eps)
+            if cta == 0:
+                if warp == self.sink_warp:
+                    if lane == 0:
+                        for n in cutlass.range_constexpr(NV):
+                            sMix[i * NV + n] = totals[n]
+                if warp == self.pp_warp:
+                    if lane == 0:
+                        mixes = [totals[n] * r for n in range(2 * HC)]
+                        self.epi.row_pre_post(mixes, sParam, row, mPostOut, mPreOut, pre_eps, post_mult)
+            if warp < self.collapse_warps:
+                self.layer_input(
+                    sRp, sSq, sParam, mbar + 2 + stage, mOut, totals, r, w_words, pre_eps, norm_eps,
+                    row, stage, phase, cta, warp, lane, tidx,
+                )  # fmt: skip
+            if stage == 1:
+                phase = phase ^ 1
+        if cta == 0:
+            if warp == self.sink_warp:
+                cute.arch.sync_warp()
+                self.epi.row_comb(sMix, sParam, row0, count, mCombOut, rms_eps, sinkhorn_eps)
+
+    @cute.jit
+    def exchange_mixes(
+        self,
+        acc: list,
+        sSlot: cute.Tensor,
+        mbar: cute.Pointer,
+        cta: Int32,
+        warp: Int32,
+        lane: Int32,
+        stage: Int32,
+        phase: Int32,
+    ) -> list:
+        """The row's 25 totals on every thread: warp sums, each warp's pushed to every CTA of the cluster, then
+        every warp sums the slots in slot order."""
+        sums = [reduce.warp_sum(a) for a in acc]
+        base = stage * (self.slots * SLOT)
+        if warp == 0:
+            reduce.expect_bytes(mbar, self.slots * 28 * 4)
+        if lane < self.C:
+            dst = sSlot.iterator + cute.assume(base + (cta * self.warps + warp) * SLOT, divby=4)
+            for q in cutlass.range_constexpr(7):
+                quad = [sums[4 * q + t] if 4 * q + t < NV else Float32(0.0) for t in range(4)]
+                reduce.push(dst + 4 * q, (quad[0], quad[1], quad[2], quad[3]), mbar, lane)
+        reduce.wait_pushes(mbar, phase, False)
+        totals = []
+        for n in cutlass.range_constexpr(NV):
+            part = Float32(0.0)
+            for s in cutlass.range_constexpr(-(-self.slots // 32)):
+                if lane + s * 32 < self.slots:
+                    part = part + sSlot[base + (lane + s * 32) * SLOT + n]
+            totals.append(reduce.warp_sum(part))
+        cute.arch.fence_view_async_shared()  # the peers' next pushes to this stage come through the async proxy
+        return totals
+
+    @cute.jit
+    def layer_input(
+        self,
+        sRp: cute.Tensor,
+        sSq: cute.Tensor,
+        sParam: cute.Tensor,
+        mbar: cute.Pointer,
+        mOut: cute.Tensor,
+        totals: list,
+        r: Float32,
+        w_words: tuple,
+        pre_eps: Float32,
+        norm_eps: Float32,
+        row: Int32,
+        stage: Int32,
+        phase: Int32,
+        cta: Int32,
+        warp: Int32,
+        lane: Int32,
+        tidx: Int32,
+    ):
+        """Threads v < V of the collapse warps: vector v's collapse with the row's pre, the cluster's sum of squares
+        (a second exchange, slot order), then the normed vector."""
+        pre = []
+        for jj in cutlass.range_constexpr(HC):
+            z = totals[jj] * r * sParam[0] + sParam[3 + jj]
+            pre.append(ptx.rcp_approx(Float32(1.0) + ptx.exp_approx(-z)) + pre_eps)
+        vv = cutlass.min(tidx, self.V - 1)
+        streams = [ptx.ld_v4_i32(sRp.iterator + (stage * HC * self.V + jj * self.V + vv) * 4) for jj in range(HC)]
+        c = collapse_vector(pre, streams)
+        part = square_sum(c)
+        part = Float32(cutlass.select_(tidx < self.V, part, Float32(0.0)))
+        total_w = reduce.warp_sum(part)
+        base = stage * self.sq_slots
+        if warp == 0:
+            reduce.expect_bytes(mbar, self.sq_slots * 4)
+        if lane < self.C:
+            reduce.push(sSq.iterator + base + cta * self.collapse_warps + warp, total_w, mbar, lane)
+        reduce.wait_pushes(mbar, phase, False)
+        part = Float32(0.0)
+        for s in cutlass.range_constexpr(-(-self.sq_slots // 32)):
+            if lane + s * 32 < self.sq_slots:
+                part = part + sSq[base + lane + s * 32]
+        total = reduce.warp_sum(part)
+        cute.arch.fence_view_async_shared()
+        inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
+        out = normed_vector(c, inv, w_words)
+        ob = mOut.iterator.toint() + (Int64(row) * self.H + Int64((cta * self.V + vv) * VEC)) * 2
+        ptx.st_global_v4_pred(ob, out[0], out[1], out[2], out[3], tidx < self.V)
+
+
+def compile_one_cluster(H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str) -> Any:
+    """The compiled experiment kernel (rows dynamic)."""
+    T = cute.sym_int()
+    b16 = lambda *s: fake_tensor(BFloat16, s)  # noqa: E731
+    f32 = lambda *s: fake_tensor(Float32, s, divisibility=4)  # noqa: E731
+    args = (
+        b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(MIX, HC * H), f32(3 + MIX), b16(H),
+        b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(T, HC),
+        Float32(0), Float32(0), Float32(0), Float32(0), Float32(0), fake_stream(),
+    )  # fmt: skip
+    return compile_kernel(OneClusterV4(H, cluster_n, max_clusters, repeat), *args, arch=arch)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--max-clusters", type=int, default=4)
+    ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
+    args = ap.parse_args(argv)
+    if args.compile_only:
+        for H in args.hidden:
+            compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a")
+            print(f"compiled H {H} (cluster {CLUSTERS[H]})", flush=True)
+        return
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Errors against the reference, then us per call beside the shipped boundary."""
+    from bench.timing import GraphTimer
+    from bench.v4 import CALLS_PER_GRAPH, _inputs, _ours
+    from boundary import BoundaryAllReduce, DecodeStep, V4Boundaries, reference
+    from boundary.toy import ToyConfig, ToyModel
+    from tests.inputs import attn_params
+
+    device = torch.device("cuda")
+    timer = GraphTimer(device, replays=args.replays)
+    print(f"{'H':>5} {'rows':>4} | {'one launch':>10} {'shipped':>8} | max |err| / max |ref| (one launch; shipped)")
+    for H in args.hidden:
+        compiled = compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a")
+        layer = ToyModel(ToyConfig(hidden_size=H, num_layers=1, vocab=16), device=device).layers[0]
+        p = attn_params(layer)
+        weight, norm_eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
+        param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
+        launch = (compiled, p, param, weight, norm_eps)
+        for rows in args.rows:
+            if rows > args.max_clusters * MAX_SHARE:
+                continue
+            b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
+            step = DecodeStep(rows=rows, side_stream=False)
+            sets = [_inputs(rows, H, device, seed) for seed in range(CALLS_PER_GRAPH)]
+            call, got = _one_launch(launch, sets[0])
+            call()
+            s0 = sets[0]
+            want = reference.v4_boundary(s0["y"], s0["residual"], s0["post"], s0["comb"], p, weight, norm_eps)
+            ship_state, ship_li, _ = b.sublayer(layer, False, _state(s0), step, quantize=False)
+            torch.cuda.synchronize()
+            shipped_out = (ship_state.residual, ship_state.post, ship_state.comb, ship_state.pre, ship_li)
+            errs = []
+            for name, g, w, s in zip(("R'", "post", "comb", "pre", "li"), got, want, shipped_out, strict=True):
+                scale = w.double().abs().max().item() or 1.0
+                e1 = (g.double() - w.double()).abs().max().item() / scale
+                e2 = (s.double() - w.double()).abs().max().item() / scale
+                errs.append(f"{name} {e1:.1e}; {e2:.1e}")
+            ours = timer.per_call_us([_one_launch(launch, s)[0] for s in sets])
+            shipped = timer.per_call_us([_ours(b, layer, s, step, False) for s in sets])
+            print(f"{H:>5} {rows:>4} | {ours:10.2f} {shipped:8.2f} | " + ", ".join(errs), flush=True)
+            torch.cuda.empty_cache()
+
+
+def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
+    """A closure making the one-launch boundary on an input set, and its outputs (R', post, comb, pre, layer input)
+    in reference.V4Boundary's order."""
+    compiled, p, param, weight, norm_eps = launch
+    rows, hc, _ = inp["residual"].shape
+    dev = inp["residual"].device
+    new, li = torch.empty_like(inp["residual"]), torch.empty_like(inp["y"])
+    post, comb, pre = (
+        torch.empty(rows, hc, device=dev),
+        torch.empty(rows, hc, hc, device=dev),
+        torch.empty(rows, hc, device=dev),
+    )
+
+    def call() -> None:
+        compiled(
+            inp["residual"], inp["y"], inp["post"], inp["comb"], p.fn, param, weight, new, li, post, comb, pre,
+            p.rms_eps, p.pre_eps, p.sinkhorn_eps, p.post_mult, norm_eps,
+        )  # fmt: skip
+
+    return call, (new, post, comb, pre, li)
+
+
+def _state(inp: dict[str, Any]) -> Any:
+    """The V4 sublayer's state on an input set (bench.v4._ours' form)."""
+    from boundary import BoundaryState
+
+    return BoundaryState(inp["residual"], inp["post"], inp["comb"], None, pending=inp["y"])  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
