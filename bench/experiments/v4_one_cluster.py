@@ -5,19 +5,22 @@ The shipped V4 boundary is the residual-only boundary (R' written), then the coe
 5.6-7.3 us at <= 16 rows on the H200. Its chain holds two kernels, an L2 handoff and R' read back. Here a cluster of
 C CTAs (16 at H 7168, 8 at H 4096) owns a row's whole 4H width, as V4's one-launch `final` does with hc_head's 4 mixes,
 and holds all 24 mixes' fn in registers (each thread one 8-column vector of one stream: 24 x 8 fp32, loaded before the
-PDL wait), so one launch makes R', its 25 sums (a DSMEM exchange), post / comb / pre, the collapse and the norm:
+PDL wait), so one launch makes R', its 25 sums, post / comb / pre, the collapse and the norm, for up to 8 rows a
+cluster with one exchange of each kind for all of them:
 
-  thread (j, v) of CTA c: loads y, R[0..3] at vector c*V + v, makes R'_j (the boundary's operations), stores it,
-  its 24 dot products with fn and its sum of squares; warp sums; every warp's 25 pushed to every CTA (st.async);
-  every warp sums the cluster's slots in slot order -> the row's 25 totals (same bits on every thread);
-  warp `pp` of CTA 0: post and pre (the coefficients epilogue's operations); the last warp of CTA 0: comb (softmax,
-  Sinkhorn) of the cluster's rows, after the last row; threads v < V: collapse of vector v with the pre (its R'_0..3
-  through shared memory), sum of squares -> a second DSMEM exchange -> the norm -> the layer input.
+  after the wait every row's y, streams, post and comb into shared memory (cp.async, one round trip);
+  thread (j, v) of CTA c, row by row: R'_j at vector c*V + v (the boundary's operations), stored, its 24 dot
+  products with fn and its sum of squares, warp sums into shared memory;
+  thread (row, n): the CTA's sum of total n (warps in order), pushed to every CTA of the cluster (st.async); then the
+  cluster's (CTAs in order): the rows' 25 totals in the coefficients epilogue's layout;
+  CTA 0: one warp post and pre (lane per row), another comb (softmax, Sinkhorn; lane per row), both the coefficients
+  epilogue's code; the collapse warps of every CTA: each row's collapse with its pre, sums of squares through a second
+  exchange, the norm, the layer input.
 
 Bits: R' is the boundary kernel's; the mixes' dot products are fp32 FMAs in a fixed order (not the coefficients
 kernel's split-bf16 MMA), so post / comb / pre / the layer input are held to the reference by tolerance here, and a
 shipped form would have to take every row count (or match the MMA's bits) to stay batch invariant. bf16 layer input
-only, W = 1, a ready partial, rows <= 32 per cluster.
+only, W = 1, a ready partial.
 
     python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--replays 7] [--compile-only]
 
@@ -43,7 +46,7 @@ from cute_kernels.coefficients.layer_input import collapse_vector, normed_vector
 from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 
 SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
-MAX_SHARE = 32  # rows a cluster may take (lanes of the Sinkhorn warp)
+MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them)
 CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
 
 
@@ -63,13 +66,13 @@ class OneClusterV4:
         self.warps = self.threads // 32
         self.K = HC * H
         self.max_clusters = max_clusters
-        self.slots = cluster_n * self.warps
         self.collapse_warps = -(-self.V // 32)
         self.sink_warp = self.warps - 1  # CTA 0's: comb of the cluster's rows
         self.pp_warp = self.warps - 2  # CTA 0's: post and pre
         if self.pp_warp < self.collapse_warps:
             raise ValueError(f"{self.warps} warps leave none apart from the collapse's {self.collapse_warps}")
         self.sq_slots = cluster_n * self.collapse_warps
+        self.max_share = min(MAX_SHARE, self.threads // NV)  # rows a cluster takes: a thread per (row, total)
         self.epi = EpilogueRole(self.K, sinkhorn_repeat, self.threads, 1)
 
     @cute.jit
@@ -140,16 +143,20 @@ class OneClusterV4:
         rows = mR.shape[0]
         row0 = cluster * share
         count = cutlass.min(share, rows - row0)
+        V, C, W = self.V, self.C, self.warps
 
         smem = cutlass.memory.SmemAllocator()
-        sSlot = smem.allocate_tensor(Float32, cute.make_layout(2 * self.slots * SLOT), byte_alignment=16)
-        sSq = smem.allocate_tensor(Float32, cute.make_layout(2 * self.sq_slots), byte_alignment=16)
-        sRp = smem.allocate_tensor(Int32, cute.make_layout(2 * HC * self.V * 4), byte_alignment=16)
-        sMix = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * NV), byte_alignment=16)
+        sIn = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * (HC + 1) * V * 4), byte_alignment=16)
+        sCo = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * 5 * HC), byte_alignment=16)
+        sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
+        sWarp = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * W * NV), byte_alignment=16)
+        sSlot = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * C * NV), byte_alignment=16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * NV), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * self.sq_slots), byte_alignment=16)
         sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
-        mbar = smem.allocate_array(cutlass.Int64, num_elems=4)  # mixes stage 0 / 1, squares stage 0 / 1
+        mbar = smem.allocate_array(cutlass.Int64, num_elems=2)  # the mixes' exchange, the squares'
         if tidx == 0:
-            for s in cutlass.range_constexpr(4):
+            for s in cutlass.range_constexpr(2):
                 cute.arch.mbarrier_init(mbar + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
@@ -165,22 +172,35 @@ class OneClusterV4:
         if tidx < 3 + MIX:
             sParam[tidx] = mParam[tidx]
         w_words = ptx.ld_global_v4_pred(
-            mW.iterator.toint() + Int64(cta * self.V + cutlass.min(tidx, self.V - 1)) * (VEC * 2), tidx < self.V
+            mW.iterator.toint() + Int64(cta * V + cutlass.min(tidx, V - 1)) * (VEC * 2), tidx < V
         )
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
-        phase = Int32(0)
+        # Every row's inputs at once into shared memory: thread (j, v) its stream j's vector (and y's, j == 0);
+        # threads (i, q) < 5 * count the row's post (q 0) and comb rows (q 1-4), 16 bytes each.
         for i in cutlass.range(count):
             row = row0 + i
-            stage = i % 2
-            # The row's inputs at vector vc: y, the 4 streams, this stream's post and comb column.
-            xb = mX.iterator.toint() + (Int64(row) * self.H + Int64(vc * VEC)) * 2
-            y = ptx.ld_global_v4_pred(xb, cutlass.Boolean(True))
-            rb = mR.iterator.toint() + (Int64(row) * (HC * self.H) + Int64(vc * VEC)) * 2
-            rs = [ptx.ld_global_v4_pred(rb + Int64(k * self.H) * 2, cutlass.Boolean(True)) for k in range(HC)]
-            post = mPost[row, j]
-            comb = [mComb[row, k, j] for k in range(HC)]
+            slot = sIn.iterator + ((i * (HC + 1) + 1 + j) * V + v) * 4
+            ptx.cp_async_16(slot, mR.iterator + (Int64(row) * (HC * self.H) + Int64(j * self.H) + Int64(vc * VEC)))
+            if j == 0:
+                ptx.cp_async_16(
+                    sIn.iterator + (i * (HC + 1) * V + v) * 4, mX.iterator + (Int64(row) * self.H + vc * VEC)
+                )
+        if tidx < 5 * count:
+            i, q = tidx // 5, tidx % 5
+            if q == 0:
+                ptx.cp_async_16(sCo.iterator + i * 5 * HC, mPost.iterator + (row0 + i) * HC)
+            else:
+                ptx.cp_async_16(sCo.iterator + (i * 5 + q) * HC, mComb.iterator + ((row0 + i) * HC + (q - 1)) * HC)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        for i in cutlass.range(count):
+            row = row0 + i
+            y = ptx.ld_v4_i32(sIn.iterator + (i * (HC + 1) * V + v) * 4)
+            rs = [ptx.ld_v4_i32(sIn.iterator + ((i * (HC + 1) + 1 + k) * V + v) * 4) for k in range(HC)]
+            post = sCo[(i * 5) * HC + j]
+            comb = [sCo[(i * 5 + 1 + k) * HC + j] for k in range(HC)]
             # R'_j = bf16(post*y + sum_k comb[k, j] * R[k]): the boundary kernel's operations (Epilogue.compute_row).
             words = []
             for e in cutlass.range_constexpr(0, VEC, 2):
@@ -194,121 +214,108 @@ class OneClusterV4:
                 words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
             nb = mNewR.iterator.toint() + (Int64(row) * (HC * self.H) + Int64(j * self.H) + Int64(vc * VEC)) * 2
             ptx.st_global_v4_b32(nb, words[0], words[1], words[2], words[3])
-            ptx.st_v4_i32(sRp.iterator + (stage * HC * self.V + j * self.V + v) * 4, tuple(words))
-            # The 24 dot products and the sum of squares, elements in order.
+            ptx.st_v4_i32(sRp.iterator + ((i * HC + j) * V + v) * 4, tuple(words))
+            # The 24 dot products and the sum of squares, elements in order; then the warp's sums.
             acc = [Float32(0.0) for _ in range(NV)]
             for e in cutlass.range_constexpr(VEC):
                 x = ptx.bf16_lo(words[e // 2]) if e % 2 == 0 else ptx.bf16_hi(words[e // 2])
                 acc[MIX] = ptx.mul_add_rn(x, x, acc[MIX])
                 for m in cutlass.range_constexpr(MIX):
                     acc[m] = ptx.mul_add_rn(f[m][e], x, acc[m])
-            totals = self.exchange_mixes(acc, sSlot, mbar + stage, cta, warp, lane, stage, phase)
-            cute.arch.barrier()  # sRp of this row complete
-            r = ptx.rsqrt_approx(ptx.div_rn(totals[MIX], Float32(self.K)) + rms_eps)
-            if cta == 0:
-                if warp == self.sink_warp:
-                    if lane == 0:
-                        for n in cutlass.range_constexpr(NV):
-                            sMix[i * NV + n] = totals[n]
-                if warp == self.pp_warp:
-                    if lane == 0:
-                        mixes = [totals[n] * r for n in range(2 * HC)]
-                        self.epi.row_pre_post(mixes, sParam, row, mPostOut, mPreOut, pre_eps, post_mult)
-            if warp < self.collapse_warps:
-                self.layer_input(
-                    sRp, sSq, sParam, mbar + 2 + stage, mOut, totals, r, w_words, pre_eps, norm_eps,
-                    row, stage, phase, cta, warp, lane, tidx,
-                )  # fmt: skip
-            if stage == 1:
-                phase = phase ^ 1
+            sums = [reduce.warp_sum(a) for a in acc]
+            if lane == 0:
+                for n in cutlass.range_constexpr(NV):
+                    sWarp[(i * W + warp) * NV + n] = sums[n]
+        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        cute.arch.barrier()  # every warp's sums of every row in sWarp
+        # The CTA's sums (warps in order), thread (i, n) each, pushed to every CTA; then the cluster's (CTAs in order).
+        if warp == 0:
+            reduce.expect_bytes(mbar, count * (C * NV * 4))
+        if tidx < count * NV:
+            i, n = tidx // NV, tidx % NV
+            s = sWarp[i * W * NV + n]
+            for w in cutlass.range_constexpr(1, W):
+                s = s + sWarp[(i * W + w) * NV + n]
+            for c in cutlass.range_constexpr(C):
+                reduce.push(sSlot.iterator + (i * C + cta) * NV + n, s, mbar, Int32(c))
+        reduce.wait_pushes(mbar, Int32(0), False)
+        if tidx < count * NV:
+            i, n = tidx // NV, tidx % NV
+            t = sSlot[i * C * NV + n]
+            for c in cutlass.range_constexpr(1, C):
+                t = t + sSlot[(i * C + c) * NV + n]
+            sTot[i * NV + n] = t
+        cute.arch.barrier()  # the rows' 25 totals in sTot, the layout the coefficients epilogue reads
         if cta == 0:
+            if warp == self.pp_warp:
+                if lane < count:
+                    mixes = self.epi.row_mixes(sTot, lane, rms_eps, 2 * HC)
+                    self.epi.row_pre_post(mixes, sParam, row0 + lane, mPostOut, mPreOut, pre_eps, post_mult)
             if warp == self.sink_warp:
-                cute.arch.sync_warp()
-                self.epi.row_comb(sMix, sParam, row0, count, mCombOut, rms_eps, sinkhorn_eps)
+                self.epi.row_comb(sTot, sParam, row0, count, mCombOut, rms_eps, sinkhorn_eps)
+        if warp < self.collapse_warps:
+            self.layer_input(
+                sRp, sTot, sSq, sParam, mbar + 1, mOut, w_words, rms_eps, pre_eps, norm_eps, row0, count, cta
+            )  # fmt: skip
 
     @cute.jit
-    def exchange_mixes(
-        self,
-        acc: list,
-        sSlot: cute.Tensor,
-        mbar: cute.Pointer,
-        cta: Int32,
-        warp: Int32,
-        lane: Int32,
-        stage: Int32,
-        phase: Int32,
+    def collapse(
+        self, sRp: cute.Tensor, sTot: cute.Tensor, sParam: cute.Tensor, i: Int32, vv: Int32, rms_eps, pre_eps
     ) -> list:
-        """The row's 25 totals on every thread: warp sums, each warp's pushed to every CTA of the cluster, then
-        every warp sums the slots in slot order."""
-        sums = [reduce.warp_sum(a) for a in acc]
-        base = stage * (self.slots * SLOT)
-        if warp == 0:
-            reduce.expect_bytes(mbar, self.slots * 28 * 4)
-        if lane < self.C:
-            dst = sSlot.iterator + cute.assume(base + (cta * self.warps + warp) * SLOT, divby=4)
-            for q in cutlass.range_constexpr(7):
-                quad = [sums[4 * q + t] if 4 * q + t < NV else Float32(0.0) for t in range(4)]
-                reduce.push(dst + 4 * q, (quad[0], quad[1], quad[2], quad[3]), mbar, lane)
-        reduce.wait_pushes(mbar, phase, False)
-        totals = []
-        for n in cutlass.range_constexpr(NV):
-            part = Float32(0.0)
-            for s in cutlass.range_constexpr(-(-self.slots // 32)):
-                if lane + s * 32 < self.slots:
-                    part = part + sSlot[base + (lane + s * 32) * SLOT + n]
-            totals.append(reduce.warp_sum(part))
-        cute.arch.fence_view_async_shared()  # the peers' next pushes to this stage come through the async proxy
-        return totals
+        """Vector vv of row i collapsed with the row's pre (from its totals: the coefficients epilogue's operations,
+        row_mixes then row_pre_post's sigmoid), its 4 new streams from shared memory."""
+        mixes = self.epi.row_mixes(sTot, i, rms_eps, HC)
+        pre = []
+        for jj in cutlass.range_constexpr(HC):
+            z = mixes[jj] * sParam[0] + sParam[3 + jj]
+            pre.append(ptx.rcp_approx(Float32(1.0) + ptx.exp_approx(-z)) + pre_eps)
+        streams = [ptx.ld_v4_i32(sRp.iterator + ((i * HC + jj) * self.V + vv) * 4) for jj in range(HC)]
+        return collapse_vector(pre, streams)
 
     @cute.jit
     def layer_input(
         self,
         sRp: cute.Tensor,
+        sTot: cute.Tensor,
         sSq: cute.Tensor,
         sParam: cute.Tensor,
         mbar: cute.Pointer,
         mOut: cute.Tensor,
-        totals: list,
-        r: Float32,
         w_words: tuple,
+        rms_eps: Float32,
         pre_eps: Float32,
         norm_eps: Float32,
-        row: Int32,
-        stage: Int32,
-        phase: Int32,
+        row0: Int32,
+        count: Int32,
         cta: Int32,
-        warp: Int32,
-        lane: Int32,
-        tidx: Int32,
     ):
-        """Threads v < V of the collapse warps: vector v's collapse with the row's pre, the cluster's sum of squares
-        (a second exchange, slot order), then the normed vector."""
-        pre = []
-        for jj in cutlass.range_constexpr(HC):
-            z = totals[jj] * r * sParam[0] + sParam[3 + jj]
-            pre.append(ptx.rcp_approx(Float32(1.0) + ptx.exp_approx(-z)) + pre_eps)
-        vv = cutlass.min(tidx, self.V - 1)
-        streams = [ptx.ld_v4_i32(sRp.iterator + (stage * HC * self.V + jj * self.V + vv) * 4) for jj in range(HC)]
-        c = collapse_vector(pre, streams)
-        part = square_sum(c)
-        part = Float32(cutlass.select_(tidx < self.V, part, Float32(0.0)))
-        total_w = reduce.warp_sum(part)
-        base = stage * self.sq_slots
+        """The collapse warps: vector v's collapse of each row with its pre, the cluster's sums of squares (one
+        exchange for every row, slots in order), then the normed vectors."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = tidx // 32
+        lane = cute.arch.lane_idx()
+        V, cw = self.V, self.collapse_warps
+        vv = cutlass.min(tidx, V - 1)
         if warp == 0:
-            reduce.expect_bytes(mbar, self.sq_slots * 4)
-        if lane < self.C:
-            reduce.push(sSq.iterator + base + cta * self.collapse_warps + warp, total_w, mbar, lane)
-        reduce.wait_pushes(mbar, phase, False)
-        part = Float32(0.0)
-        for s in cutlass.range_constexpr(-(-self.sq_slots // 32)):
-            if lane + s * 32 < self.sq_slots:
-                part = part + sSq[base + lane + s * 32]
-        total = reduce.warp_sum(part)
-        cute.arch.fence_view_async_shared()
-        inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
-        out = normed_vector(c, inv, w_words)
-        ob = mOut.iterator.toint() + (Int64(row) * self.H + Int64((cta * self.V + vv) * VEC)) * 2
-        ptx.st_global_v4_pred(ob, out[0], out[1], out[2], out[3], tidx < self.V)
+            reduce.expect_bytes(mbar, count * (self.sq_slots * 4))
+        for i in cutlass.range(count):
+            c = self.collapse(sRp, sTot, sParam, i, vv, rms_eps, pre_eps)
+            part = Float32(cutlass.select_(tidx < V, square_sum(c), Float32(0.0)))
+            total_w = reduce.warp_sum(part)
+            if lane < self.C:
+                reduce.push(sSq.iterator + i * self.sq_slots + cta * cw + warp, total_w, mbar, lane)
+        reduce.wait_pushes(mbar, Int32(0), False)
+        for i in cutlass.range(count):
+            part = Float32(0.0)
+            for s in cutlass.range_constexpr(-(-self.sq_slots // 32)):
+                if lane + s * 32 < self.sq_slots:
+                    part = part + sSq[i * self.sq_slots + lane + s * 32]
+            total = reduce.warp_sum(part)
+            inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
+            c = self.collapse(sRp, sTot, sParam, i, vv, rms_eps, pre_eps)
+            out = normed_vector(c, inv, w_words)
+            ob = mOut.iterator.toint() + (Int64(row0 + i) * self.H + Int64((cta * V + vv) * VEC)) * 2
+            ptx.st_global_v4_pred(ob, out[0], out[1], out[2], out[3], tidx < V)
 
 
 def compile_one_cluster(H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str) -> Any:
@@ -359,7 +366,8 @@ def run(args: argparse.Namespace) -> None:
         param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
         launch = (compiled, p, param, weight, norm_eps)
         for rows in args.rows:
-            if rows > args.max_clusters * MAX_SHARE:
+            if -(-rows // args.max_clusters) > OneClusterV4(H, CLUSTERS[H], args.max_clusters).max_share:
+                print(f"{H:>5} {rows:>4} | more rows a cluster than it takes: --max-clusters", flush=True)
                 continue
             b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
             step = DecodeStep(rows=rows, side_stream=False)
