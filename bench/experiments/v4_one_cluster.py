@@ -146,9 +146,7 @@ class OneClusterV4:
         V, C, W = self.V, self.C, self.warps
 
         smem = cutlass.memory.SmemAllocator()
-        sIn = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * (HC + 1) * V * 4), byte_alignment=16)
-        sCo = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * 5 * HC), byte_alignment=16)
-        sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
+        sIn, sCo, sRp = self.allocate_rows(smem)
         sWarp = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * W * NV), byte_alignment=16)
         sSlot = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * C * NV), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * NV), byte_alignment=16)
@@ -176,42 +174,12 @@ class OneClusterV4:
         )
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        # Every row's inputs at once into shared memory: thread (j, v) its stream j's vector (and y's, j == 0);
-        # threads (i, q) < 5 * count the row's post (q 0) and comb rows (q 1-4), 16 bytes each.
-        for i in cutlass.range(count):
-            row = row0 + i
-            slot = sIn.iterator + ((i * (HC + 1) + 1 + j) * V + v) * 4
-            ptx.cp_async_16(slot, mR.iterator + (Int64(row) * (HC * self.H) + Int64(j * self.H) + Int64(vc * VEC)))
-            if j == 0:
-                ptx.cp_async_16(
-                    sIn.iterator + (i * (HC + 1) * V + v) * 4, mX.iterator + (Int64(row) * self.H + vc * VEC)
-                )
-        if tidx < 5 * count:
-            i, q = tidx // 5, tidx % 5
-            if q == 0:
-                ptx.cp_async_16(sCo.iterator + i * 5 * HC, mPost.iterator + (row0 + i) * HC)
-            else:
-                ptx.cp_async_16(sCo.iterator + (i * 5 + q) * HC, mComb.iterator + ((row0 + i) * HC + (q - 1)) * HC)
-        cute.arch.cp_async_commit_group()
+        self.stage_rows(mR, mX, mPost, mComb, sIn, sCo, row0, count, cta, tidx)
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         for i in cutlass.range(count):
             row = row0 + i
-            y = ptx.ld_v4_i32(sIn.iterator + (i * (HC + 1) * V + v) * 4)
-            rs = [ptx.ld_v4_i32(sIn.iterator + ((i * (HC + 1) + 1 + k) * V + v) * 4) for k in range(HC)]
-            post = sCo[(i * 5) * HC + j]
-            comb = [sCo[(i * 5 + 1 + k) * HC + j] for k in range(HC)]
-            # R'_j = bf16(post*y + sum_k comb[k, j] * R[k]): the boundary kernel's operations (Epilogue.compute_row).
-            words = []
-            for e in cutlass.range_constexpr(0, VEC, 2):
-                pair = []
-                for h in cutlass.range_constexpr(2):
-                    unpack = ptx.bf16_lo if h == 0 else ptx.bf16_hi
-                    acc = ptx.mul_rn(post, unpack(y[e // 2]))
-                    for k in cutlass.range_constexpr(HC):
-                        acc = ptx.mul_add_rn(comb[k], unpack(rs[k][e // 2]), acc)
-                    pair.append(acc)
-                words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
+            words = self.new_stream(sIn, sCo, i, j, v)
             nb = mNewR.iterator.toint() + (Int64(row) * (HC * self.H) + Int64(j * self.H) + Int64(vc * VEC)) * 2
             ptx.st_global_v4_b32(nb, words[0], words[1], words[2], words[3])
             ptx.st_v4_i32(sRp.iterator + ((i * HC + j) * V + v) * 4, tuple(words))
@@ -257,6 +225,71 @@ class OneClusterV4:
             self.layer_input(
                 sRp, sTot, sSq, sParam, mbar + 1, mOut, w_words, rms_eps, pre_eps, norm_eps, row0, count, cta
             )  # fmt: skip
+
+    def allocate_rows(self, smem: cutlass.memory.SmemAllocator) -> tuple:
+        """Shared memory of the rows: their inputs (y and the 4 streams per vector), post and comb, and R'."""
+        V = self.V
+        sIn = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * (HC + 1) * V * 4), byte_alignment=16)
+        sCo = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * 5 * HC), byte_alignment=16)
+        sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
+        return sIn, sCo, sRp
+
+    @cute.jit
+    def stage_rows(
+        self,
+        mR: cute.Tensor,
+        mX: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        sIn: cute.Tensor,
+        sCo: cute.Tensor,
+        row0: Int32,
+        count: Int32,
+        cta: Int32,
+        tidx: Int32,
+    ):
+        """Every row's inputs into shared memory at once (cp.async, committed): thread (j, v) its stream j's vector
+        (and y's, j == 0); threads (i, q) < 5 * count the row's post (q 0) and comb rows (q 1-4), 16 bytes each."""
+        V = self.V
+        j = tidx // V
+        v = tidx - j * V
+        vc = cta * V + v
+        for i in cutlass.range(count):
+            row = row0 + i
+            slot = sIn.iterator + ((i * (HC + 1) + 1 + j) * V + v) * 4
+            ptx.cp_async_16(slot, mR.iterator + (Int64(row) * (HC * self.H) + Int64(j * self.H) + Int64(vc * VEC)))
+            if j == 0:
+                ptx.cp_async_16(
+                    sIn.iterator + (i * (HC + 1) * V + v) * 4, mX.iterator + (Int64(row) * self.H + vc * VEC)
+                )
+        if tidx < 5 * count:
+            i, q = tidx // 5, tidx % 5
+            if q == 0:
+                ptx.cp_async_16(sCo.iterator + i * 5 * HC, mPost.iterator + (row0 + i) * HC)
+            else:
+                ptx.cp_async_16(sCo.iterator + (i * 5 + q) * HC, mComb.iterator + ((row0 + i) * HC + (q - 1)) * HC)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def new_stream(self, sIn: cute.Tensor, sCo: cute.Tensor, i: Int32, j: Int32, vv: Int32) -> list:
+        """R'_j of staged row i at the CTA's vector vv, 4 packed bf16 words: bf16(post*y + sum_k comb[k, j] * R[k]),
+        the boundary kernel's operations (Epilogue.compute_row)."""
+        V = self.V
+        y = ptx.ld_v4_i32(sIn.iterator + (i * (HC + 1) * V + vv) * 4)
+        rs = [ptx.ld_v4_i32(sIn.iterator + ((i * (HC + 1) + 1 + k) * V + vv) * 4) for k in range(HC)]
+        post = sCo[(i * 5) * HC + j]
+        comb = [sCo[(i * 5 + 1 + k) * HC + j] for k in range(HC)]
+        words = []
+        for e in cutlass.range_constexpr(0, VEC, 2):
+            pair = []
+            for h in cutlass.range_constexpr(2):
+                unpack = ptx.bf16_lo if h == 0 else ptx.bf16_hi
+                acc = ptx.mul_rn(post, unpack(y[e // 2]))
+                for k in cutlass.range_constexpr(HC):
+                    acc = ptx.mul_add_rn(comb[k], unpack(rs[k][e // 2]), acc)
+                pair.append(acc)
+            words.append(ptx.cvt_bf16x2(pair[0], pair[1]))
+        return words
 
     @cute.jit
     def collapse(
