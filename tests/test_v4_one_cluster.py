@@ -1,5 +1,6 @@
-"""bench/experiments/v4_one_cluster.py (an experiment for #47's <= 5 us target, run on the GPU by hand): the one-launch
-V4 boundary compiles for sm_90a at both DeepSeek-V4 sizes, and every fn value it holds is loaded before the PDL wait."""
+"""bench/experiments/v4_one_cluster.py (an experiment for #47's <= 5 us target, run on the GPU by hand): both one-launch
+V4 boundaries compile for sm_90a at both DeepSeek-V4 sizes, every fn value they hold loaded before the PDL wait; the
+exact one's split is the coefficients kernel's."""
 
 from __future__ import annotations
 
@@ -11,25 +12,29 @@ from pathlib import Path
 
 import pytest
 
-from bench.experiments.v4_one_cluster import CLUSTERS, OneClusterV4
+from bench.experiments.v4_one_cluster import CLUSTERS, VARIANTS, OneClusterV4, OneClusterV4Exact
 from cute_kernels.coefficients.config import MIX
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("H", sorted(CLUSTERS))
-def test_it_compiles_with_fn_loaded_before_the_wait(H: int, tmp_path: Path) -> None:
-    """Before `griddepcontrol.wait`: 2 x 24 16-byte fn loads a thread (its 8 columns of each mix) and the norm
-    weight's; after it no load into registers: the rows come into shared memory by cp.async."""
+def test_it_compiles_with_fn_loaded_before_the_wait(H: int, variant: str, tmp_path: Path) -> None:
+    """Before `griddepcontrol.wait`: 2 x 24 16-byte fn loads a thread (its 8 columns of each mix, or 8 chunks x 3
+    n-tiles of 8 fn values) and the norm weight's (1, or its task's 4 vectors); after it no load into registers: the
+    rows come into shared memory by cp.async."""
     env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_NO_CACHE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "bench.experiments.v4_one_cluster", "--compile-only", "--hidden", str(H)]
+    cmd += ["--variant", variant]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (ptx,) = tmp_path.rglob("*.ptx")
     body = ptx.read_text()
     before, after = body[body.index(".entry") :].split("griddepcontrol.wait", 1)
-    assert len(re.findall(r"ld\.global\.v4", before)) == 2 * MIX + 1
+    weights = 1 if variant == "fma" else 4
+    assert len(re.findall(r"ld\.global\.v4", before)) == 2 * MIX + weights
     assert not re.findall(r"ld\.global", after) and re.findall(r"cp\.async\.cg\.shared\.global", after)
 
 
@@ -40,3 +45,13 @@ def test_a_cluster_whose_threads_cannot_hold_fn_is_refused() -> None:
         OneClusterV4(7168, 3, 4)
     with pytest.raises(ValueError, match="none apart from the collapse"):
         OneClusterV4(4096, 32, 4)  # 2 warps: no warp for post and pre beside the collapse and Sinkhorn
+
+
+def test_the_exact_form_takes_whole_slices_of_the_coefficients_split() -> None:
+    """Its CTAs' columns are whole slices of the coefficients kernel's split along K (so each chunk's partial is that
+    kernel's), 8 chunks a warp, and up to 8 rows a cluster (one owner CTA a row)."""
+    for H, slices_per_stream in ((4096, 4), (7168, 2)):
+        k = OneClusterV4Exact(H, CLUSTERS[H], 4)
+        assert (k.spc, k.cpw, k.slices, k.max_share) == (slices_per_stream, 8, 128, 8)
+    with pytest.raises(ValueError, match="whole"):
+        OneClusterV4Exact(7168, 14, 4)  # 512 columns a CTA: not whole 224-column slices

@@ -17,15 +17,22 @@ cluster with one exchange of each kind for all of them:
   epilogue's code; the collapse warps of every CTA: each row's collapse with its pre, sums of squares through a second
   exchange, the norm, the layer input.
 
-Bits: R' is the boundary kernel's; the mixes' dot products are fp32 FMAs in a fixed order (not the coefficients
-kernel's split-bf16 MMA), so post / comb / pre / the layer input are held to the reference by tolerance here, and a
-shipped form would have to take every row count (or match the MMA's bits) to stay batch invariant. bf16 layer input
-only, W = 1, a ready partial.
+Two variants. `fma` (OneClusterV4): the mixes' dot products are fp32 FMAs in a fixed order, so post / comb / pre /
+the layer input differ from the shipped path's in the last bits (held to the reference by tolerance). `exact`
+(OneClusterV4Exact): the bits of the shipped path, so that a shipped form could take few rows while the
+partials schedule takes many without breaking batch invariance: a CTA's 448 / 512 columns are whole slices of the
+coefficients kernel's split along K, each warp runs that kernel's split-bf16 MMAs on its 8 chunks (rows in the
+m-tile's upper half), the chunks are folded as it folds them (warp, rank, group order; the slices go to an owner CTA
+per row, which also runs post / pre and comb and sends the pre to every CTA), and the layer input's sum of squares
+keeps the own-pre layer input's order (every CTA gets every vector's square: a third exchange). bf16 layer input
+only, W = 1, a ready partial, up to 8 rows a cluster.
 
-    python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--replays 7] [--compile-only]
+    python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--variant fma exact]
+        [--max-clusters 4] [--replays 7] [--compile-only]
 
-Prints, per shape: the largest error of each output against the float64 reference (and the shipped boundary's), then
-GPU us per call of this one launch and of the shipped `V4Boundaries.sublayer` (bf16), one graph method (bench.timing).
+Prints, per variant and shape: GPU us per call of the one launch and of the shipped `V4Boundaries.sublayer` (bf16), one
+graph method (bench.timing); each output's largest error against the reference (the shipped path's beside it); and
+how many words differ from the shipped path's (all 0 is the exact variant's claim).
 """
 
 from __future__ import annotations
@@ -37,17 +44,19 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
 from cute_kernels import HC, VEC, ptx, reduce
-from cute_kernels.coefficients.config import MIX, NV
+from cute_kernels.coefficients.config import CHUNK, CLUSTER, MIX, NV, projection_split
 from cute_kernels.coefficients.epilogue import EpilogueRole
 from cute_kernels.coefficients.layer_input import collapse_vector, normed_vector, square_sum
 from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 
 SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
 MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them)
-CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
+CLUSTERS = {4096: 8, 7168: 16}
+VARIANTS = ("fma", "exact")  # OneClusterV4, OneClusterV4Exact
+LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster), whose order the own-pre form keeps  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
 
 
 class OneClusterV4:
@@ -351,8 +360,308 @@ class OneClusterV4:
             ptx.st_global_v4_pred(ob, out[0], out[1], out[2], out[3], tidx < V)
 
 
-def compile_one_cluster(H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str) -> Any:
-    """The compiled experiment kernel (rows dynamic)."""
+class OneClusterV4Exact(OneClusterV4):
+    """OneClusterV4 with the shipped path's bits: the mixes by the coefficients kernel's own split-bf16 MMAs on the
+    same 32-column chunks, folded as it folds them (a slice's chunks in warp order, a group's slices in rank order, the
+    groups in order), and the layer input's sum of squares in the own-pre layer input's order (a slice's vectors in lane
+    order, the butterfly, the 8 slices in order). A CTA's columns are whole slices of that split, so each chunk's
+    partial is the one the shipped kernel makes; each row's slices go to an owner CTA (one row each, up to C rows), which
+    folds them, runs post / pre and comb for it and sends the pre to every CTA. Three exchanges: slices, pre, squares."""
+
+    def __init__(self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20) -> None:
+        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat)
+        self.Wc, self.G = projection_split(H, False)  # chunks a slice, groups of 8 slices
+        self.slice_cols = CHUNK * self.Wc
+        self.cols = H // cluster_n
+        if self.cols % self.slice_cols:
+            raise ValueError(f"a CTA's {self.cols} columns are not whole {self.slice_cols}-column slices at H {H}")
+        self.kc = self.cols // CHUNK  # chunks of one stream a CTA
+        self.spc = self.cols // self.slice_cols  # slices of one stream a CTA
+        self.nchunks = HC * self.kc
+        if self.nchunks % self.warps:
+            raise ValueError(f"{self.nchunks} chunks do not split over {self.warps} warps")
+        self.cpw = self.nchunks // self.warps  # chunks a warp: 24 fn words each a lane
+        self.slices = HC * H // self.slice_cols
+        self.stream_slices = H // self.slice_cols
+        self.quads = self.V // 4  # collapse tasks of a row: 4 vectors each
+        self.li_vecs = H // VEC // LI_SLICES  # vectors of one of the layer input's 8 column slices
+        self.workers = (self.warps - 2) * 32  # every warp but the post / pre and Sinkhorn warps
+        self.max_share = min(MAX_SHARE, cluster_n, self.workers // self.quads)
+
+    @cute.jit
+    def __call__(
+        self,
+        mR: cute.Tensor,
+        mX: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mFn: cute.Tensor,
+        mParam: cute.Tensor,
+        mW: cute.Tensor,
+        mNewR: cute.Tensor,
+        mOut: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        mPreOut: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        stream,
+    ):
+        rows = mR.shape[0]
+        share = (rows + (self.max_clusters - 1)) // self.max_clusters
+        clusters = (rows + share - 1) // share
+        self.kernel(
+            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut,
+            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, share,
+        ).launch(
+            grid=[self.C, clusters, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.C, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mR: cute.Tensor,
+        mX: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mFn: cute.Tensor,
+        mParam: cute.Tensor,
+        mW: cute.Tensor,
+        mNewR: cute.Tensor,
+        mOut: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        mPreOut: cute.Tensor,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        share: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, cluster, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = cute.arch.lane_idx()
+        g = lane // 4  # the MMA fragments' row group and column quad
+        t = lane % 4
+        rows = mR.shape[0]
+        row0 = cluster * share
+        count = cutlass.min(share, rows - row0)
+        V, C, W = self.V, self.C, self.warps
+        row_vecs = self.H // VEC
+
+        smem = cutlass.memory.SmemAllocator()
+        sIn, sCo, sRp = self.allocate_rows(smem)
+        sChunk = smem.allocate_tensor(Float32, cute.make_layout(self.nchunks * MAX_SHARE * NV), byte_alignment=16)
+        sRecv = smem.allocate_tensor(Float32, cute.make_layout(self.slices * NV), byte_alignment=16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout(NV), byte_alignment=16)
+        sOwnPre = smem.allocate_tensor(Float32, cute.make_layout(HC), byte_alignment=16)
+        sPre = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * HC), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * row_vecs), byte_alignment=16)
+        sSlice = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * LI_SLICES), byte_alignment=16)
+        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
+        mbar = smem.allocate_array(cutlass.Int64, num_elems=3)  # slices (owners), pre, squares
+        if tidx == 0:
+            for s in cutlass.range_constexpr(3):
+                cute.arch.mbarrier_init(mbar + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        # Weights, before the wait: this lane's fn values of each of its warp's chunks (the coefficients kernel's
+        # load_fn: fn rows 8 jn + g at the lane's 8 columns), the mix parameters, the norm weight of its task's vectors.
+        fn = []
+        for u in cutlass.range_constexpr(self.cpw):
+            lc = warp + W * u
+            js = lc // self.kc
+            col = js * self.H + cta * self.cols + (lc - js * self.kc) * CHUNK + t * VEC
+            per = []
+            for jn in cutlass.range_constexpr(3):
+                base = mFn.iterator + ((8 * jn + g) * self.K + col)
+                per.append(list(ptx.ld_v4_f32(base) + ptx.ld_v4_f32(base + 4)))
+            fn.append(per)
+        if tidx < 3 + MIX:
+            sParam[tidx] = mParam[tidx]
+        q = tidx % self.quads
+        w_words = [
+            ptx.ld_global_v4_pred(mW.iterator.toint() + Int64(cta * V + 4 * q + m) * (VEC * 2), cutlass.Boolean(True))
+            for m in range(4)
+        ]
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        self.stage_rows(mR, mX, mPost, mComb, sIn, sCo, row0, count, cta, tidx)
+        # The B fragments (hi and lo bf16 halves) while the rows are on their way.
+        split = []
+        for u in cutlass.range_constexpr(self.cpw):
+            hi, lo = [], []
+            for jn in cutlass.range_constexpr(3):
+                hj, lj = [], []
+                for p in cutlass.range_constexpr(4):
+                    h, low = ptx.split_bf16x2(fn[u][jn][2 * p], fn[u][jn][2 * p + 1])
+                    hj.append(h)
+                    lj.append(low)
+                hi.append(hj)
+                lo.append(lj)
+            split.append((hi, lo))
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        # Each chunk of the warp: lane (g, t) makes R' of row g at the chunk's columns 8t.., then the chunk's MMAs as
+        # the coefficients kernel's project_batch (rows g < count in the upper half of the m-tile, the lower zero).
+        zero = Uint32(0)
+        real = g < count
+        i = cutlass.min(g, count - 1)
+        for u in cutlass.range_constexpr(self.cpw):
+            lc = warp + W * u
+            js = lc // self.kc
+            vv = (lc - js * self.kc) * 4 + t
+            words = self.new_stream(sIn, sCo, i, js, vv)
+            if real:
+                nb = (
+                    mNewR.iterator.toint()
+                    + (Int64(row0 + g) * (HC * self.H) + Int64(js * self.H) + Int64((cta * V + vv) * VEC)) * 2
+                )
+                ptx.st_global_v4_b32(nb, words[0], words[1], words[2], words[3])
+                ptx.st_v4_i32(sRp.iterator + ((g * HC + js) * V + vv) * 4, tuple(words))
+            a = [(words[2 * s], zero, words[2 * s + 1], zero) for s in range(2)]
+            gram = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(2):
+                gram = list(ptx.mma_bf16(a[s], (words[2 * s], words[2 * s + 1]), gram))
+            base = (lc * MAX_SHARE + g) * NV
+            hi, lo = split[u]
+            for jn in cutlass.range_constexpr(3):
+                acc = [Float32(0.0)] * 4
+                for s in cutlass.range_constexpr(2):
+                    acc = list(ptx.mma_bf16(a[s], (hi[jn][2 * s], hi[jn][2 * s + 1]), acc))
+                    acc = list(ptx.mma_bf16(a[s], (lo[jn][2 * s], lo[jn][2 * s + 1]), acc))
+                if real:
+                    sChunk[base + 8 * jn + 2 * t] = acc[0]
+                    sChunk[base + 8 * jn + 2 * t + 1] = acc[1]
+            if real:
+                if t == g // 2:  # row g's square sum is Gram[g][g]
+                    sChunk[base + MIX] = Float32(cutlass.select_((g % 2) == 1, gram[1], gram[0]))
+        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        cute.arch.barrier()  # every chunk's partials in sChunk
+        # Exchange 1: each of the CTA's slices (its chunks in warp order) to the row's owner, CTA i for row i.
+        if cta < count:
+            if warp == 0:
+                reduce.expect_bytes(mbar, self.slices * NV * 4)
+        per_slice = count * NV
+        for e in cutlass.range(tidx, HC * self.spc * per_slice, self.threads):
+            sl = e // per_slice
+            r = e - sl * per_slice
+            ri = r // NV
+            n = r - ri * NV
+            js = sl // self.spc
+            b = sl - js * self.spc
+            lc0 = js * self.kc + b * self.Wc
+            val = sChunk[(lc0 * MAX_SHARE + ri) * NV + n]
+            for w in cutlass.range_constexpr(1, self.Wc):
+                val = val + sChunk[((lc0 + w) * MAX_SHARE + ri) * NV + n]
+            s = js * self.stream_slices + cta * self.spc + b
+            reduce.push(sRecv.iterator + s * NV + n, val, mbar, ri)
+        if warp == 0:
+            reduce.expect_bytes(mbar + 1, count * (HC * 4))
+            reduce.expect_bytes(mbar + 2, count * (row_vecs * 4))
+        if cta < count:
+            # The owner of row cta: its totals (slices of a group in rank order, then the groups in order).
+            reduce.wait_pushes(mbar, Int32(0), False)
+            if tidx < NV:
+                total = Float32(0.0)
+                for gg in cutlass.range_constexpr(self.G):
+                    part = sRecv[(gg * CLUSTER) * NV + tidx]
+                    for rr in cutlass.range_constexpr(1, CLUSTER):
+                        part = part + sRecv[(gg * CLUSTER + rr) * NV + tidx]
+                    total = part if gg == 0 else total + part
+                sTot[tidx] = total
+            cute.arch.barrier()
+            if warp == self.pp_warp:
+                if lane == 0:
+                    mixes = self.epi.row_mixes(sTot, 0, rms_eps, 2 * HC)
+                    self.epi.row_pre_post(
+                        mixes, sParam, row0 + cta, mPostOut, mPreOut, pre_eps, post_mult, sOwnPre, Int32(0)
+                    )
+                    pre = (sOwnPre[0], sOwnPre[1], sOwnPre[2], sOwnPre[3])
+                    for c in cutlass.range_constexpr(C):
+                        reduce.push(sPre.iterator + cute.assume(cta * HC, divby=4), pre, mbar + 1, Int32(c))
+            if warp == self.sink_warp:
+                self.epi.row_comb(sTot, sParam, row0 + cta, Int32(1), mCombOut, rms_eps, sinkhorn_eps)
+        if warp < self.warps - 2:
+            self.layer_input_exact(sRp, sPre, sSq, sSlice, mbar, mOut, w_words, norm_eps, row0, count, cta, q)
+
+    @cute.jit
+    def layer_input_exact(
+        self,
+        sRp: cute.Tensor,
+        sPre: cute.Tensor,
+        sSq: cute.Tensor,
+        sSlice: cute.Tensor,
+        mbar: cute.Pointer,
+        mOut: cute.Tensor,
+        w_words: list,
+        norm_eps: Float32,
+        row0: Int32,
+        count: Int32,
+        cta: Int32,
+        q: Int32,
+    ):
+        """The worker warps: task (row, 4 vectors) collapses its vectors with the row's pre, sends their squares to
+        every CTA; each CTA then sums a row's squares in the own-pre layer input's order and normalises."""
+        tidx, _, _ = cute.arch.thread_idx()
+        V = self.V
+        row_vecs = self.H // VEC
+        ti = tidx // self.quads
+        task = tidx < count * self.quads
+        reduce.wait_pushes(mbar + 1, Int32(0), False)  # every row's pre
+        pre = [sPre[cutlass.min(ti, count - 1) * HC + jj] for jj in range(HC)]
+        cs = []
+        for m in cutlass.range_constexpr(4):
+            vv = 4 * q + m
+            streams = [
+                ptx.ld_v4_i32(sRp.iterator + ((cutlass.min(ti, count - 1) * HC + jj) * V + vv) * 4) for jj in range(HC)
+            ]
+            cs.append(collapse_vector(pre, streams))
+        if task:
+            sq = (square_sum(cs[0]), square_sum(cs[1]), square_sum(cs[2]), square_sum(cs[3]))
+            for c in cutlass.range_constexpr(self.C):
+                dst = sSq.iterator + cute.assume(ti * row_vecs + cta * V + 4 * q, divby=4)
+                reduce.push(dst, sq, mbar + 2, Int32(c))
+        reduce.wait_pushes(mbar + 2, Int32(0), False)  # every row's squares
+        if tidx < count * LI_SLICES:
+            si = tidx // LI_SLICES
+            s8 = tidx % LI_SLICES
+            base = si * row_vecs + s8 * self.li_vecs
+            lanes = []
+            for ln in cutlass.range_constexpr(32):
+                part = Float32(0.0)
+                for k in cutlass.range_constexpr(-(-self.li_vecs // 32)):
+                    if ln + 32 * k < self.li_vecs:
+                        part = part + sSq[base + ln + 32 * k]
+                lanes.append(part)
+            # warp_reduction_sum's butterfly (offsets 16 .. 1), one lane's view: every lane ends with these bits.
+            for level in cutlass.range_constexpr(5):
+                lanes = [lanes[ln] + lanes[ln ^ (16 >> level)] for ln in range(32)]
+            sSlice[si * LI_SLICES + s8] = lanes[0]
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.workers)
+        if task:
+            total = sSlice[ti * LI_SLICES]
+            for s8 in cutlass.range_constexpr(1, LI_SLICES):
+                total = total + sSlice[ti * LI_SLICES + s8]
+            inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
+            for m in cutlass.range_constexpr(4):
+                out = normed_vector(cs[m], inv, w_words[m])
+                ob = mOut.iterator.toint() + (Int64(row0 + ti) * self.H + Int64((cta * V + 4 * q + m) * VEC)) * 2
+                ptx.st_global_v4_b32(ob, out[0], out[1], out[2], out[3])
+
+
+def compile_one_cluster(H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str, exact: bool = False) -> Any:
+    """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact."""
     T = cute.sym_int()
     b16 = lambda *s: fake_tensor(BFloat16, s)  # noqa: E731
     f32 = lambda *s: fake_tensor(Float32, s, divisibility=4)  # noqa: E731
@@ -361,7 +670,8 @@ def compile_one_cluster(H: int, cluster_n: int, max_clusters: int, repeat: int, 
         b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(T, HC),
         Float32(0), Float32(0), Float32(0), Float32(0), Float32(0), fake_stream(),
     )  # fmt: skip
-    return compile_kernel(OneClusterV4(H, cluster_n, max_clusters, repeat), *args, arch=arch)
+    kind = OneClusterV4Exact if exact else OneClusterV4
+    return compile_kernel(kind(H, cluster_n, max_clusters, repeat), *args, arch=arch)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,18 +680,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-clusters", type=int, default=4)
     ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
     args = ap.parse_args(argv)
     if args.compile_only:
         for H in args.hidden:
-            compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a")
-            print(f"compiled H {H} (cluster {CLUSTERS[H]})", flush=True)
+            for variant in args.variant:
+                compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact=variant == "exact")
+                print(f"compiled {variant} H {H} (cluster {CLUSTERS[H]})", flush=True)
         return
     run(args)
 
 
 def run(args: argparse.Namespace) -> None:
-    """Errors against the reference, then us per call beside the shipped boundary."""
+    """Per shape and variant: errors against the reference (the shipped path's beside them), the words that differ
+    from the shipped path's, then us per call of each variant and of the shipped boundary."""
     from bench.timing import GraphTimer
     from bench.v4 import CALLS_PER_GRAPH, _inputs, _ours
     from boundary import BoundaryAllReduce, DecodeStep, V4Boundaries, reference
@@ -390,38 +703,60 @@ def run(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda")
     timer = GraphTimer(device, replays=args.replays)
-    print(f"{'H':>5} {'rows':>4} | {'one launch':>10} {'shipped':>8} | max |err| / max |ref| (one launch; shipped)")
+    names = ("R'", "post", "comb", "pre", "li")
+    print("variant H rows | us: variant, shipped | max |err| / max |ref| (variant; shipped) | words != shipped")
     for H in args.hidden:
-        compiled = compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a")
         layer = ToyModel(ToyConfig(hidden_size=H, num_layers=1, vocab=16), device=device).layers[0]
         p = attn_params(layer)
         weight, norm_eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
         param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
-        launch = (compiled, p, param, weight, norm_eps)
-        for rows in args.rows:
-            if -(-rows // args.max_clusters) > OneClusterV4(H, CLUSTERS[H], args.max_clusters).max_share:
-                print(f"{H:>5} {rows:>4} | more rows a cluster than it takes: --max-clusters", flush=True)
-                continue
-            b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
-            step = DecodeStep(rows=rows, side_stream=False)
-            sets = [_inputs(rows, H, device, seed) for seed in range(CALLS_PER_GRAPH)]
-            call, got = _one_launch(launch, sets[0])
-            call()
-            s0 = sets[0]
-            want = reference.v4_boundary(s0["y"], s0["residual"], s0["post"], s0["comb"], p, weight, norm_eps)
-            ship_state, ship_li, _ = b.sublayer(layer, False, _state(s0), step, quantize=False)
-            torch.cuda.synchronize()
-            shipped_out = (ship_state.residual, ship_state.post, ship_state.comb, ship_state.pre, ship_li)
-            errs = []
-            for name, g, w, s in zip(("R'", "post", "comb", "pre", "li"), got, want, shipped_out, strict=True):
-                scale = w.double().abs().max().item() or 1.0
-                e1 = (g.double() - w.double()).abs().max().item() / scale
-                e2 = (s.double() - w.double()).abs().max().item() / scale
-                errs.append(f"{name} {e1:.1e}; {e2:.1e}")
-            ours = timer.per_call_us([_one_launch(launch, s)[0] for s in sets])
-            shipped = timer.per_call_us([_ours(b, layer, s, step, False) for s in sets])
-            print(f"{H:>5} {rows:>4} | {ours:10.2f} {shipped:8.2f} | " + ", ".join(errs), flush=True)
-            torch.cuda.empty_cache()
+        for variant in args.variant:
+            exact = variant == "exact"
+            kind = OneClusterV4Exact if exact else OneClusterV4
+            launch = (
+                compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact),
+                p,
+                param,
+                weight,
+                norm_eps,
+            )
+            for rows in args.rows:
+                if -(-rows // args.max_clusters) > kind(H, CLUSTERS[H], args.max_clusters).max_share:
+                    print(f"{variant} {H} {rows} | more rows a cluster than it takes: raise --max-clusters", flush=True)
+                    continue
+                b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
+                step = DecodeStep(rows=rows, side_stream=False)
+                sets = [_inputs(rows, H, device, seed) for seed in range(CALLS_PER_GRAPH)]
+                call, got = _one_launch(launch, sets[0])
+                call()
+                s0 = sets[0]
+                want = reference.v4_boundary(s0["y"], s0["residual"], s0["post"], s0["comb"], p, weight, norm_eps)
+                ship_state, ship_li, _ = b.sublayer(layer, False, _state(s0), step, quantize=False)
+                torch.cuda.synchronize()
+                shipped_out = (ship_state.residual, ship_state.post, ship_state.comb, ship_state.pre, ship_li)
+                errs, differ = [], []
+                for name, g, w, s in zip(names, got, want, shipped_out, strict=True):
+                    scale = w.double().abs().max().item() or 1.0
+                    e1 = (g.double() - w.double()).abs().max().item() / scale
+                    e2 = (s.double() - w.double()).abs().max().item() / scale
+                    errs.append(f"{name} {e1:.1e}; {e2:.1e}")
+                    differ.append(f"{name} {_words_differ(g, s)}")
+                ours = timer.per_call_us([_one_launch(launch, s)[0] for s in sets])
+                shipped = timer.per_call_us([_ours(b, layer, s, step, False) for s in sets])
+                print(
+                    f"{variant} {H} {rows} | {ours:.2f}, {shipped:.2f} | "
+                    + ", ".join(errs)
+                    + " | "
+                    + ", ".join(differ),
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
+
+
+def _words_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many words of two same-shaped bf16 or fp32 tensors differ bitwise."""
+    as_int = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return int((a.view(as_int) != b.view(as_int)).sum())
 
 
 def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
