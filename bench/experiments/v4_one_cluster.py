@@ -462,6 +462,7 @@ class OneClusterV4Exact(OneClusterV4):
         sIn, sCo, sRp = self.allocate_rows(smem)
         sChunk = smem.allocate_tensor(Float32, cute.make_layout(self.nchunks * MAX_SHARE * NV), byte_alignment=16)
         sRecv = smem.allocate_tensor(Float32, cute.make_layout(self.slices * NV), byte_alignment=16)
+        sGroup = smem.allocate_tensor(Float32, cute.make_layout(self.G * NV), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout(NV), byte_alignment=16)
         sOwnPre = smem.allocate_tensor(Float32, cute.make_layout(HC), byte_alignment=16)
         sPre = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * HC), byte_alignment=16)
@@ -570,15 +571,20 @@ class OneClusterV4Exact(OneClusterV4):
             reduce.expect_bytes(mbar + 1, count * (HC * 4))
             reduce.expect_bytes(mbar + 2, count * (row_vecs * 4))
         if cta < count:
-            # The owner of row cta: its totals (slices of a group in rank order, then the groups in order).
+            # The owner of row cta: its totals (a group's slices in rank order, a thread per (group, total); then the
+            # groups in order).
             reduce.wait_pushes(mbar, Int32(0), False)
+            for e in cutlass.range(tidx, self.G * NV, self.threads):
+                gg = e // NV
+                part = sRecv[gg * CLUSTER * NV + (e - gg * NV)]
+                for rr in cutlass.range_constexpr(1, CLUSTER):
+                    part = part + sRecv[(gg * CLUSTER + rr) * NV + (e - gg * NV)]
+                sGroup[e] = part
+            cute.arch.barrier()
             if tidx < NV:
-                total = Float32(0.0)
-                for gg in cutlass.range_constexpr(self.G):
-                    part = sRecv[(gg * CLUSTER) * NV + tidx]
-                    for rr in cutlass.range_constexpr(1, CLUSTER):
-                        part = part + sRecv[(gg * CLUSTER + rr) * NV + tidx]
-                    total = part if gg == 0 else total + part
+                total = sGroup[tidx]
+                for gg in cutlass.range_constexpr(1, self.G):
+                    total = total + sGroup[gg * NV + tidx]
                 sTot[tidx] = total
             cute.arch.barrier()
             if warp == self.pp_warp:
