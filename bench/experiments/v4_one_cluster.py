@@ -388,42 +388,6 @@ class OneClusterV4Exact(OneClusterV4):
         self.workers = (self.warps - 2) * 32  # every warp but the post / pre and Sinkhorn warps
         self.max_share = min(MAX_SHARE, cluster_n, self.workers // self.quads)
 
-    @cute.jit
-    def __call__(
-        self,
-        mR: cute.Tensor,
-        mX: cute.Tensor,
-        mPost: cute.Tensor,
-        mComb: cute.Tensor,
-        mFn: cute.Tensor,
-        mParam: cute.Tensor,
-        mW: cute.Tensor,
-        mNewR: cute.Tensor,
-        mOut: cute.Tensor,
-        mPostOut: cute.Tensor,
-        mCombOut: cute.Tensor,
-        mPreOut: cute.Tensor,
-        rms_eps: Float32,
-        pre_eps: Float32,
-        sinkhorn_eps: Float32,
-        post_mult: Float32,
-        norm_eps: Float32,
-        stream,
-    ):
-        rows = mR.shape[0]
-        share = (rows + (self.max_clusters - 1)) // self.max_clusters
-        clusters = (rows + share - 1) // share
-        self.kernel(
-            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut,
-            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, share,
-        ).launch(
-            grid=[self.C, clusters, 1],
-            block=[self.threads, 1, 1],
-            cluster=[self.C, 1, 1],
-            stream=stream,
-            use_pdl=True,
-        )  # fmt: skip
-
     @cute.kernel
     def kernel(
         self,
