@@ -19,6 +19,9 @@ def order_faults(text: str) -> list[str]:
                 faults.append(f"version after a summary: {heading}")
             versions.append(int(m.group(1)))
         elif m := re.match(r"Where we stood \(end of (\d{4}-\d\d-\d\d), (\w+) session\)", heading):
+            if m.group(2) not in ORDINALS:
+                faults.append(f"a session ordinal the check does not know: {heading}")
+                continue
             summaries.append((m.group(1), ORDINALS.index(m.group(2))))
         else:
             faults.append(f"neither a version nor a summary: {heading}")
@@ -40,3 +43,4 @@ def test_a_misplaced_section_is_caught() -> None:
     assert order_faults("## v2 — b\n## v1 — a\n")
     assert order_faults(text + "## Where we stood (end of 2026-11-30, fourth session)\n")
     assert order_faults(text.replace("Where we stood", "Where we stand"))
+    assert order_faults(text.replace("third", "eleventh"))
