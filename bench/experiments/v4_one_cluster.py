@@ -54,9 +54,9 @@ from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 
 SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
 MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them)
-CLUSTERS = {4096: 8, 7168: 16}
+CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
 VARIANTS = ("fma", "exact")  # OneClusterV4, OneClusterV4Exact
-LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster), whose order the own-pre form keeps  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
+LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster), whose order the own-pre form keeps
 
 
 class OneClusterV4:
