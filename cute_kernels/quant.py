@@ -17,6 +17,39 @@ from cute_kernels import E4M3_MAX, FP8_GROUP, MXFP8_BLOCK, SCALE_WORD_COLS, VEC,
 E4M3_NAN_WORD = 0x7F7F7F7F
 
 
+def block_scale(abits: Uint32) -> tuple:
+    """The MXFP8 block scale of a block whose amax has fp32 bits `abits`: (E, m1, m2), E the biased E8M0 exponent
+    and m1 * m2 = 2^(127-E) the multiplier (CONTRACT §4)."""
+    # E = smallest with 2^(E-127) >= amax/448: amax = 1.f * 2^(ea-127) needs ea-8, plus 1 when 1.f > 1.75.
+    ea = Int32(abits >> 23)
+    rounded_up = Int32(cutlass.select_((abits & Uint32(0x7FFFFF)) > Uint32(0x600000), Int32(1), Int32(0)))
+    e = cutlass.max(ea - 8 + rounded_up, Int32(0))
+    e = Int32(cutlass.select_(abits == Uint32(0x7F800000), Int32(254), e))
+    e = Int32(cutlass.select_(abits > Uint32(0x7F800000), Int32(255), e))
+    # Multiplier 2^(127-E) as two normal factors (2^-127 itself is subnormal): 1 for E == 0.
+    m1 = ptx.f32_from_bits(Uint32(cutlass.max(254 - e, Int32(1))) << 23)
+    m1 = Float32(cutlass.select_(e == 0, Float32(1.0), m1))
+    m1 = Float32(cutlass.select_(e == 254, Float32(2.0**-64), m1))
+    m2 = Float32(cutlass.select_(e == 254, Float32(2.0**-63), Float32(1.0)))
+    return e, m1, m2
+
+
+def quantize_words(words: list, e: Int32, m1: Float32, m2: Float32) -> tuple:
+    """The e4m3 bytes of one 8-element vector (4 packed bf16 words) under its block's scale, as two words (a NaN
+    block's all NaN)."""
+    q = []
+    for i in range(8):
+        x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
+        x = x * m1 * m2
+        q.append(cute.arch.fmax(cute.arch.fmin(x, Float32(448.0)), Float32(-448.0)))
+    q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
+    q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
+    nan_block = e == 255
+    q_lo = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_lo))
+    q_hi = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_hi))
+    return q_lo, q_hi
+
+
 class Mxfp8Writer:
     """Writes the MXFP8 form of rows of H columns, of which a CTA of `threads` threads owns `chunk`."""
 
@@ -42,28 +75,8 @@ class Mxfp8Writer:
         Idle tail lanes come in whole groups of 16 (a chunk is a multiple of 128 columns), so they
         never mix into a real block; they only skip the stores.
         """
-        abits = self.block_amax(words) << 16
-        # E = smallest with 2^(E-127) >= amax/448: amax = 1.f * 2^(ea-127) needs ea-8, plus 1 when 1.f > 1.75.
-        ea = Int32(abits >> 23)
-        rounded_up = Int32(cutlass.select_((abits & Uint32(0x7FFFFF)) > Uint32(0x600000), Int32(1), Int32(0)))
-        e = cutlass.max(ea - 8 + rounded_up, Int32(0))
-        e = Int32(cutlass.select_(abits == Uint32(0x7F800000), Int32(254), e))
-        e = Int32(cutlass.select_(abits > Uint32(0x7F800000), Int32(255), e))
-        # Multiplier 2^(127-E) as two normal factors (2^-127 itself is subnormal): 1 for E == 0.
-        m1 = ptx.f32_from_bits(Uint32(cutlass.max(254 - e, Int32(1))) << 23)
-        m1 = Float32(cutlass.select_(e == 0, Float32(1.0), m1))
-        m1 = Float32(cutlass.select_(e == 254, Float32(2.0**-64), m1))
-        m2 = Float32(cutlass.select_(e == 254, Float32(2.0**-63), Float32(1.0)))
-        q = []
-        for i in cutlass.range_constexpr(8):
-            x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
-            x = x * m1 * m2
-            q.append(cute.arch.fmax(cute.arch.fmin(x, Float32(448.0)), Float32(-448.0)))
-        q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
-        q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
-        nan_block = e == 255
-        q_lo = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_lo))
-        q_hi = Uint32(cutlass.select_(nan_block, Uint32(E4M3_NAN_WORD), q_hi))
+        e, m1, m2 = block_scale(self.block_amax(words) << 16)
+        q_lo, q_hi = quantize_words(words, e, m1, m2)
         # The 4 scale bytes of 128 columns form one word: gather them from lanes +0, +4, +8, +12.
         lane = cute.arch.lane_idx()
         word = Uint32(e) << Uint32(8 * ((lane >> 2) & 3))

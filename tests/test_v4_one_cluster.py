@@ -1,6 +1,6 @@
 """bench/experiments/v4_one_cluster.py (an experiment for #47's <= 5 us target, run on the GPU by hand): both one-launch
-V4 boundaries compile for sm_90a at both DeepSeek-V4 sizes, every fn value they hold loaded before the PDL wait; the
-exact one's split is the coefficients kernel's."""
+V4 boundaries (and the exact one's MXFP8 form) compile for sm_90a at both DeepSeek-V4 sizes, every fn value they hold
+loaded before the PDL wait; the exact one's split is the coefficients kernel's."""
 
 from __future__ import annotations
 
@@ -12,22 +12,26 @@ from pathlib import Path
 
 import pytest
 
-from bench.experiments.v4_one_cluster import CLUSTERS, VARIANTS, OneClusterV4, OneClusterV4Exact
+from bench.experiments.v4_one_cluster import CLUSTERS, OneClusterV4, OneClusterV4Exact
 from cute_kernels.coefficients.config import MIX
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+CASES = [("fma", "bf16"), ("exact", "bf16"), ("exact", "mxfp8")]
+
+
+@pytest.mark.parametrize(("variant", "form"), CASES)
 @pytest.mark.parametrize("H", sorted(CLUSTERS))
-def test_it_compiles_with_fn_loaded_before_the_wait(H: int, variant: str, tmp_path: Path) -> None:
+def test_every_form_compiles_with_fn_loaded_before_the_wait(H: int, variant: str, form: str, tmp_path: Path) -> None:
     """Before `griddepcontrol.wait`: 2 x 24 16-byte fn loads a thread (its 8 columns of each mix, or 8 chunks x 3
     n-tiles of 8 fn values) and the norm weight's (1, or its task's 4 vectors); after it no load into registers: the
-    rows come into shared memory by cp.async."""
+    rows come into shared memory by cp.async. The MXFP8 form stores single scale bytes. (One compile a process: the
+    DSL's dump names of two forms can be the same.)"""
     env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_NO_CACHE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "bench.experiments.v4_one_cluster", "--compile-only", "--hidden", str(H)]
-    cmd += ["--variant", variant]
+    cmd += ["--variant", variant, "--forms", form]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (ptx,) = tmp_path.rglob("*.ptx")
@@ -36,6 +40,7 @@ def test_it_compiles_with_fn_loaded_before_the_wait(H: int, variant: str, tmp_pa
     weights = 1 if variant == "fma" else 4
     assert len(re.findall(r"ld\.global\.v4", before)) == 2 * MIX + weights
     assert not re.findall(r"ld\.global", after) and re.findall(r"cp\.async\.cg\.shared\.global", after)
+    assert bool(re.findall(r"st\.global\.u8", after)) == (form == "mxfp8")
 
 
 def test_a_cluster_whose_threads_cannot_hold_fn_is_refused() -> None:

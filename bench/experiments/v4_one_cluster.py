@@ -24,15 +24,18 @@ partials schedule takes many without breaking batch invariance: a CTA's 448 / 51
 coefficients kernel's split along K, each warp runs that kernel's split-bf16 MMAs on its 8 chunks (rows in the
 m-tile's upper half), the chunks are folded as it folds them (warp, rank, group order; the slices go to an owner CTA
 per row, which also runs post / pre and comb and sends the pre to every CTA), and the layer input's sum of squares
-keeps the own-pre layer input's order (every CTA gets every vector's square: a third exchange). bf16 layer input
-only, W = 1, a ready partial, up to 8 rows a cluster.
+keeps the own-pre layer input's order (every CTA gets every vector's square: a third exchange). The exact variant
+also writes the MXFP8 form (`--forms mxfp8`): a task's 4 vectors are one 32-column block (its amax without a shuffle,
+Mxfp8Writer's scale and rounding), the scale bytes stored one at a time (a CTA's 448 columns at H 7168 hold 3.5 scale
+words), the 128-row padding zeroed a (row, word) at a time over every CTA of the launch. W = 1, a ready partial, up to 8
+rows a cluster.
 
     python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--variant fma exact]
-        [--max-clusters 4] [--replays 7] [--compile-only]
+        [--forms bf16 mxfp8] [--max-clusters 4] [--replays 7] [--compile-only]
 
 Prints, per variant and shape: GPU us per call of the one launch and of the shipped `V4Boundaries.sublayer` (bf16), one
 graph method (bench.timing); each output's largest error against the reference (the shipped path's beside it); and
-how many words differ from the shipped path's (all 0 is the exact variant's claim).
+how many words differ from the shipped path's (all 0 is the exact variant's claim, MXFP8 bytes included).
 """
 
 from __future__ import annotations
@@ -44,18 +47,21 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, const_expr
+from cutlass.cutlass_dsl import dsl_user_op
 
-from cute_kernels import HC, VEC, ptx, reduce
+from cute_kernels import HC, MXFP8_BLOCK, VEC, ptx, reduce
 from cute_kernels.coefficients.config import CHUNK, CLUSTER, MIX, NV, projection_split
 from cute_kernels.coefficients.epilogue import EpilogueRole
 from cute_kernels.coefficients.layer_input import collapse_vector, normed_vector, square_sum
 from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
+from cute_kernels.quant import block_scale, quantize_words
 
 SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
 MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them)
 CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
 VARIANTS = ("fma", "exact")  # OneClusterV4, OneClusterV4Exact
+FORMS = ("bf16", "mxfp8")  # the layer input alone, or with its MXFP8 form (the exact variant)
 LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster), whose order the own-pre form keeps
 
 
@@ -99,6 +105,8 @@ class OneClusterV4:
         mPostOut: cute.Tensor,  # [T, 4] fp32
         mCombOut: cute.Tensor,  # [T, 4, 4] fp32
         mPreOut: cute.Tensor,  # [T, 4] fp32
+        mQ: cute.Tensor | None,  # exact, mxfp8: [T, H] e4m3
+        mScale: cute.Tensor | None,  # exact, mxfp8: swizzled 128x4 E8M0 scales, padded to 128 rows
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -110,7 +118,7 @@ class OneClusterV4:
         share = (rows + (self.max_clusters - 1)) // self.max_clusters
         clusters = (rows + share - 1) // share
         self.kernel(
-            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut,
+            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale,
             rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, share,
         ).launch(
             grid=[self.C, clusters, 1],
@@ -135,6 +143,8 @@ class OneClusterV4:
         mPostOut: cute.Tensor,
         mCombOut: cute.Tensor,
         mPreOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -368,8 +378,12 @@ class OneClusterV4Exact(OneClusterV4):
     partial is the one the shipped kernel makes; each row's slices go to an owner CTA (one row each, up to C rows), which
     folds them, runs post / pre and comb for it and sends the pre to every CTA. Three exchanges: slices, pre, squares."""
 
-    def __init__(self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20) -> None:
+    def __init__(
+        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, mxfp8: bool = False
+    ) -> None:
         super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat)
+        self.mxfp8 = mxfp8  # the layer input's MXFP8 form too (a task's 4 vectors are one 32-column block)
+        self.scale_cols = H // MXFP8_BLOCK  # a multiple of 4: H is one of 128
         self.Wc, self.G = projection_split(H, False)  # chunks a slice, groups of 8 slices
         self.slice_cols = CHUNK * self.Wc
         self.cols = H // cluster_n
@@ -403,6 +417,8 @@ class OneClusterV4Exact(OneClusterV4):
         mPostOut: cute.Tensor,
         mCombOut: cute.Tensor,
         mPreOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
@@ -462,6 +478,8 @@ class OneClusterV4Exact(OneClusterV4):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         self.stage_rows(mR, mX, mPost, mComb, sIn, sCo, row0, count, cta, tidx)
+        if const_expr(self.mxfp8):
+            self.zero_scale_padding(mScale, rows, cluster * C + cta, tidx)
         # The B fragments (hi and lo bf16 halves) while the rows are on their way.
         split = []
         for u in cutlass.range_constexpr(self.cpw):
@@ -563,7 +581,9 @@ class OneClusterV4Exact(OneClusterV4):
             if warp == self.sink_warp:
                 self.epi.row_comb(sTot, sParam, row0 + cta, Int32(1), mCombOut, rms_eps, sinkhorn_eps)
         if warp < self.warps - 2:
-            self.layer_input_exact(sRp, sPre, sSq, sSlice, mbar, mOut, w_words, norm_eps, row0, count, cta, q)
+            self.layer_input_exact(
+                sRp, sPre, sSq, sSlice, mbar, mOut, mQ, mScale, w_words, norm_eps, row0, count, cta, q
+            )  # fmt: skip
 
     @cute.jit
     def layer_input_exact(
@@ -574,6 +594,8 @@ class OneClusterV4Exact(OneClusterV4):
         sSlice: cute.Tensor,
         mbar: cute.Pointer,
         mOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
         w_words: list,
         norm_eps: Float32,
         row0: Int32,
@@ -624,24 +646,77 @@ class OneClusterV4Exact(OneClusterV4):
             for s8 in cutlass.range_constexpr(1, LI_SLICES):
                 total = total + sSlice[ti * LI_SLICES + s8]
             inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
+            outs = []
             for m in cutlass.range_constexpr(4):
                 out = normed_vector(cs[m], inv, w_words[m])
                 ob = mOut.iterator.toint() + (Int64(row0 + ti) * self.H + Int64((cta * V + 4 * q + m) * VEC)) * 2
                 ptx.st_global_v4_b32(ob, out[0], out[1], out[2], out[3])
+                outs.append(out)
+            if const_expr(self.mxfp8):
+                self.quantize_block(outs, mQ, mScale, row0 + ti, cta * (V // 4) + q)
+
+    @cute.jit
+    def quantize_block(self, outs: list, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, block: Int32):
+        """MXFP8 of one 32-column block of the layer input (its 4 vectors, this thread's): the block amax over its
+        32 values (no shuffle), Mxfp8Writer's scale and rounding, the 32 e4m3 bytes and the scale byte (at H 7168 a
+        CTA's 448 columns hold 3.5 scale words, so the byte goes out alone)."""
+        amax = Uint32(0)
+        for m in cutlass.range_constexpr(4):
+            for w in cutlass.range_constexpr(4):
+                word = Uint32(outs[m][w])
+                amax = cutlass.max(amax, word & Uint32(0x7FFF), (word >> 16) & Uint32(0x7FFF))
+        e, m1, m2 = block_scale(amax << 16)
+        for m in cutlass.range_constexpr(4):
+            q_lo, q_hi = quantize_words(outs[m], e, m1, m2)
+            ptx.st_global_v2_b32(mQ.iterator.toint() + Int64(row) * self.H + Int64((block * 4 + m) * VEC), q_lo, q_hi)
+        st_global_u8(mScale.iterator.toint() + self.scale_offset(row, block), Uint32(e))
+
+    @cute.jit
+    def scale_offset(self, m: Int32, k: Int32) -> Int64:
+        """Byte offset of scale (m, k) in the swizzled 128x4 layout (reference.swizzled_scale_offsets)."""
+        return Int64(m // 128) * (128 * self.scale_cols) + Int64(
+            (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+        )
+
+    @cute.jit
+    def zero_scale_padding(self, mScale: cute.Tensor, rows: Int32, gcta: Int32, tidx: Int32):
+        """This CTA's share (global CTA `gcta` of the launch) of the scale padding rows T..roundup(T, 128)-1, a
+        4-byte word (4 blocks of one row) at a time, so that no store touches a real row's bytes."""
+        words = self.scale_cols // 4
+        pad = (rows + 127) // 128 * 128 - rows
+        _, clusters, _ = cute.arch.grid_dim()
+        stride = clusters * self.C * self.threads
+        for e in cutlass.range(gcta * self.threads + tidx, pad * words, stride):
+            m = rows + e // words
+            kw = e - (e // words) * words
+            ptx.st_global_b32(mScale.iterator.toint() + self.scale_offset(m, kw * 4), Uint32(0))
 
 
-def compile_one_cluster(H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str, exact: bool = False) -> Any:
-    """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact."""
+@dsl_user_op
+def st_global_u8(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
+    """Store the low byte of `val` to a global address."""
+    cute.arch.inline_ptx("st.global.u8 [{$r0}], {$r1};", read_only_args=[Int64(addr), Uint32(val)], loc=loc, ip=ip)
+
+
+def compile_one_cluster(
+    H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str, exact: bool = False, mxfp8: bool = False
+) -> Any:
+    """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact (`mxfp8`:
+    with the layer input's MXFP8 form)."""
     T = cute.sym_int()
     b16 = lambda *s: fake_tensor(BFloat16, s)  # noqa: E731
     f32 = lambda *s: fake_tensor(Float32, s, divisibility=4)  # noqa: E731
     args = (
         b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(MIX, HC * H), f32(3 + MIX), b16(H),
         b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(T, HC),
+        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
+        fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
         Float32(0), Float32(0), Float32(0), Float32(0), Float32(0), fake_stream(),
     )  # fmt: skip
-    kind = OneClusterV4Exact if exact else OneClusterV4
-    return compile_kernel(kind(H, cluster_n, max_clusters, repeat), *args, arch=arch)
+    if mxfp8 and not exact:
+        raise ValueError("only the exact variant writes the MXFP8 form")
+    kernel = OneClusterV4Exact(H, cluster_n, max_clusters, repeat, mxfp8=mxfp8) if exact else None
+    return compile_kernel(kernel or OneClusterV4(H, cluster_n, max_clusters, repeat), *args, arch=arch)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -651,20 +726,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-clusters", type=int, default=4)
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS), help="mxfp8: the exact variant only")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
     args = ap.parse_args(argv)
     if args.compile_only:
         for H in args.hidden:
-            for variant in args.variant:
-                compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact=variant == "exact")
-                print(f"compiled {variant} H {H} (cluster {CLUSTERS[H]})", flush=True)
+            for variant, form in _cases(args):
+                compile_one_cluster(
+                    H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", variant == "exact", form == "mxfp8"
+                )
+                print(f"compiled {variant} {form} H {H} (cluster {CLUSTERS[H]})", flush=True)
         return
     run(args)
 
 
+def _cases(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (variant, form) pairs asked for that exist (the MXFP8 form is the exact variant's)."""
+    return [(v, f) for v in args.variant for f in args.forms if f == "bf16" or v == "exact"]
+
+
 def run(args: argparse.Namespace) -> None:
-    """Per shape and variant: errors against the reference (the shipped path's beside them), the words that differ
-    from the shipped path's, then us per call of each variant and of the shipped boundary."""
+    """Per variant, form and shape: us per call of the one launch and of the shipped boundary; each output's error
+    against the reference (the shipped path's beside it); the words that differ from the shipped path's."""
     from bench.timing import GraphTimer
     from bench.v4 import CALLS_PER_GRAPH, _inputs, _ours
     from boundary import BoundaryAllReduce, DecodeStep, V4Boundaries, reference
@@ -673,26 +756,24 @@ def run(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda")
     timer = GraphTimer(device, replays=args.replays)
-    names = ("R'", "post", "comb", "pre", "li")
-    print("variant H rows | us: variant, shipped | max |err| / max |ref| (variant; shipped) | words != shipped")
+    print(
+        "variant form H rows | us: one launch, shipped | max |err| / max |ref| (one launch; shipped) | words != shipped"
+    )
     for H in args.hidden:
         layer = ToyModel(ToyConfig(hidden_size=H, num_layers=1, vocab=16), device=device).layers[0]
         p = attn_params(layer)
         weight, norm_eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
         param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
-        for variant in args.variant:
-            exact = variant == "exact"
+        for variant, form in _cases(args):
+            exact, mxfp8 = variant == "exact", form == "mxfp8"
+            compiled = compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact, mxfp8)
+            launch = (compiled, p, param, weight, norm_eps, mxfp8)
+            quantize = "mxfp8" if mxfp8 else False
             kind = OneClusterV4Exact if exact else OneClusterV4
-            launch = (
-                compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact),
-                p,
-                param,
-                weight,
-                norm_eps,
-            )
             for rows in args.rows:
+                tag = f"{variant} {form} {H} {rows}"
                 if -(-rows // args.max_clusters) > kind(H, CLUSTERS[H], args.max_clusters).max_share:
-                    print(f"{variant} {H} {rows} | more rows a cluster than it takes: raise --max-clusters", flush=True)
+                    print(f"{tag} | more rows a cluster than it takes: raise --max-clusters", flush=True)
                     continue
                 b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
                 step = DecodeStep(rows=rows, side_stream=False)
@@ -701,39 +782,39 @@ def run(args: argparse.Namespace) -> None:
                 call()
                 s0 = sets[0]
                 want = reference.v4_boundary(s0["y"], s0["residual"], s0["post"], s0["comb"], p, weight, norm_eps)
-                ship_state, ship_li, _ = b.sublayer(layer, False, _state(s0), step, quantize=False)
+                ship_state, ship_li, ship_q = b.sublayer(layer, False, _state(s0), step, quantize=quantize)
                 torch.cuda.synchronize()
-                shipped_out = (ship_state.residual, ship_state.post, ship_state.comb, ship_state.pre, ship_li)
+                shipped = (ship_state.residual, ship_state.post, ship_state.comb, ship_state.pre, ship_li)
                 errs, differ = [], []
-                for name, g, w, s in zip(names, got, want, shipped_out, strict=True):
+                for name, g, w, sh in zip(("R'", "post", "comb", "pre", "li"), got[:5], want, shipped, strict=True):
                     scale = w.double().abs().max().item() or 1.0
                     e1 = (g.double() - w.double()).abs().max().item() / scale
-                    e2 = (s.double() - w.double()).abs().max().item() / scale
+                    e2 = (sh.double() - w.double()).abs().max().item() / scale
                     errs.append(f"{name} {e1:.1e}; {e2:.1e}")
-                    differ.append(f"{name} {_words_differ(g, s)}")
+                    differ.append(f"{name} {_words_differ(g, sh)}")
+                if mxfp8:
+                    differ.append(
+                        f"data {_words_differ(got[5], ship_q.data)}, scale {_words_differ(got[6], ship_q.scale)}"
+                    )
                 ours = timer.per_call_us([_one_launch(launch, s)[0] for s in sets])
-                shipped = timer.per_call_us([_ours(b, layer, s, step, False) for s in sets])
-                print(
-                    f"{variant} {H} {rows} | {ours:.2f}, {shipped:.2f} | "
-                    + ", ".join(errs)
-                    + " | "
-                    + ", ".join(differ),
-                    flush=True,
-                )
+                theirs = timer.per_call_us([_ours(b, layer, s, step, quantize) for s in sets])
+                print(f"{tag} | {ours:.2f}, {theirs:.2f} | " + ", ".join(errs) + " | " + ", ".join(differ), flush=True)
                 torch.cuda.empty_cache()
 
 
 def _words_differ(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many words of two same-shaped bf16 or fp32 tensors differ bitwise."""
-    as_int = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    """How many elements of two same-shaped tensors differ bitwise (bf16, fp32, e4m3 or uint8)."""
+    as_int = {2: torch.int16, 4: torch.int32, 1: torch.uint8}[a.element_size()]
     return int((a.view(as_int) != b.view(as_int)).sum())
 
 
 def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
-    """A closure making the one-launch boundary on an input set, and its outputs (R', post, comb, pre, layer input)
-    in reference.V4Boundary's order."""
-    compiled, p, param, weight, norm_eps = launch
-    rows, hc, _ = inp["residual"].shape
+    """A closure making the one-launch boundary on an input set, and its outputs: R', post, comb, pre and the layer
+    input in reference.V4Boundary's order, then with MXFP8 its data and scales."""
+    from boundary import mxfp8_scale_bytes
+
+    compiled, p, param, weight, norm_eps, mxfp8 = launch
+    rows, hc, hidden = inp["residual"].shape
     dev = inp["residual"].device
     new, li = torch.empty_like(inp["residual"]), torch.empty_like(inp["y"])
     post, comb, pre = (
@@ -741,14 +822,16 @@ def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
         torch.empty(rows, hc, hc, device=dev),
         torch.empty(rows, hc, device=dev),
     )
+    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=dev) if mxfp8 else None
+    sf = torch.empty(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=dev) if mxfp8 else None
 
     def call() -> None:
         compiled(
-            inp["residual"], inp["y"], inp["post"], inp["comb"], p.fn, param, weight, new, li, post, comb, pre,
+            inp["residual"], inp["y"], inp["post"], inp["comb"], p.fn, param, weight, new, li, post, comb, pre, q, sf,
             p.rms_eps, p.pre_eps, p.sinkhorn_eps, p.post_mult, norm_eps,
         )  # fmt: skip
 
-    return call, (new, post, comb, pre, li)
+    return call, (new, post, comb, pre, li) + ((q, sf) if mxfp8 else ())
 
 
 def _state(inp: dict[str, Any]) -> Any:
