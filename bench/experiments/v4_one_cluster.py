@@ -153,6 +153,15 @@ class OneClusterV4:
         norm_eps: Float32,
         share: Int32,
     ):
+        """The launch: the variant's body on its tensors, eps values and rows a cluster."""
+        io = (mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale)
+        self.body(io, (rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps), share)
+
+    @cute.jit
+    def body(self, io: tuple, eps: tuple, share: Int32):
+        """One cluster's rows: the fma variant (the class docstring)."""
+        mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale = io
+        rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps = eps
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
         warp = tidx // 32
@@ -403,30 +412,11 @@ class OneClusterV4Exact(OneClusterV4):
         self.workers = (self.warps - 2) * 32  # every warp but the post / pre and Sinkhorn warps
         self.max_share = min(MAX_SHARE, cluster_n, self.workers // self.quads)
 
-    @cute.kernel
-    def kernel(
-        self,
-        mR: cute.Tensor,
-        mX: cute.Tensor,
-        mPost: cute.Tensor,
-        mComb: cute.Tensor,
-        mFn: cute.Tensor,
-        mParam: cute.Tensor,
-        mW: cute.Tensor,
-        mNewR: cute.Tensor,
-        mOut: cute.Tensor,
-        mPostOut: cute.Tensor,
-        mCombOut: cute.Tensor,
-        mPreOut: cute.Tensor,
-        mQ: cute.Tensor | None,
-        mScale: cute.Tensor | None,
-        rms_eps: Float32,
-        pre_eps: Float32,
-        sinkhorn_eps: Float32,
-        post_mult: Float32,
-        norm_eps: Float32,
-        share: Int32,
-    ):
+    @cute.jit
+    def body(self, io: tuple, eps: tuple, share: Int32):
+        """One cluster's rows: the exact variant (the class docstring)."""
+        mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale = io
+        rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps = eps
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
         warp = tidx // 32
