@@ -420,38 +420,75 @@ class OneClusterV4Exact(OneClusterV4):
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
         warp = tidx // 32
-        lane = cute.arch.lane_idx()
-        g = lane // 4  # the MMA fragments' row group and column quad
-        t = lane % 4
         rows = mR.shape[0]
         row0 = cluster * share
         count = cutlass.min(share, rows - row0)
-        V, C, W = self.V, self.C, self.warps
-        row_vecs = self.H // VEC
-
         smem = cutlass.memory.SmemAllocator()
         sIn, sCo, sRp = self.allocate_rows(smem)
-        sChunk = smem.allocate_tensor(Float32, cute.make_layout(self.nchunks * MAX_SHARE * NV), byte_alignment=16)
-        sRecv = smem.allocate_tensor(Float32, cute.make_layout(self.slices * NV), byte_alignment=16)
-        sGroup = smem.allocate_tensor(Float32, cute.make_layout(self.G * NV), byte_alignment=16)
-        sTot = smem.allocate_tensor(Float32, cute.make_layout(NV), byte_alignment=16)
-        sOwnPre = smem.allocate_tensor(Float32, cute.make_layout(HC), byte_alignment=16)
-        sPre = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * HC), byte_alignment=16)
-        sSq = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * row_vecs), byte_alignment=16)
-        sSlice = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * LI_SLICES), byte_alignment=16)
-        sParam = smem.allocate_tensor(Float32, cute.make_layout(3 + MIX), byte_alignment=16)
-        mbar = smem.allocate_array(cutlass.Int64, num_elems=3)  # slices (owners), pre, squares
+        buf = self.allocate_exact(smem)
+        sParam, mbar = buf[-2], buf[-1]
+        self.init_barriers(mbar)
+        fn, w_words, q = self.weights(mFn, mParam, mW, sParam, cta)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        self.stage_rows(mR, mX, mPost, mComb, sIn, sCo, row0, count, cta, tidx)
+        if const_expr(self.mxfp8):
+            self.zero_scale_padding(mScale, rows, cluster * self.C + cta, tidx)
+        split = self.split_fn(fn)  # while the rows are on their way
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        self.chunks(sIn, sCo, sRp, buf, mNewR, split, row0, count)
+        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        cute.arch.barrier()  # every chunk's partials in sChunk
+        self.batch_exchanges(buf, mPostOut, mPreOut, eps, row0, count, Int32(0), None)
+        if cta < count:
+            if warp == self.sink_warp:
+                self.epi.row_comb(buf[3], sParam, row0 + cta, Int32(1), mCombOut, rms_eps, sinkhorn_eps)
+        if warp < self.warps - 2:
+            self.layer_input_exact(
+                sRp, buf[5], buf[6], buf[7], mbar, mOut, mQ, mScale, w_words, norm_eps, row0, count, cta, q, Int32(0)
+            )  # fmt: skip
+
+    def allocate_exact(self, smem: cutlass.memory.SmemAllocator) -> tuple:
+        """The exact variant's shared memory beyond the rows': (sChunk, sRecv, sGroup, sTot, sOwnPre, sPre, sSq,
+        sSlice, sParam, mbar), mbar its 3 mbarriers (slices to owners, pre, squares; init_barriers sets them up)."""
+        f32 = lambda n: smem.allocate_tensor(Float32, cute.make_layout(n), byte_alignment=16)  # noqa: E731
+        out = (
+            f32(self.nchunks * MAX_SHARE * NV),  # sChunk: every chunk's partials of every row
+            f32(self.slices * NV),  # sRecv: an owner's row, every slice
+            f32(self.G * NV),  # sGroup
+            f32(NV),  # sTot
+            f32(HC),  # sOwnPre
+            f32(MAX_SHARE * HC),  # sPre: every row's
+            f32(MAX_SHARE * (self.H // VEC)),  # sSq: every row's vectors' squares
+            f32(MAX_SHARE * LI_SLICES),  # sSlice
+            f32(3 + MIX),  # sParam
+        )
+        return out + (smem.allocate_array(cutlass.Int64, num_elems=3),)
+
+    @cute.jit
+    def init_barriers(self, mbar: cute.Pointer):
+        """The 3 mbarriers initialised (one arrival a phase) and announced to the cluster (cluster_wait before the
+        first push)."""
+        tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
             for s in cutlass.range_constexpr(3):
                 cute.arch.mbarrier_init(mbar + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
 
-        # Weights, before the wait: this lane's fn values of each of its warp's chunks (the coefficients kernel's
-        # load_fn: fn rows 8 jn + g at the lane's 8 columns), the mix parameters, the norm weight of its task's vectors.
+    @cute.jit
+    def weights(self, mFn: cute.Tensor, mParam: cute.Tensor, mW: cute.Tensor, sParam: cute.Tensor, cta: Int32):
+        """Before the wait: this lane's fn values of each of its warp's chunks (the coefficients kernel's load_fn: fn
+        rows 8 jn + g at the lane's 8 columns), the mix parameters into sParam, the norm weight of its task's vectors.
+        Returns (fn, the weight words, the task's vector quad q)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = tidx // 32
+        lane = cute.arch.lane_idx()
+        g, t = lane // 4, lane % 4
         fn = []
         for u in cutlass.range_constexpr(self.cpw):
-            lc = warp + W * u
+            lc = warp + self.warps * u
             js = lc // self.kc
             col = js * self.H + cta * self.cols + (lc - js * self.kc) * CHUNK + t * VEC
             per = []
@@ -463,36 +500,52 @@ class OneClusterV4Exact(OneClusterV4):
             sParam[tidx] = mParam[tidx]
         q = tidx % self.quads
         w_words = [
-            ptx.ld_global_v4_pred(mW.iterator.toint() + Int64(cta * V + 4 * q + m) * (VEC * 2), cutlass.Boolean(True))
+            ptx.ld_global_v4_pred(
+                mW.iterator.toint() + Int64(cta * self.V + 4 * q + m) * (VEC * 2), cutlass.Boolean(True)
+            )
             for m in range(4)
         ]
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-        self.stage_rows(mR, mX, mPost, mComb, sIn, sCo, row0, count, cta, tidx)
-        if const_expr(self.mxfp8):
-            self.zero_scale_padding(mScale, rows, cluster * C + cta, tidx)
-        # The B fragments (hi and lo bf16 halves) while the rows are on their way.
+        return fn, w_words, q
+
+    def split_fn(self, fn: list) -> list:
+        """The B fragments of each chunk: [chunk](hi, lo), each [n-tile][pair] bf16x2 words (split_bf16x2)."""
         split = []
-        for u in cutlass.range_constexpr(self.cpw):
+        for u in range(self.cpw):
             hi, lo = [], []
-            for jn in cutlass.range_constexpr(3):
-                hj, lj = [], []
-                for p in cutlass.range_constexpr(4):
-                    h, low = ptx.split_bf16x2(fn[u][jn][2 * p], fn[u][jn][2 * p + 1])
-                    hj.append(h)
-                    lj.append(low)
-                hi.append(hj)
-                lo.append(lj)
+            for jn in range(3):
+                pairs = [ptx.split_bf16x2(fn[u][jn][2 * p], fn[u][jn][2 * p + 1]) for p in range(4)]
+                hi.append([h for h, _ in pairs])
+                lo.append([low for _, low in pairs])
             split.append((hi, lo))
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        # Each chunk of the warp: lane (g, t) makes R' of row g at the chunk's columns 8t.., then the chunk's MMAs as
-        # the coefficients kernel's project_batch (rows g < count in the upper half of the m-tile, the lower zero).
+        return split
+
+    @cute.jit
+    def chunks(
+        self,
+        sIn: cute.Tensor,
+        sCo: cute.Tensor,
+        sRp: cute.Tensor,
+        buf: tuple,
+        mNewR: cute.Tensor,
+        split: list,
+        row0: Int32,
+        count: Int32,
+    ):
+        """Each chunk of the warp: lane (g, t) makes R' of row g at the chunk's columns 8t.. (stored, and kept for the
+        collapse), then the chunk's MMAs as the coefficients kernel's project_batch (rows g < count in the upper half
+        of the m-tile, the lower zero), its partials into sChunk."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = cute.arch.lane_idx()
+        g, t = lane // 4, lane % 4
+        sChunk = buf[0]
+        V = self.V
         zero = Uint32(0)
         real = g < count
         i = cutlass.min(g, count - 1)
         for u in cutlass.range_constexpr(self.cpw):
-            lc = warp + W * u
+            lc = warp + self.warps * u
             js = lc // self.kc
             vv = (lc - js * self.kc) * 4 + t
             words = self.new_stream(sIn, sCo, i, js, vv)
@@ -520,9 +573,30 @@ class OneClusterV4Exact(OneClusterV4):
             if real:
                 if t == g // 2:  # row g's square sum is Gram[g][g]
                     sChunk[base + MIX] = Float32(cutlass.select_((g % 2) == 1, gram[1], gram[0]))
-        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
-        cute.arch.barrier()  # every chunk's partials in sChunk
-        # Exchange 1: each of the CTA's slices (its chunks in warp order) to the row's owner, CTA i for row i.
+
+    @cute.jit
+    def batch_exchanges(
+        self,
+        buf: tuple,
+        mPostOut: cute.Tensor,
+        mPreOut: cute.Tensor,
+        eps: tuple,
+        row0: Int32,
+        count: Int32,
+        phase: Int32,
+        sKeep: cute.Tensor | None,
+    ):
+        """A batch's slices to the rows' owners (CTA i for row i; each slice's chunks in warp order), the pre and
+        squares exchanges armed; then, on an owner, its row's totals (a group's slices in rank order, a thread per
+        (group, total), then the groups in order) into sTot (and sKeep), and its post / pre written and the pre sent
+        to every CTA. Every thread of the CTA calls it; it ends on a CTA barrier on an owner."""
+        rms_eps, pre_eps, _, post_mult, _ = eps
+        sChunk, sRecv, sGroup, sTot, sOwnPre, sPre = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5]
+        sParam, mbar = buf[8], buf[9]
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = cute.arch.lane_idx()
         if cta < count:
             if warp == 0:
                 reduce.expect_bytes(mbar, self.slices * NV * 4)
@@ -542,11 +616,9 @@ class OneClusterV4Exact(OneClusterV4):
             reduce.push(sRecv.iterator + s * NV + n, val, mbar, ri)
         if warp == 0:
             reduce.expect_bytes(mbar + 1, count * (HC * 4))
-            reduce.expect_bytes(mbar + 2, count * (row_vecs * 4))
+            reduce.expect_bytes(mbar + 2, count * ((self.H // VEC) * 4))
         if cta < count:
-            # The owner of row cta: its totals (a group's slices in rank order, a thread per (group, total); then the
-            # groups in order).
-            reduce.wait_pushes(mbar, Int32(0), False)
+            reduce.wait_pushes(mbar, phase, False)
             for e in cutlass.range(tidx, self.G * NV, self.threads):
                 gg = e // NV
                 part = sRecv[gg * CLUSTER * NV + (e - gg * NV)]
@@ -559,6 +631,8 @@ class OneClusterV4Exact(OneClusterV4):
                 for gg in cutlass.range_constexpr(1, self.G):
                     total = total + sGroup[gg * NV + tidx]
                 sTot[tidx] = total
+                if const_expr(sKeep is not None):
+                    sKeep[tidx] = total
             cute.arch.barrier()
             if warp == self.pp_warp:
                 if lane == 0:
@@ -567,14 +641,8 @@ class OneClusterV4Exact(OneClusterV4):
                         mixes, sParam, row0 + cta, mPostOut, mPreOut, pre_eps, post_mult, sOwnPre, Int32(0)
                     )
                     pre = (sOwnPre[0], sOwnPre[1], sOwnPre[2], sOwnPre[3])
-                    for c in cutlass.range_constexpr(C):
+                    for c in cutlass.range_constexpr(self.C):
                         reduce.push(sPre.iterator + cute.assume(cta * HC, divby=4), pre, mbar + 1, Int32(c))
-            if warp == self.sink_warp:
-                self.epi.row_comb(sTot, sParam, row0 + cta, Int32(1), mCombOut, rms_eps, sinkhorn_eps)
-        if warp < self.warps - 2:
-            self.layer_input_exact(
-                sRp, sPre, sSq, sSlice, mbar, mOut, mQ, mScale, w_words, norm_eps, row0, count, cta, q
-            )  # fmt: skip
 
     @cute.jit
     def layer_input_exact(
@@ -593,6 +661,7 @@ class OneClusterV4Exact(OneClusterV4):
         count: Int32,
         cta: Int32,
         q: Int32,
+        phase: Int32,
     ):
         """The worker warps: task (row, 4 vectors) collapses its vectors with the row's pre, sends their squares to
         every CTA; each CTA then sums a row's squares in the own-pre layer input's order and normalises."""
@@ -601,7 +670,7 @@ class OneClusterV4Exact(OneClusterV4):
         row_vecs = self.H // VEC
         ti = tidx // self.quads
         task = tidx < count * self.quads
-        reduce.wait_pushes(mbar + 1, Int32(0), False)  # every row's pre
+        reduce.wait_pushes(mbar + 1, phase, False)  # every row's pre
         pre = [sPre[cutlass.min(ti, count - 1) * HC + jj] for jj in range(HC)]
         cs = []
         for m in cutlass.range_constexpr(4):
@@ -615,7 +684,7 @@ class OneClusterV4Exact(OneClusterV4):
             for c in cutlass.range_constexpr(self.C):
                 dst = sSq.iterator + cute.assume(ti * row_vecs + cta * V + 4 * q, divby=4)
                 reduce.push(dst, sq, mbar + 2, Int32(c))
-        reduce.wait_pushes(mbar + 2, Int32(0), False)  # every row's squares
+        reduce.wait_pushes(mbar + 2, phase, False)  # every row's squares
         # A row's 8 slice sums, a worker warp each: its vectors in lane order, then the butterfly (OwnInputRole.slice_sums).
         warp = tidx // 32
         lane = cute.arch.lane_idx()
