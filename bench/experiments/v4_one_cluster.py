@@ -58,9 +58,10 @@ from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
 from cute_kernels.quant import block_scale, quantize_words
 
 SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
-MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them)
+MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them); the persistent variant's batch
+MAX_BATCHES = 32  # batches one persistent cluster may take (lanes of its Sinkhorn warp)
 CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
-VARIANTS = ("fma", "exact")  # OneClusterV4, OneClusterV4Exact
+VARIANTS = ("fma", "exact", "persistent")  # OneClusterV4, OneClusterV4Exact, OneClusterV4Persistent
 FORMS = ("bf16", "mxfp8")  # the layer input alone, or with its MXFP8 form (the exact variant)
 LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster), whose order the own-pre form keeps
 
@@ -255,12 +256,15 @@ class OneClusterV4:
                 sRp, sTot, sSq, sParam, mbar + 1, mOut, w_words, rms_eps, pre_eps, norm_eps, row0, count, cta
             )  # fmt: skip
 
-    def allocate_rows(self, smem: cutlass.memory.SmemAllocator) -> tuple:
-        """Shared memory of the rows: their inputs (y and the 4 streams per vector), post and comb, and R'."""
+    def allocate_rows(self, smem: cutlass.memory.SmemAllocator, new_streams: bool = True) -> tuple:
+        """Shared memory of the rows: their inputs (y and the 4 streams per vector), post and comb, and (unless
+        `new_streams` is False: None) R'."""
         V = self.V
         sIn = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * (HC + 1) * V * 4), byte_alignment=16)
         sCo = smem.allocate_tensor(Float32, cute.make_layout(MAX_SHARE * 5 * HC), byte_alignment=16)
-        sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
+        sRp = None
+        if new_streams:
+            sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
         return sIn, sCo, sRp
 
     @cute.jit
@@ -749,6 +753,132 @@ class OneClusterV4Exact(OneClusterV4):
             ptx.st_global_b32(mScale.iterator.toint() + self.scale_offset(m, kw * 4), Uint32(0))
 
 
+class OneClusterV4Persistent(OneClusterV4Exact):
+    """OneClusterV4Exact for many rows: a few clusters loop over batches of up to 8 rows (batch b of cluster c: rows
+    (b * clusters + c) * 8 ..), fn held in registers across them, the next batch's rows staged while this one is
+    exchanged, and comb's Sinkhorn of every row a CTA owns run once after the last batch (a lane a row). The same
+    bits as the exact variant (the same operations on each row)."""
+
+    def __init__(
+        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, mxfp8: bool = False
+    ) -> None:
+        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, mxfp8=mxfp8)
+        self.max_share = MAX_SHARE  # a batch: a cluster takes any number of them (up to MAX_BATCHES)
+
+    @cute.jit
+    def __call__(
+        self,
+        mR: cute.Tensor,
+        mX: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mFn: cute.Tensor,
+        mParam: cute.Tensor,
+        mW: cute.Tensor,
+        mNewR: cute.Tensor,
+        mOut: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        mPreOut: cute.Tensor,
+        mQ: cute.Tensor | None,
+        mScale: cute.Tensor | None,
+        rms_eps: Float32,
+        pre_eps: Float32,
+        sinkhorn_eps: Float32,
+        post_mult: Float32,
+        norm_eps: Float32,
+        stream,
+    ):
+        rows = mR.shape[0]
+        batches = (rows + MAX_SHARE - 1) // MAX_SHARE
+        # Enough clusters that none takes more than MAX_BATCHES batches, at most max_clusters when that suffices.
+        clusters = cutlass.max(cutlass.min(batches, self.max_clusters), (batches + MAX_BATCHES - 1) // MAX_BATCHES)
+        self.kernel(
+            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale,
+            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, batches,
+        ).launch(
+            grid=[self.C, clusters, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.C, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    @cute.jit
+    def body(self, io: tuple, eps: tuple, batches: Int32):
+        """A cluster's batches (the class docstring); `batches`: of the whole call."""
+        mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale = io
+        rms_eps, _, sinkhorn_eps, _, norm_eps = eps
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, cluster, _ = cute.arch.block_idx()
+        _, clusters, _ = cute.arch.grid_dim()
+        warp = tidx // 32
+        rows = mR.shape[0]
+        mine = (batches - cluster + clusters - 1) // clusters  # batches cluster, cluster + clusters, ...
+        smem = cutlass.memory.SmemAllocator()
+        # Two stages of the rows' inputs (a batch's are staged while the one before is exchanged); R' once (a batch's
+        # is read before the next batch's chunks write it).
+        V = self.V
+        in_words = MAX_SHARE * (HC + 1) * V * 4
+        co_words = MAX_SHARE * 5 * HC
+        sIn2 = smem.allocate_tensor(Int32, cute.make_layout(2 * in_words), byte_alignment=16)
+        sCo2 = smem.allocate_tensor(Float32, cute.make_layout(2 * co_words), byte_alignment=16)
+        sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
+        buf = self.allocate_exact(smem)
+        sParam, mbar = buf[-2], buf[-1]
+        sKeep = smem.allocate_tensor(Float32, cute.make_layout(MAX_BATCHES * NV), byte_alignment=16)
+        self.init_barriers(mbar)
+        fn, w_words, q = self.weights(mFn, mParam, mW, sParam, cta)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        row0 = cluster * MAX_SHARE
+        self.stage_rows(mR, mX, mPost, mComb, sIn2, sCo2, row0, cutlass.min(MAX_SHARE, rows - row0), cta, tidx)
+        if const_expr(self.mxfp8):
+            self.zero_scale_padding(mScale, rows, cluster * self.C + cta, tidx)
+        split = self.split_fn(fn)
+        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        owned = Int32(0)  # batches whose row `cta` this CTA owns
+        for b in cutlass.range(mine):
+            bat0 = (b * clusters + cluster) * MAX_SHARE
+            count = cutlass.min(MAX_SHARE, rows - bat0)
+            stage = b % 2
+            # The next batch's rows into the other stage (an empty group past the last), then this batch's.
+            nxt0 = bat0 + clusters * MAX_SHARE
+            if b + 1 < mine:
+                self.stage_rows(
+                    mR, mX, mPost, mComb,
+                    cute.make_tensor(sIn2.iterator + (1 - stage) * in_words, cute.make_layout(in_words)),
+                    cute.make_tensor(sCo2.iterator + (1 - stage) * co_words, cute.make_layout(co_words)),
+                    nxt0, cutlass.min(MAX_SHARE, rows - nxt0), cta, tidx,
+                )  # fmt: skip
+            else:
+                cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.barrier()
+            sIn = cute.make_tensor(sIn2.iterator + stage * in_words, cute.make_layout(in_words))
+            sCo = cute.make_tensor(sCo2.iterator + stage * co_words, cute.make_layout(co_words))
+            sKeepB = cute.make_tensor(sKeep.iterator + b * NV, cute.make_layout(NV))
+            self.chunks(sIn, sCo, sRp, buf, mNewR, split, bat0, count)
+            cute.arch.barrier()  # every chunk's partials in sChunk
+            self.batch_exchanges(buf, mPostOut, mPreOut, eps, bat0, count, stage, sKeepB)
+            if warp < self.warps - 2:
+                self.layer_input_exact(
+                    sRp, buf[5], buf[6], buf[7], mbar, mOut, mQ, mScale, w_words, norm_eps, bat0, count, cta, q, stage
+                )  # fmt: skip
+            if cta < count:
+                owned = owned + 1
+            cute.arch.barrier()  # every reader of this stage and of the batch's buffers is done
+        if cta < MAX_SHARE:
+            if warp == self.sink_warp:
+                if owned > 0:
+                    # This CTA's rows: cluster * 8 + cta, then every clusters * 8 rows, one a batch.
+                    view = cute.make_tensor(
+                        mCombOut.iterator + (cluster * MAX_SHARE + cta) * (HC * HC),
+                        cute.make_layout((owned, HC, HC), stride=(clusters * MAX_SHARE * HC * HC, HC, 1)),
+                    )
+                    self.epi.row_comb(sKeep, sParam, Int32(0), owned, view, rms_eps, sinkhorn_eps)
+
+
 @dsl_user_op
 def st_global_u8(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
     """Store the low byte of `val` to a global address."""
@@ -756,10 +886,18 @@ def st_global_u8(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
 
 
 def compile_one_cluster(
-    H: int, cluster_n: int, max_clusters: int, repeat: int, arch: str, exact: bool = False, mxfp8: bool = False
+    H: int,
+    cluster_n: int,
+    max_clusters: int,
+    repeat: int,
+    arch: str,
+    exact: bool = False,
+    mxfp8: bool = False,
+    persistent: bool = False,
 ) -> Any:
-    """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact (`mxfp8`:
-    with the layer input's MXFP8 form)."""
+    """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact (with
+    `persistent` OneClusterV4Persistent; `mxfp8`: with the layer input's MXFP8 form)."""
+    exact = exact or persistent
     T = cute.sym_int()
     b16 = lambda *s: fake_tensor(BFloat16, s)  # noqa: E731
     f32 = lambda *s: fake_tensor(Float32, s, divisibility=4)  # noqa: E731
@@ -771,7 +909,12 @@ def compile_one_cluster(
         Float32(0), Float32(0), Float32(0), Float32(0), Float32(0), fake_stream(),
     )  # fmt: skip
     if mxfp8 and not exact:
-        raise ValueError("only the exact variant writes the MXFP8 form")
+        raise ValueError("only the exact variants write the MXFP8 form")
+    if persistent:
+        # ptxas -O3 keeps fn's 192 words a thread in local memory across the batch loop (40 registers, ~1.1k local
+        # loads and stores in the SASS); -O2 keeps them in registers (255, a few hundred bytes of spills).
+        kernel = OneClusterV4Persistent(H, cluster_n, max_clusters, repeat, mxfp8=mxfp8)
+        return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch} --ptxas-options=-O2")
     kernel = OneClusterV4Exact(H, cluster_n, max_clusters, repeat, mxfp8=mxfp8) if exact else None
     return compile_kernel(kernel or OneClusterV4(H, cluster_n, max_clusters, repeat), *args, arch=arch)
 
@@ -782,24 +925,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-clusters", type=int, default=4)
     ap.add_argument("--replays", type=int, default=7)
-    ap.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS), help="mxfp8: the exact variant only")
+    ap.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS[:2]))
+    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS), help="mxfp8: the exact variants only")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
     args = ap.parse_args(argv)
     if args.compile_only:
         for H in args.hidden:
             for variant, form in _cases(args):
-                compile_one_cluster(
-                    H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", variant == "exact", form == "mxfp8"
-                )
+                exact, mxfp8, persistent = variant != "fma", form == "mxfp8", variant == "persistent"
+                compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact, mxfp8, persistent)
                 print(f"compiled {variant} {form} H {H} (cluster {CLUSTERS[H]})", flush=True)
         return
     run(args)
 
 
 def _cases(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The (variant, form) pairs asked for that exist (the MXFP8 form is the exact variant's)."""
-    return [(v, f) for v in args.variant for f in args.forms if f == "bf16" or v == "exact"]
+    """The (variant, form) pairs asked for that exist (the MXFP8 form is the exact variants')."""
+    return [(v, f) for v in args.variant for f in args.forms if f == "bf16" or v != "fma"]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -823,8 +965,10 @@ def run(args: argparse.Namespace) -> None:
         weight, norm_eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
         param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
         for variant, form in _cases(args):
-            exact, mxfp8 = variant == "exact", form == "mxfp8"
-            compiled = compile_one_cluster(H, CLUSTERS[H], args.max_clusters, p.sinkhorn_repeat, "sm_90a", exact, mxfp8)
+            exact, mxfp8, persistent = variant != "fma", form == "mxfp8", variant == "persistent"
+            compiled = compile_one_cluster(
+                H, CLUSTERS[H], args.max_clusters, p.sinkhorn_repeat, "sm_90a", exact, mxfp8, persistent
+            )
             launch = (compiled, p, param, weight, norm_eps, mxfp8)
             quantize = "mxfp8" if mxfp8 else False
             for rows in args.rows:
