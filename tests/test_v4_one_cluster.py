@@ -18,7 +18,7 @@ from cute_kernels.coefficients.config import MIX
 ROOT = Path(__file__).resolve().parents[1]
 
 
-CASES = [("fma", "bf16"), ("exact", "bf16"), ("exact", "mxfp8"), ("persistent", "bf16")]
+CASES = [("fma", "bf16"), ("exact", "bf16"), ("exact", "mxfp8"), ("persistent", "bf16"), ("persistent", "mxfp8")]
 
 
 @pytest.mark.parametrize(("variant", "form"), CASES)

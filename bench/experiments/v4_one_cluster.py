@@ -152,11 +152,12 @@ class OneClusterV4:
         sinkhorn_eps: Float32,
         post_mult: Float32,
         norm_eps: Float32,
-        share: Int32,
+        split: Int32,
     ):
-        """The launch: the variant's body on its tensors, eps values and rows a cluster."""
+        """The launch: the variant's body on its tensors, eps values and `split` (rows a cluster, or with the
+        persistent variant the call's batches)."""
         io = (mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale)
-        self.body(io, (rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps), share)
+        self.body(io, (rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps), split)
 
     @cute.jit
     def body(self, io: tuple, eps: tuple, share: Int32):
@@ -763,6 +764,8 @@ class OneClusterV4Persistent(OneClusterV4Exact):
         self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, mxfp8: bool = False
     ) -> None:
         super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, mxfp8=mxfp8)
+        if self.max_share < MAX_SHARE:  # a batch's every row needs an owner CTA and its collapse tasks
+            raise ValueError(f"a persistent cluster of {cluster_n} CTAs takes {self.max_share} rows, not {MAX_SHARE}")
         self.max_share = MAX_SHARE  # a batch: a cluster takes any number of them (up to MAX_BATCHES)
 
     @cute.jit
@@ -857,7 +860,9 @@ class OneClusterV4Persistent(OneClusterV4Exact):
             cute.arch.barrier()
             sIn = cute.make_tensor(sIn2.iterator + stage * in_words, cute.make_layout(in_words))
             sCo = cute.make_tensor(sCo2.iterator + stage * co_words, cute.make_layout(co_words))
-            sKeepB = cute.make_tensor(sKeep.iterator + b * NV, cute.make_layout(NV))
+            # An owner's rows are a prefix of its batches (only the call's last batch is partial), so `owned` counts
+            # them and the slices' mbarrier, armed on owners only, completes a phase a batch like the other two.
+            sKeepB = cute.make_tensor(sKeep.iterator + owned * NV, cute.make_layout(NV))
             self.chunks(sIn, sCo, sRp, buf, mNewR, split, bat0, count)
             cute.arch.barrier()  # every chunk's partials in sChunk
             self.batch_exchanges(buf, mPostOut, mPreOut, eps, bat0, count, stage, sKeepB)
