@@ -153,6 +153,16 @@ FP8_GROUP_AMAX_FLOOR = 1e-4
 FP8_GROUP_LANES = FP8_GROUP // VEC  # adjacent lanes holding one group
 
 
+def group_words(words: list, inverse: Float32) -> tuple:
+    """The e4m3 bytes of one 8-element vector (4 packed bf16 words) under its FP8 1x128 group's scale: e4m3(x * (1 /
+    sf)), as two words."""
+    q = []
+    for i in range(8):
+        x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
+        q.append(ptx.mul_rn(x, inverse))
+    return ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3]), ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
+
+
 class Fp8GroupWriter:
     """Writes the FP8 1x128 form of rows of H columns: e4m3 data [T, H] and fp32 scales [H/128, T_pad] (scale of
     token t and group g at g * T_pad + t); `ue8m0`: each scale rounded up to a power of two."""
@@ -190,12 +200,7 @@ class Fp8GroupWriter:
         whole groups (a chunk is a multiple of 128 columns): they only skip the stores."""
         amax = self.group_amax(words)
         sf, inverse = self.scale(amax)
-        q = []
-        for i in cutlass.range_constexpr(8):
-            x = ptx.bf16_lo(words[i // 2]) if i % 2 == 0 else ptx.bf16_hi(words[i // 2])
-            q.append(ptx.mul_rn(x, inverse))
-        q_lo = ptx.cvt_e4m3x4(q[0], q[1], q[2], q[3])
-        q_hi = ptx.cvt_e4m3x4(q[4], q[5], q[6], q[7])
+        q_lo, q_hi = group_words(words, inverse)
         if const_expr(valid is None):
             self.store(place, q_lo, q_hi, ptx.f32_bits(sf))
         else:

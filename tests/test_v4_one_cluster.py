@@ -18,7 +18,14 @@ from cute_kernels.coefficients.config import MIX
 ROOT = Path(__file__).resolve().parents[1]
 
 
-CASES = [("fma", "bf16"), ("exact", "bf16"), ("exact", "mxfp8"), ("persistent", "bf16"), ("persistent", "mxfp8")]
+CASES = [
+    ("fma", "bf16"),
+    ("exact", "bf16"),
+    ("exact", "mxfp8"),
+    ("exact", "fp8"),
+    ("persistent", "bf16"),
+    ("persistent", "mxfp8"),
+]
 
 
 @pytest.mark.parametrize(("variant", "form"), CASES)

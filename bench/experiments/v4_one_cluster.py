@@ -17,7 +17,7 @@ cluster with one exchange of each kind for all of them:
   epilogue's code; the collapse warps of every CTA: each row's collapse with its pre, sums of squares through a second
   exchange, the norm, the layer input.
 
-Two variants. `fma` (OneClusterV4): the mixes' dot products are fp32 FMAs in a fixed order, so post / comb / pre /
+Three variants. `fma` (OneClusterV4): the mixes' dot products are fp32 FMAs in a fixed order, so post / comb / pre /
 the layer input differ from the shipped path's in the last bits (held to the reference by tolerance). `exact`
 (OneClusterV4Exact): the bits of the shipped path, so that a shipped form could take few rows while the
 partials schedule takes many without breaking batch invariance: a CTA's 448 / 512 columns are whole slices of the
@@ -27,15 +27,18 @@ per row, which also runs post / pre and comb and sends the pre to every CTA), an
 keeps the own-pre layer input's order (every CTA gets every vector's square: a third exchange). The exact variant
 also writes the MXFP8 form (`--forms mxfp8`): a task's 4 vectors are one 32-column block (its amax without a shuffle,
 Mxfp8Writer's scale and rounding), the scale bytes stored one at a time (a CTA's 448 columns at H 7168 hold 3.5 scale
-words), the 128-row padding zeroed a (row, word) at a time over every CTA of the launch. W = 1, a ready partial, up to 8
-rows a cluster.
+words), the 128-row padding zeroed a (row, word) at a time over every CTA of the launch; and FP8 1x128 (`--forms fp8`):
+each block's amax goes to every CTA (a 128-column group's 4 blocks lie in two CTAs at H 7168: one more exchange, after
+the norm), then Fp8GroupWriter's scale and rounding. W = 1, a ready partial, up to 8 rows a cluster. `persistent`
+(OneClusterV4Persistent, for many rows): the exact variant's steps with a few clusters looping over batches of 8 rows,
+fn loaded once, the next batch's rows staged during the current one's exchanges, comb's Sinkhorn after the last batch.
 
-    python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--variant fma exact]
-        [--forms bf16 mxfp8] [--max-clusters 4] [--replays 7] [--compile-only]
+    python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--variant fma exact persistent]
+        [--forms bf16 mxfp8 fp8] [--max-clusters 4] [--replays 7] [--compile-only]
 
 Prints, per variant and shape: GPU us per call of the one launch and of the shipped `V4Boundaries.sublayer` (bf16), one
 graph method (bench.timing); each output's largest error against the reference (the shipped path's beside it); and
-how many words differ from the shipped path's (all 0 is the exact variant's claim, MXFP8 bytes included).
+how many words differ from the shipped path's (all 0 is the exact variants' claim, quantized bytes included).
 """
 
 from __future__ import annotations
@@ -55,14 +58,15 @@ from cute_kernels.coefficients.config import CHUNK, CLUSTER, MIX, NV, projection
 from cute_kernels.coefficients.epilogue import EpilogueRole
 from cute_kernels.coefficients.layer_input import collapse_vector, normed_vector, square_sum
 from cute_kernels.compile import compile_kernel, fake_stream, fake_tensor
-from cute_kernels.quant import block_scale, quantize_words
+from cute_kernels.quant import Fp8GroupWriter, block_scale, group_words, quantize_words
 
 SLOT = 28  # floats per warp slot of the mixes exchange: 24 dot products and the sum of squares, 16-byte pushes
 MAX_SHARE = 8  # rows a cluster may take at most (shared memory is sized for them); the persistent variant's batch
 MAX_BATCHES = 32  # batches one persistent cluster may take (lanes of its Sinkhorn warp)
 CLUSTERS = {4096: 8, 7168: 16}  # CTAs per row's cluster: 24 x 8 fn values a thread, one thread per (stream, vector)
 VARIANTS = ("fma", "exact", "persistent")  # OneClusterV4, OneClusterV4Exact, OneClusterV4Persistent
-FORMS = ("bf16", "mxfp8")  # the layer input alone, or with its MXFP8 form (the exact variant)
+FORMS = ("bf16", "mxfp8", "fp8")  # the layer input alone, or with its MXFP8 or FP8 1x128 form (the exact variants)
+QUANTIZE = {"bf16": False, "mxfp8": "mxfp8", "fp8": "fp8_1x128"}  # each form's V4Boundaries.sublayer(quantize=)
 LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster), whose order the own-pre form keeps
 
 
@@ -394,10 +398,14 @@ class OneClusterV4Exact(OneClusterV4):
     folds them, runs post / pre and comb for it and sends the pre to every CTA. Three exchanges: slices, pre, squares."""
 
     def __init__(
-        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, mxfp8: bool = False
+        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, quant: str | None = None
     ) -> None:
         super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat)
-        self.mxfp8 = mxfp8  # the layer input's MXFP8 form too (a task's 4 vectors are one 32-column block)
+        if quant not in (None, "mxfp8", "fp8"):
+            raise ValueError(f"quant must be None, 'mxfp8' or 'fp8' (FP8 1x128), got {quant!r}")
+        self.mxfp8 = quant == "mxfp8"  # the layer input's MXFP8 form too (a task's 4 vectors are one 32-column block)
+        # FP8 1x128: a group's 4 blocks may lie in two CTAs (H 7168), so their amaxes go round the cluster.
+        self.fp8 = Fp8GroupWriter(H, ue8m0=False) if quant == "fp8" else None
         self.scale_cols = H // MXFP8_BLOCK  # a multiple of 4: H is one of 128
         self.Wc, self.G = projection_split(H, False)  # chunks a slice, groups of 8 slices
         self.slice_cols = CHUNK * self.Wc
@@ -431,7 +439,7 @@ class OneClusterV4Exact(OneClusterV4):
         smem = cutlass.memory.SmemAllocator()
         sIn, sCo, sRp = self.allocate_rows(smem)
         buf = self.allocate_exact(smem)
-        sParam, mbar = buf[-2], buf[-1]
+        sParam, mbar = buf[8], buf[9]
         self.init_barriers(mbar)
         fn, w_words, q = self.weights(mFn, mParam, mW, sParam, cta)
         cute.arch.griddepcontrol_wait()
@@ -451,12 +459,14 @@ class OneClusterV4Exact(OneClusterV4):
                 self.epi.row_comb(buf[3], sParam, row0 + cta, Int32(1), mCombOut, rms_eps, sinkhorn_eps)
         if warp < self.warps - 2:
             self.layer_input_exact(
-                sRp, buf[5], buf[6], buf[7], mbar, mOut, mQ, mScale, w_words, norm_eps, row0, count, cta, q, Int32(0)
+                sRp, buf[5], buf[6], buf[7], buf[10], mbar, mOut, mQ, mScale, w_words, norm_eps, row0, count, cta, q,
+                Int32(0),
             )  # fmt: skip
 
     def allocate_exact(self, smem: cutlass.memory.SmemAllocator) -> tuple:
         """The exact variant's shared memory beyond the rows': (sChunk, sRecv, sGroup, sTot, sOwnPre, sPre, sSq,
-        sSlice, sParam, mbar), mbar its 3 mbarriers (slices to owners, pre, squares; init_barriers sets them up)."""
+        sSlice, sParam, mbar, sAmax), mbar its 4 mbarriers (slices to owners, pre, squares, FP8 1x128 amaxes;
+        init_barriers sets them up), sAmax None without FP8 1x128."""
         f32 = lambda n: smem.allocate_tensor(Float32, cute.make_layout(n), byte_alignment=16)  # noqa: E731
         out = (
             f32(self.nchunks * MAX_SHARE * NV),  # sChunk: every chunk's partials of every row
@@ -469,15 +479,21 @@ class OneClusterV4Exact(OneClusterV4):
             f32(MAX_SHARE * LI_SLICES),  # sSlice
             f32(3 + MIX),  # sParam
         )
-        return out + (smem.allocate_array(cutlass.Int64, num_elems=3),)
+        mbar = smem.allocate_array(cutlass.Int64, num_elems=4)
+        sAmax = None  # FP8 1x128: every row's blocks' amax bits
+        if self.fp8 is not None:
+            sAmax = smem.allocate_tensor(
+                Int32, cute.make_layout(MAX_SHARE * (self.H // MXFP8_BLOCK)), byte_alignment=16
+            )
+        return out + (mbar, sAmax)
 
     @cute.jit
     def init_barriers(self, mbar: cute.Pointer):
-        """The 3 mbarriers initialised (one arrival a phase) and announced to the cluster (cluster_wait before the
+        """The 4 mbarriers initialised (one arrival a phase) and announced to the cluster (cluster_wait before the
         first push)."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            for s in cutlass.range_constexpr(3):
+            for s in cutlass.range_constexpr(4):
                 cute.arch.mbarrier_init(mbar + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
@@ -622,6 +638,8 @@ class OneClusterV4Exact(OneClusterV4):
         if warp == 0:
             reduce.expect_bytes(mbar + 1, count * (HC * 4))
             reduce.expect_bytes(mbar + 2, count * ((self.H // VEC) * 4))
+            if const_expr(self.fp8 is not None):
+                reduce.expect_bytes(mbar + 3, count * ((self.H // MXFP8_BLOCK) * 4))
         if cta < count:
             reduce.wait_pushes(mbar, phase, False)
             for e in cutlass.range(tidx, self.G * NV, self.threads):
@@ -656,6 +674,7 @@ class OneClusterV4Exact(OneClusterV4):
         sPre: cute.Tensor,
         sSq: cute.Tensor,
         sSlice: cute.Tensor,
+        sAmax: cute.Tensor | None,
         mbar: cute.Pointer,
         mOut: cute.Tensor,
         mQ: cute.Tensor | None,
@@ -703,31 +722,74 @@ class OneClusterV4Exact(OneClusterV4):
             if lane == 0:
                 sSlice[task8] = part
         cute.arch.barrier(barrier_id=1, number_of_threads=self.workers)
+        tc = cutlass.min(ti, count - 1)
+        total = sSlice[tc * LI_SLICES]
+        for s8 in cutlass.range_constexpr(1, LI_SLICES):
+            total = total + sSlice[tc * LI_SLICES + s8]
+        inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
+        outs = [normed_vector(cs[m], inv, w_words[m]) for m in range(4)]
+        block = cta * (V // 4) + q  # this task's 32-column block of the row
         if task:
-            total = sSlice[ti * LI_SLICES]
-            for s8 in cutlass.range_constexpr(1, LI_SLICES):
-                total = total + sSlice[ti * LI_SLICES + s8]
-            inv = ptx.rsqrt_approx(ptx.div_rn(total, Float32(self.H)) + norm_eps)
-            outs = []
             for m in cutlass.range_constexpr(4):
-                out = normed_vector(cs[m], inv, w_words[m])
                 ob = mOut.iterator.toint() + (Int64(row0 + ti) * self.H + Int64((cta * V + 4 * q + m) * VEC)) * 2
-                ptx.st_global_v4_b32(ob, out[0], out[1], out[2], out[3])
-                outs.append(out)
+                ptx.st_global_v4_b32(ob, outs[m][0], outs[m][1], outs[m][2], outs[m][3])
             if const_expr(self.mxfp8):
-                self.quantize_block(outs, mQ, mScale, row0 + ti, cta * (V // 4) + q)
+                self.quantize_block(outs, mQ, mScale, row0 + ti, block)
+        if const_expr(self.fp8 is not None):
+            self.quantize_group(outs, sAmax, mbar + 3, mQ, mScale, row0, ti, task, block, cta, phase)
+
+    @cute.jit
+    def quantize_group(
+        self,
+        outs: list,
+        sAmax: cute.Tensor,
+        mbar: cute.Pointer,
+        mQ: cute.Tensor,
+        mScale: cute.Tensor,
+        row0: Int32,
+        ti: Int32,
+        task: cutlass.Boolean,
+        block: Int32,
+        cta: Int32,
+        phase: Int32,
+    ):
+        """FP8 1x128 of the tasks' blocks: each block's amax to every CTA (its group's 4 blocks may lie in two), then
+        each task takes its group's amax, Fp8GroupWriter's scale and rounding for its 32 values, and the group's first
+        block's task stores the scale (and, on the call's last row, the zeros of the padding rows up to T_pad)."""
+        blocks = self.H // MXFP8_BLOCK
+        if task:
+            amax = Int32(block_amax(outs))
+            for c in cutlass.range_constexpr(self.C):
+                reduce.push(sAmax.iterator + ti * blocks + block, amax, mbar, Int32(c))
+        reduce.wait_pushes(mbar, phase, False)  # every block's amax of every row
+        if task:
+            first = block // 4 * 4
+            gmax = Uint32(sAmax[ti * blocks + first])
+            for k in cutlass.range_constexpr(1, 4):
+                gmax = cutlass.max(gmax, Uint32(sAmax[ti * blocks + first + k]))
+            sf, inverse = self.fp8.scale(gmax)
+            row = row0 + ti
+            for m in cutlass.range_constexpr(4):
+                q_lo, q_hi = group_words(outs[m], inverse)
+                ptx.st_global_v2_b32(
+                    mQ.iterator.toint() + Int64(row) * self.H + Int64((block * 4 + m) * VEC), q_lo, q_hi
+                )
+            if block == first:
+                padded = mScale.shape[1]  # T_pad
+                base = mScale.iterator.toint() + (Int64(block // 4) * Int64(padded)) * 4
+                ptx.st_global_b32(base + Int64(row) * 4, ptx.f32_bits(sf))
+                rows = mQ.shape[0]
+                if row == rows - 1:
+                    for k in cutlass.range_constexpr(1, 4):
+                        if row + k < padded:
+                            ptx.st_global_b32(base + Int64(row + k) * 4, Uint32(0))
 
     @cute.jit
     def quantize_block(self, outs: list, mQ: cute.Tensor, mScale: cute.Tensor, row: Int32, block: Int32):
         """MXFP8 of one 32-column block of the layer input (its 4 vectors, this thread's): the block amax over its
         32 values (no shuffle), Mxfp8Writer's scale and rounding, the 32 e4m3 bytes and the scale byte (at H 7168 a
         CTA's 448 columns hold 3.5 scale words, so the byte goes out alone)."""
-        amax = Uint32(0)
-        for m in cutlass.range_constexpr(4):
-            for w in cutlass.range_constexpr(4):
-                word = Uint32(outs[m][w])
-                amax = cutlass.max(amax, word & Uint32(0x7FFF), (word >> 16) & Uint32(0x7FFF))
-        e, m1, m2 = block_scale(amax << 16)
+        e, m1, m2 = block_scale(block_amax(outs) << 16)
         for m in cutlass.range_constexpr(4):
             q_lo, q_hi = quantize_words(outs[m], e, m1, m2)
             ptx.st_global_v2_b32(mQ.iterator.toint() + Int64(row) * self.H + Int64((block * 4 + m) * VEC), q_lo, q_hi)
@@ -761,9 +823,9 @@ class OneClusterV4Persistent(OneClusterV4Exact):
     bits as the exact variant (the same operations on each row)."""
 
     def __init__(
-        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, mxfp8: bool = False
+        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, quant: str | None = None
     ) -> None:
-        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, mxfp8=mxfp8)
+        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, quant=quant)
         if self.max_share < MAX_SHARE:  # a batch's every row needs an owner CTA and its collapse tasks
             raise ValueError(f"a persistent cluster of {cluster_n} CTAs takes {self.max_share} rows, not {MAX_SHARE}")
         self.max_share = MAX_SHARE  # a batch: a cluster takes any number of them (up to MAX_BATCHES)
@@ -828,7 +890,7 @@ class OneClusterV4Persistent(OneClusterV4Exact):
         sCo2 = smem.allocate_tensor(Float32, cute.make_layout(2 * co_words), byte_alignment=16)
         sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
         buf = self.allocate_exact(smem)
-        sParam, mbar = buf[-2], buf[-1]
+        sParam, mbar = buf[8], buf[9]
         sKeep = smem.allocate_tensor(Float32, cute.make_layout(MAX_BATCHES * NV), byte_alignment=16)
         self.init_barriers(mbar)
         fn, w_words, q = self.weights(mFn, mParam, mW, sParam, cta)
@@ -868,7 +930,8 @@ class OneClusterV4Persistent(OneClusterV4Exact):
             self.batch_exchanges(buf, mPostOut, mPreOut, eps, bat0, count, stage, sKeepB)
             if warp < self.warps - 2:
                 self.layer_input_exact(
-                    sRp, buf[5], buf[6], buf[7], mbar, mOut, mQ, mScale, w_words, norm_eps, bat0, count, cta, q, stage
+                    sRp, buf[5], buf[6], buf[7], buf[10], mbar, mOut, mQ, mScale, w_words, norm_eps, bat0, count, cta,
+                    q, stage,
                 )  # fmt: skip
             if cta < count:
                 owned = owned + 1
@@ -884,6 +947,17 @@ class OneClusterV4Persistent(OneClusterV4Exact):
                     self.epi.row_comb(sKeep, sParam, Int32(0), owned, view, rms_eps, sinkhorn_eps)
 
 
+def block_amax(outs: list) -> Uint32:
+    """The bf16 magnitude bit pattern of a 32-column block's amax (4 vectors of 4 packed words): |x| orders like its
+    bits, and NaN sorts above Inf."""
+    amax = Uint32(0)
+    for m in range(4):
+        for w in range(4):
+            word = Uint32(outs[m][w])
+            amax = cutlass.max(amax, word & Uint32(0x7FFF), (word >> 16) & Uint32(0x7FFF))
+    return amax
+
+
 @dsl_user_op
 def st_global_u8(addr: Int64, val: Uint32, *, loc=None, ip=None) -> None:
     """Store the low byte of `val` to a global address."""
@@ -897,11 +971,11 @@ def compile_one_cluster(
     repeat: int,
     arch: str,
     exact: bool = False,
-    mxfp8: bool = False,
+    quant: str | None = None,
     persistent: bool = False,
 ) -> Any:
     """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact (with
-    `persistent` OneClusterV4Persistent; `mxfp8`: with the layer input's MXFP8 form)."""
+    `persistent` OneClusterV4Persistent; `quant` "mxfp8" or "fp8": with the layer input's MXFP8 or FP8 1x128 form)."""
     exact = exact or persistent
     T = cute.sym_int()
     b16 = lambda *s: fake_tensor(BFloat16, s)  # noqa: E731
@@ -909,18 +983,22 @@ def compile_one_cluster(
     args = (
         b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(MIX, HC * H), f32(3 + MIX), b16(H),
         b16(T, HC, H), b16(T, H), f32(T, HC), f32(T, HC, HC), f32(T, HC),
-        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if mxfp8 else None,
-        fake_tensor(Uint8, (cute.sym_int(),), divisibility=4) if mxfp8 else None,
+        fake_tensor(Float8E4M3FN, (T, H), divisibility=16) if quant else None,
+        {
+            None: None,
+            "mxfp8": fake_tensor(Uint8, (cute.sym_int(),), divisibility=4),  # swizzled E8M0 scales
+            "fp8": fake_tensor(Float32, (H // 128, cute.sym_int()), divisibility=4),  # [H/128, T_pad]
+        }[quant],
         Float32(0), Float32(0), Float32(0), Float32(0), Float32(0), fake_stream(),
     )  # fmt: skip
-    if mxfp8 and not exact:
-        raise ValueError("only the exact variants write the MXFP8 form")
+    if quant and not exact:
+        raise ValueError("only the exact variants write a quantized form")
     if persistent:
         # ptxas -O3 keeps fn's 192 words a thread in local memory across the batch loop (40 registers, ~1.1k local
         # loads and stores in the SASS); -O2 keeps them in registers (255, a few hundred bytes of spills).
-        kernel = OneClusterV4Persistent(H, cluster_n, max_clusters, repeat, mxfp8=mxfp8)
+        kernel = OneClusterV4Persistent(H, cluster_n, max_clusters, repeat, quant=quant)
         return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch} --ptxas-options=-O2")
-    kernel = OneClusterV4Exact(H, cluster_n, max_clusters, repeat, mxfp8=mxfp8) if exact else None
+    kernel = OneClusterV4Exact(H, cluster_n, max_clusters, repeat, quant=quant) if exact else None
     return compile_kernel(kernel or OneClusterV4(H, cluster_n, max_clusters, repeat), *args, arch=arch)
 
 
@@ -931,14 +1009,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-clusters", type=int, default=4)
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS[:2]))
-    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS), help="mxfp8: the exact variants only")
+    ap.add_argument(
+        "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="mxfp8, fp8 (FP8 1x128): the exact variants only"
+    )
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
     args = ap.parse_args(argv)
     if args.compile_only:
         for H in args.hidden:
             for variant, form in _cases(args):
-                exact, mxfp8, persistent = variant != "fma", form == "mxfp8", variant == "persistent"
-                compile_one_cluster(H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", exact, mxfp8, persistent)
+                quant = None if form == "bf16" else form
+                compile_one_cluster(
+                    H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", variant != "fma", quant, variant == "persistent"
+                )
                 print(f"compiled {variant} {form} H {H} (cluster {CLUSTERS[H]})", flush=True)
         return
     run(args)
@@ -970,12 +1052,13 @@ def run(args: argparse.Namespace) -> None:
         weight, norm_eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
         param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
         for variant, form in _cases(args):
-            exact, mxfp8, persistent = variant != "fma", form == "mxfp8", variant == "persistent"
+            quant = None if form == "bf16" else form
             compiled = compile_one_cluster(
-                H, CLUSTERS[H], args.max_clusters, p.sinkhorn_repeat, "sm_90a", exact, mxfp8, persistent
-            )
-            launch = (compiled, p, param, weight, norm_eps, mxfp8)
-            quantize = "mxfp8" if mxfp8 else False
+                H, CLUSTERS[H], args.max_clusters, p.sinkhorn_repeat, "sm_90a", variant != "fma", quant,
+                variant == "persistent",
+            )  # fmt: skip
+            launch = (compiled, p, param, weight, norm_eps, quant)
+            quantize = QUANTIZE[form]
             for rows in args.rows:
                 b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
                 step = DecodeStep(rows=rows, side_stream=False)
@@ -999,7 +1082,7 @@ def _compare(outs: list, sets: list, p: Any, weight: torch.Tensor, norm_eps: flo
     outputs, kept by bench.v4._ours)."""
     from boundary import reference
 
-    names = ("R'", "post", "comb", "pre", "li", "mxfp8 data", "mxfp8 scale")
+    names = ("R'", "post", "comb", "pre", "li", "quantized data", "quantized scale")
     err = dict.fromkeys(names[:5], (0.0, 0.0))
     differ = dict.fromkeys(names, 0)
     for got, inp in zip(outs, sets, strict=True):
@@ -1029,8 +1112,9 @@ def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
     """A closure making the one-launch boundary on an input set, and its outputs: R', post, comb, pre and the layer
     input in reference.V4Boundary's order, then with MXFP8 its data and scales."""
     from boundary import mxfp8_scale_bytes
+    from boundary.reference import fp8_group_scale_rows
 
-    compiled, p, param, weight, norm_eps, mxfp8 = launch
+    compiled, p, param, weight, norm_eps, quant = launch
     rows, hc, hidden = inp["residual"].shape
     dev = inp["residual"].device
     new, li = torch.empty_like(inp["residual"]), torch.empty_like(inp["y"])
@@ -1039,8 +1123,12 @@ def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
         torch.empty(rows, hc, hc, device=dev),
         torch.empty(rows, hc, device=dev),
     )
-    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=dev) if mxfp8 else None
-    sf = torch.empty(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=dev) if mxfp8 else None
+    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=dev) if quant else None
+    sf = None
+    if quant == "mxfp8":
+        sf = torch.empty(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=dev)
+    elif quant == "fp8":
+        sf = torch.empty(hidden // 128, fp8_group_scale_rows(rows), dtype=torch.float32, device=dev)
 
     def call() -> None:
         compiled(
@@ -1048,7 +1136,7 @@ def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
             p.rms_eps, p.pre_eps, p.sinkhorn_eps, p.post_mult, norm_eps,
         )  # fmt: skip
 
-    return call, (new, post, comb, pre, li) + ((q, sf) if mxfp8 else ())
+    return call, (new, post, comb, pre, li) + ((q, sf) if quant else ())
 
 
 def _state(inp: dict[str, Any]) -> Any:
