@@ -119,13 +119,10 @@ class OneClusterV4:
         norm_eps: Float32,
         stream,
     ):
-        rows = mR.shape[0]
-        # At most max_share rows a cluster (shared memory, one m-tile half, one owner CTA a row): more clusters then.
-        share = cutlass.max(cutlass.min((rows + (self.max_clusters - 1)) // self.max_clusters, self.max_share), 1)
-        clusters = (rows + share - 1) // share
+        split, clusters = self.launch_shape(mR.shape[0])
         self.kernel(
             mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale,
-            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, share,
+            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, split,
         ).launch(
             grid=[self.C, clusters, 1],
             block=[self.threads, 1, 1],
@@ -133,6 +130,12 @@ class OneClusterV4:
             stream=stream,
             use_pdl=True,
         )  # fmt: skip
+
+    def launch_shape(self, rows: Int32) -> tuple:
+        """(rows a cluster, clusters) of a call: at most max_share rows a cluster (shared memory, one m-tile half, one
+        owner CTA a row), spread over up to max_clusters clusters, more where they need them."""
+        share = cutlass.max(cutlass.min((rows + (self.max_clusters - 1)) // self.max_clusters, self.max_share), 1)
+        return share, (rows + share - 1) // share
 
     @cute.kernel
     def kernel(
@@ -830,44 +833,11 @@ class OneClusterV4Persistent(OneClusterV4Exact):
             raise ValueError(f"a persistent cluster of {cluster_n} CTAs takes {self.max_share} rows, not {MAX_SHARE}")
         self.max_share = MAX_SHARE  # a batch: a cluster takes any number of them (up to MAX_BATCHES)
 
-    @cute.jit
-    def __call__(
-        self,
-        mR: cute.Tensor,
-        mX: cute.Tensor,
-        mPost: cute.Tensor,
-        mComb: cute.Tensor,
-        mFn: cute.Tensor,
-        mParam: cute.Tensor,
-        mW: cute.Tensor,
-        mNewR: cute.Tensor,
-        mOut: cute.Tensor,
-        mPostOut: cute.Tensor,
-        mCombOut: cute.Tensor,
-        mPreOut: cute.Tensor,
-        mQ: cute.Tensor | None,
-        mScale: cute.Tensor | None,
-        rms_eps: Float32,
-        pre_eps: Float32,
-        sinkhorn_eps: Float32,
-        post_mult: Float32,
-        norm_eps: Float32,
-        stream,
-    ):
-        rows = mR.shape[0]
+    def launch_shape(self, rows: Int32) -> tuple:
+        """(the call's batches of 8 rows, clusters): enough clusters that none takes more than MAX_BATCHES batches,
+        at most max_clusters where that suffices."""
         batches = (rows + MAX_SHARE - 1) // MAX_SHARE
-        # Enough clusters that none takes more than MAX_BATCHES batches, at most max_clusters when that suffices.
-        clusters = cutlass.max(cutlass.min(batches, self.max_clusters), (batches + MAX_BATCHES - 1) // MAX_BATCHES)
-        self.kernel(
-            mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale,
-            rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps, batches,
-        ).launch(
-            grid=[self.C, clusters, 1],
-            block=[self.threads, 1, 1],
-            cluster=[self.C, 1, 1],
-            stream=stream,
-            use_pdl=True,
-        )  # fmt: skip
+        return batches, cutlass.max(cutlass.min(batches, self.max_clusters), (batches + MAX_BATCHES - 1) // MAX_BATCHES)
 
     @cute.jit
     def body(self, io: tuple, eps: tuple, batches: Int32):
