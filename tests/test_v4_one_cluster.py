@@ -25,6 +25,7 @@ CASES = [
     ("exact", "fp8"),
     ("persistent", "bf16"),
     ("persistent", "mxfp8"),
+    ("persistent", "fp8"),
 ]
 
 

@@ -110,8 +110,8 @@ class OneClusterV4:
         mPostOut: cute.Tensor,  # [T, 4] fp32
         mCombOut: cute.Tensor,  # [T, 4, 4] fp32
         mPreOut: cute.Tensor,  # [T, 4] fp32
-        mQ: cute.Tensor | None,  # exact, mxfp8: [T, H] e4m3
-        mScale: cute.Tensor | None,  # exact, mxfp8: swizzled 128x4 E8M0 scales, padded to 128 rows
+        mQ: cute.Tensor | None,  # exact variants, a quantized form: [T, H] e4m3
+        mScale: cute.Tensor | None,  # mxfp8: swizzled 128x4 E8M0 scales (128-row padded); fp8: [H/128, T_pad] fp32
         rms_eps: Float32,
         pre_eps: Float32,
         sinkhorn_eps: Float32,
