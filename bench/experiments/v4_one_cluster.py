@@ -239,18 +239,13 @@ class OneClusterV4:
             reduce.expect_bytes(mbar, count * (C * NV * 4))
         if tidx < count * NV:
             i, n = tidx // NV, tidx % NV
-            s = sWarp[i * W * NV + n]
-            for w in cutlass.range_constexpr(1, W):
-                s = s + sWarp[(i * W + w) * NV + n]
+            s = reduce.ordered_sum([sWarp[(i * W + w) * NV + n] for w in range(W)])
             for c in cutlass.range_constexpr(C):
                 reduce.push(sSlot.iterator + (i * C + cta) * NV + n, s, mbar, Int32(c))
         reduce.wait_pushes(mbar, Int32(0), False)
         if tidx < count * NV:
             i, n = tidx // NV, tidx % NV
-            t = sSlot[i * C * NV + n]
-            for c in cutlass.range_constexpr(1, C):
-                t = t + sSlot[(i * C + c) * NV + n]
-            sTot[i * NV + n] = t
+            sTot[i * NV + n] = reduce.ordered_sum([sSlot[(i * C + c) * NV + n] for c in range(C)])
         cute.arch.barrier()  # the rows' 25 totals in sTot, the layout the coefficients epilogue reads
         if cta == 0:
             if warp == self.pp_warp:
@@ -633,9 +628,7 @@ class OneClusterV4Exact(OneClusterV4):
             js = sl // self.spc
             b = sl - js * self.spc
             lc0 = js * self.kc + b * self.Wc
-            val = sChunk[(lc0 * MAX_SHARE + ri) * NV + n]
-            for w in cutlass.range_constexpr(1, self.Wc):
-                val = val + sChunk[((lc0 + w) * MAX_SHARE + ri) * NV + n]
+            val = reduce.ordered_sum([sChunk[((lc0 + w) * MAX_SHARE + ri) * NV + n] for w in range(self.Wc)])
             s = js * self.stream_slices + cta * self.spc + b
             reduce.push(sRecv.iterator + s * NV + n, val, mbar, ri)
         if warp == 0:
@@ -647,15 +640,12 @@ class OneClusterV4Exact(OneClusterV4):
             reduce.wait_pushes(mbar, phase, False)
             for e in cutlass.range(tidx, self.G * NV, self.threads):
                 gg = e // NV
-                part = sRecv[gg * CLUSTER * NV + (e - gg * NV)]
-                for rr in cutlass.range_constexpr(1, CLUSTER):
-                    part = part + sRecv[(gg * CLUSTER + rr) * NV + (e - gg * NV)]
-                sGroup[e] = part
+                sGroup[e] = reduce.ordered_sum(
+                    [sRecv[(gg * CLUSTER + rr) * NV + (e - gg * NV)] for rr in range(CLUSTER)]
+                )
             cute.arch.barrier()
             if tidx < NV:
-                total = sGroup[tidx]
-                for gg in cutlass.range_constexpr(1, self.G):
-                    total = total + sGroup[gg * NV + tidx]
+                total = reduce.ordered_sum([sGroup[gg * NV + tidx] for gg in range(self.G)])
                 sTot[tidx] = total
                 if const_expr(sKeep is not None):
                     sKeep[tidx] = total
