@@ -456,10 +456,7 @@ class OneClusterV4Exact(OneClusterV4):
             if warp == self.sink_warp:
                 self.epi.row_comb(buf[3], sParam, row0 + cta, Int32(1), mCombOut, rms_eps, sinkhorn_eps)
         if warp < self.warps - 2:
-            self.layer_input_exact(
-                sRp, buf[5], buf[6], buf[7], buf[10], mbar, mOut, mQ, mScale, w_words, norm_eps, row0, count, cta, q,
-                Int32(0),
-            )  # fmt: skip
+            self.layer_input_exact(sRp, buf, io, w_words, norm_eps, row0, count, cta, q, Int32(0))
 
     def allocate_exact(self, smem: cutlass.memory.SmemAllocator) -> tuple:
         """The exact variant's shared memory beyond the rows': (sChunk, sRecv, sGroup, sTot, sOwnPre, sPre, sSq,
@@ -664,14 +661,8 @@ class OneClusterV4Exact(OneClusterV4):
     def layer_input_exact(
         self,
         sRp: cute.Tensor,
-        sPre: cute.Tensor,
-        sSq: cute.Tensor,
-        sSlice: cute.Tensor,
-        sAmax: cute.Tensor | None,
-        mbar: cute.Pointer,
-        mOut: cute.Tensor,
-        mQ: cute.Tensor | None,
-        mScale: cute.Tensor | None,
+        buf: tuple,
+        io: tuple,
         w_words: list,
         norm_eps: Float32,
         row0: Int32,
@@ -681,7 +672,10 @@ class OneClusterV4Exact(OneClusterV4):
         phase: Int32,
     ):
         """The worker warps: task (row, 4 vectors) collapses its vectors with the row's pre, sends their squares to
-        every CTA; each CTA then sums a row's squares in the own-pre layer input's order and normalises."""
+        every CTA; each CTA then sums a row's squares in the own-pre layer input's order and normalises (`buf`:
+        allocate_exact's buffers, `io`: the launch's tensors)."""
+        sPre, sSq, sSlice, mbar, sAmax = buf[5], buf[6], buf[7], buf[9], buf[10]
+        mOut, mQ, mScale = io[8], io[12], io[13]
         tidx, _, _ = cute.arch.thread_idx()
         V = self.V
         row_vecs = self.H // VEC
@@ -889,10 +883,7 @@ class OneClusterV4Persistent(OneClusterV4Exact):
             cute.arch.barrier()  # every chunk's partials in sChunk
             self.batch_exchanges(buf, mPostOut, mPreOut, eps, bat0, count, stage, sKeepB)
             if warp < self.warps - 2:
-                self.layer_input_exact(
-                    sRp, buf[5], buf[6], buf[7], buf[10], mbar, mOut, mQ, mScale, w_words, norm_eps, bat0, count, cta,
-                    q, stage,
-                )  # fmt: skip
+                self.layer_input_exact(sRp, buf, io, w_words, norm_eps, bat0, count, cta, q, stage)
             if cta < count:
                 owned = owned + 1
             cute.arch.barrier()  # every reader of this stage and of the batch's buffers is done
