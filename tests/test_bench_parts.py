@@ -532,8 +532,8 @@ def test_the_v4_part_times_ours_its_quantized_forms_final_and_the_chains_per_sha
     timer = OnceTimer()
     rows = v4.bench_v4(args, timer, copy_bw=1e12)  # type: ignore[arg-type]
     assert [(r["H"], r["rows"]) for r in rows] == [(512, 1), (512, 3)]
-    assert timer.calls == 2 * 5 * CALLS_PER_GRAPH  # ours, + MXFP8, + FP8 1x128, final, eager, per shape
-    assert all(r["ours_mxfp8_us"] > 0 and r["final_us"] > 0 for r in rows)
+    assert timer.calls == 2 * 6 * CALLS_PER_GRAPH  # ours, + MXFP8, + FP8 1x128, final, warm, eager, per shape
+    assert all(r["ours_mxfp8_us"] > 0 and r["final_us"] > 0 and r["ours_warm_us"] > 0 for r in rows)
     assert rows[1]["floor_us"] == v4.v4_bytes(3, 512) / 1e12 * 1e6
     v4.print_v4(rows)
     assert "DeepSeek-V4 boundary" in capsys.readouterr().out
@@ -554,6 +554,28 @@ def test_the_v4_part_times_ours_its_quantized_forms_final_and_the_chains_per_sha
         layer.attn_norm.variance_epsilon,
     )
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_each_v4_call_of_a_graph_reads_weights_of_its_own() -> None:
+    """The V4 part's calls read their own layer's weights and hc_head (cold after the L2 flush, as TileLang's chain is
+    timed), drawn as the toy draws them: the shapes and dtypes of the model's, no two the same tensor."""
+    from bench import v4
+    from boundary.toy import ToyConfig, ToyModel
+
+    model = ToyModel(ToyConfig(hidden_size=256, num_layers=1, vocab=16))
+    layer = model.layers[0]
+    pairs = v4.own_weights(layer, model, 3)
+    assert len(pairs) == 3
+    for own, head in pairs:
+        for name in ("hc_attn_fn", "hc_attn_scale", "hc_attn_base"):
+            got, want = getattr(own, name), getattr(layer, name)
+            assert got.shape == want.shape and got.dtype == want.dtype and not torch.equal(got, want)
+        assert own.attn_norm.weight.dtype == torch.bfloat16 and own.hc_ffn_fn is layer.hc_ffn_fn
+        assert head.hc_head_fn.shape == model.hc_head_fn.shape and head.hc_head_scale.shape == (1,)
+        assert head.final_norm.weight.shape == model.final_norm.weight.shape
+    fns = [own.hc_attn_fn for own, _ in pairs] + [head.hc_head_fn for _, head in pairs]
+    assert len({t.data_ptr() for t in fns}) == len(fns)
+    assert not torch.equal(pairs[0][0].hc_attn_fn, pairs[1][0].hc_attn_fn)
 
 
 def test_the_step_baselines_are_compiled_ahead_as_the_step_part_compiles_them(monkeypatch) -> None:

@@ -29,26 +29,44 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("variant", "form"), CASES)
-@pytest.mark.parametrize("H", sorted(CLUSTERS))
-def test_every_form_compiles_with_fn_loaded_before_the_wait(H: int, variant: str, form: str, tmp_path: Path) -> None:
-    """Before `griddepcontrol.wait`: 2 x 24 16-byte fn loads a thread (its 8 columns of each mix, or 8 chunks x 3
-    n-tiles of 8 fn values) and the norm weight's (1, or its task's 4 vectors); after it no load into registers: the
-    rows come into shared memory by cp.async. The MXFP8 form stores single scale bytes. (One compile a process: the
-    DSL's dump names of two forms can be the same.)"""
+def _entry_ptx(tmp_path: Path, H: int, variant: str, form: str, *extra: str) -> tuple[str, str]:
+    """The kernel's PTX compiled by the experiment's CLI (--compile-only), split at `griddepcontrol.wait`. (One compile
+    a process: the DSL's dump names of two forms can be the same.)"""
     env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_NO_CACHE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "bench.experiments.v4_one_cluster", "--compile-only", "--hidden", str(H)]
-    cmd += ["--variant", variant, "--forms", form]
+    cmd += ["--variant", variant, "--forms", form, *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (ptx,) = tmp_path.rglob("*.ptx")
     body = ptx.read_text()
     before, after = body[body.index(".entry") :].split("griddepcontrol.wait", 1)
+    return before, after
+
+
+@pytest.mark.parametrize(("variant", "form"), CASES)
+@pytest.mark.parametrize("H", sorted(CLUSTERS))
+def test_every_form_compiles_with_fn_loaded_before_the_wait(H: int, variant: str, form: str, tmp_path: Path) -> None:
+    """Before `griddepcontrol.wait`: 2 x 24 16-byte fn loads a thread (its 8 columns of each mix, or 8 chunks x 3
+    n-tiles of 8 fn values) and the norm weight's (1, or its task's 4 vectors), no L2 prefetch; after it no load into
+    registers: the rows come into shared memory by cp.async. The MXFP8 form stores single scale bytes."""
+    before, after = _entry_ptx(tmp_path, H, variant, form)
     weights = 1 if variant == "fma" else 4
     assert len(re.findall(r"ld\.global\.v4", before)) == 2 * MIX + weights
+    assert "prefetch.global.L2" not in before
     assert not re.findall(r"ld\.global", after) and re.findall(r"cp\.async\.cg\.shared\.global", after)
     assert bool(re.findall(r"st\.global\.u8", after)) == (form == "mxfp8")
+
+
+@pytest.mark.parametrize("variant", ["fma", "exact"])
+def test_the_prefetch_form_asks_for_the_ctas_fn_lines_before_its_register_loads(variant: str, tmp_path: Path) -> None:
+    """--prefetch: a loop of `prefetch.global.L2` before the first fn load, the loads themselves unchanged, nothing
+    more after the wait."""
+    before, after = _entry_ptx(tmp_path, 7168, variant, "bf16", "--prefetch")
+    assert "prefetch.global.L2" in before and "prefetch" not in after
+    assert before.index("prefetch.global.L2") < before.index("ld.global.v4")
+    weights = 1 if variant == "fma" else 4
+    assert len(re.findall(r"ld\.global\.v4", before)) == 2 * MIX + weights
 
 
 def test_a_cluster_whose_threads_cannot_hold_fn_is_refused() -> None:

@@ -34,11 +34,14 @@ the norm), then Fp8GroupWriter's scale and rounding. W = 1, a ready partial, up 
 fn loaded once, the next batch's rows staged during the current one's exchanges, comb's Sinkhorn after the last batch.
 
     python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--variant fma exact persistent]
-        [--forms bf16 mxfp8 fp8] [--max-clusters 4] [--replays 7] [--compile-only]
+        [--forms bf16 mxfp8 fp8] [--weights cold warm] [--prefetch] [--max-clusters 4] [--replays 7] [--compile-only]
 
-Prints, per variant and shape: GPU us per call of the one launch and of the shipped `V4Boundaries.sublayer` (bf16), one
-graph method (bench.timing); each output's largest error against the reference (the shipped path's beside it); and
-how many words differ from the shipped path's (all 0 is the exact variants' claim, quantized bytes included).
+Prints, per variant, form, weights and shape: GPU us per call of the one launch and of the shipped
+`V4Boundaries.sublayer` (same form), one graph method (bench.timing); each output's largest error against the reference
+(the shipped path's beside it); and how many words differ from the shipped path's (all 0 is the exact variants' claim,
+quantized bytes included). `cold`: each call of a graph its own layer's weights, so fn comes from HBM (a step's case,
+where this design's few SMs pull 1.5-2.75 MB of fn through their own load queues); `warm`: one layer's for every call.
+`--prefetch`: each CTA first asks its fn lines into L2 (no registers held), then loads them.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ LI_SLICES = 8  # the layer-input kernel's column slices (its CTAs of a cluster),
 class OneClusterV4:
     """The V4 boundary of rows whose 4H width one cluster of `cluster_n` CTAs owns, in one launch."""
 
-    def __init__(self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20) -> None:
+    def __init__(
+        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, prefetch: bool = False
+    ) -> None:
         if H % (cluster_n * VEC):
             raise ValueError(f"H {H} does not split into {cluster_n} CTAs of whole vectors")
         self.H = H
@@ -94,6 +99,7 @@ class OneClusterV4:
         self.sq_slots = cluster_n * self.collapse_warps
         self.max_share = min(MAX_SHARE, self.threads // NV)  # rows a cluster takes: a thread per (row, total)
         self.epi = EpilogueRole(self.K, sinkhorn_repeat, self.threads, 1)
+        self.prefetch = prefetch  # the CTA's fn lines asked into L2 before its register loads (prefetch_fn)
 
     @cute.jit
     def __call__(
@@ -199,6 +205,7 @@ class OneClusterV4:
 
         # Weights, before the wait: this thread's fn values (24 mixes x 8 columns of stream j), the mix parameters,
         # the norm weight of vector v (the collapse threads).
+        self.prefetch_fn(mFn, cta, tidx)
         fn_base = mFn.iterator.toint() + (Int64(j * self.H) + Int64(vc * VEC)) * 4
         f = []
         for m in cutlass.range_constexpr(MIX):
@@ -269,6 +276,18 @@ class OneClusterV4:
         if new_streams:
             sRp = smem.allocate_tensor(Int32, cute.make_layout(MAX_SHARE * HC * V * 4), byte_alignment=16)
         return sIn, sCo, sRp
+
+    @cute.jit
+    def prefetch_fn(self, mFn: cute.Tensor, cta: Int32, tidx: Int32):
+        """Where `prefetch`: every 128-byte line of the CTA's fn columns (24 mixes x 4 streams x its H / C columns)
+        asked into L2, a share a thread, before the register loads: those are bounded by what an SM keeps in flight,
+        a prefetch holds no register, so HBM streams the CTA's whole share at once."""
+        if const_expr(self.prefetch):
+            run_lines = const_expr(self.H // self.C * 4 // 128)  # lines of one (mix, stream) run of columns
+            base = mFn.iterator.toint() + Int64(cta * (self.H // self.C) * 4)
+            for i in cutlass.range(tidx, MIX * HC * run_lines, self.threads):
+                run = i // run_lines  # m * 4 + j: the run at m * K + j * H
+                ptx.prefetch_l2(base + Int64(run) * (self.H * 4) + Int64((i - run * run_lines) * 128))
 
     @cute.jit
     def stage_rows(
@@ -396,9 +415,16 @@ class OneClusterV4Exact(OneClusterV4):
     folds them, runs post / pre and comb for it and sends the pre to every CTA. Three exchanges: slices, pre, squares."""
 
     def __init__(
-        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, quant: str | None = None
+        self,
+        H: int,
+        cluster_n: int,
+        max_clusters: int,
+        sinkhorn_repeat: int = 20,
+        *,
+        quant: str | None = None,
+        prefetch: bool = False,
     ) -> None:
-        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat)
+        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, prefetch=prefetch)
         if quant not in (None, "mxfp8", "fp8"):
             raise ValueError(f"quant must be None, 'mxfp8' or 'fp8' (FP8 1x128), got {quant!r}")
         self.mxfp8 = quant == "mxfp8"  # the layer input's MXFP8 form too (a task's 4 vectors are one 32-column block)
@@ -502,6 +528,7 @@ class OneClusterV4Exact(OneClusterV4):
         warp = tidx // 32
         lane = cute.arch.lane_idx()
         g, t = lane // 4, lane % 4
+        self.prefetch_fn(mFn, cta, tidx)
         fn = []
         for u in cutlass.range_constexpr(self.cpw):
             lc = warp + self.warps * u
@@ -810,9 +837,16 @@ class OneClusterV4Persistent(OneClusterV4Exact):
     bits as the exact variant (the same operations on each row)."""
 
     def __init__(
-        self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, *, quant: str | None = None
+        self,
+        H: int,
+        cluster_n: int,
+        max_clusters: int,
+        sinkhorn_repeat: int = 20,
+        *,
+        quant: str | None = None,
+        prefetch: bool = False,
     ) -> None:
-        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, quant=quant)
+        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, quant=quant, prefetch=prefetch)
         if self.max_share < MAX_SHARE:  # a batch's every row needs an owner CTA and its collapse tasks
             raise ValueError(f"a persistent cluster of {cluster_n} CTAs takes {self.max_share} rows, not {MAX_SHARE}")
         self.max_share = MAX_SHARE  # a batch: a cluster takes any number of them (up to MAX_BATCHES)
@@ -924,9 +958,11 @@ def compile_one_cluster(
     exact: bool = False,
     quant: str | None = None,
     persistent: bool = False,
+    prefetch: bool = False,
 ) -> Any:
     """The compiled experiment kernel (rows dynamic): OneClusterV4, or with `exact` OneClusterV4Exact (with
-    `persistent` OneClusterV4Persistent; `quant` "mxfp8" or "fp8": with the layer input's MXFP8 or FP8 1x128 form)."""
+    `persistent` OneClusterV4Persistent; `quant` "mxfp8" or "fp8": with the layer input's MXFP8 or FP8 1x128 form;
+    `prefetch`: fn's lines asked into L2 before the register loads)."""
     exact = exact or persistent
     T = cute.sym_int()
     b16 = lambda *s: fake_tensor(BFloat16, s)  # noqa: E731
@@ -947,10 +983,13 @@ def compile_one_cluster(
     if persistent:
         # ptxas -O3 keeps fn's 192 words a thread in local memory across the batch loop (40 registers, ~1.1k local
         # loads and stores in the SASS); -O2 keeps them in registers (255, a few hundred bytes of spills).
-        kernel = OneClusterV4Persistent(H, cluster_n, max_clusters, repeat, quant=quant)
+        kernel = OneClusterV4Persistent(H, cluster_n, max_clusters, repeat, quant=quant, prefetch=prefetch)
         return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch} --ptxas-options=-O2")
-    kernel = OneClusterV4Exact(H, cluster_n, max_clusters, repeat, quant=quant) if exact else None
-    return compile_kernel(kernel or OneClusterV4(H, cluster_n, max_clusters, repeat), *args, arch=arch)
+    if exact:
+        kernel = OneClusterV4Exact(H, cluster_n, max_clusters, repeat, quant=quant, prefetch=prefetch)
+    else:
+        kernel = OneClusterV4(H, cluster_n, max_clusters, repeat, prefetch=prefetch)
+    return compile_kernel(kernel, *args, arch=arch)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -963,6 +1002,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="mxfp8, fp8 (FP8 1x128): the exact variants only"
     )
+    ap.add_argument(
+        "--weights",
+        nargs="+",
+        choices=("cold", "warm"),
+        default=["cold", "warm"],
+        help="cold: each call of a graph its own layer's weights (from HBM, as in a step); warm: one layer's for all",
+    )
+    ap.add_argument("--prefetch", action="store_true", help="fn's lines asked into L2 before the register loads")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -970,8 +1017,9 @@ def main(argv: list[str] | None = None) -> None:
             for variant, form in _cases(args):
                 quant = None if form == "bf16" else form
                 compile_one_cluster(
-                    H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", variant != "fma", quant, variant == "persistent"
-                )
+                    H, CLUSTERS[H], args.max_clusters, 20, "sm_90a", variant != "fma", quant, variant == "persistent",
+                    args.prefetch,
+                )  # fmt: skip
                 print(f"compiled {variant} {form} H {H} (cluster {CLUSTERS[H]})", flush=True)
         return
     run(args)
@@ -983,61 +1031,68 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Per variant, form and shape: us per call of the one launch and of the shipped boundary; each output's error
-    against the reference (the shipped path's beside it) and the words that differ from the shipped path's, over every
-    input set of the timed graphs (their last outputs)."""
+    """Per variant, form, weights and shape: us per call of the one launch and of the shipped boundary; each output's
+    error against the reference (the shipped path's beside it) and the words that differ from the shipped path's, over
+    every input set of the timed graphs (their last outputs)."""
     from bench.timing import GraphTimer
-    from bench.v4 import CALLS_PER_GRAPH, _inputs, _ours
+    from bench.v4 import CALLS_PER_GRAPH, _inputs, _ours, own_weights
     from boundary import BoundaryAllReduce, DecodeStep, V4Boundaries
     from boundary.toy import ToyConfig, ToyModel
-    from tests.inputs import attn_params
 
     device = torch.device("cuda")
     timer = GraphTimer(device, replays=args.replays)
     print(
-        "variant form H rows | us: one launch, shipped | max |err| / max |ref| (one launch; shipped) | words != shipped"
+        "variant form weights H rows | us: one launch, shipped | max |err| / max |ref| (one launch; shipped) | "
+        "words != shipped"
     )
     for H in args.hidden:
-        layer = ToyModel(ToyConfig(hidden_size=H, num_layers=1, vocab=16), device=device).layers[0]
-        p = attn_params(layer)
-        weight, norm_eps = layer.attn_norm.weight, layer.attn_norm.variance_epsilon
-        param = torch.cat([p.scale.float(), p.base.float()]).contiguous()
+        model = ToyModel(ToyConfig(hidden_size=H, num_layers=1, vocab=16), device=device)
+        layer = model.layers[0]
+        # cold: each call of a graph its own layer's weights (from HBM after the L2 flush, as a step's layers' are);
+        # warm: one layer's for every call (in L2 after the first call).
+        layers = {"warm": [layer] * CALLS_PER_GRAPH, "cold": [w for w, _ in own_weights(layer, model, CALLS_PER_GRAPH)]}
         for variant, form in _cases(args):
             quant = None if form == "bf16" else form
             compiled = compile_one_cluster(
-                H, CLUSTERS[H], args.max_clusters, p.sinkhorn_repeat, "sm_90a", variant != "fma", quant,
-                variant == "persistent",
+                H, CLUSTERS[H], args.max_clusters, layer.hc_sinkhorn_iters, "sm_90a", variant != "fma", quant,
+                variant == "persistent", args.prefetch,
             )  # fmt: skip
-            launch = (compiled, p, param, weight, norm_eps, quant)
             quantize = QUANTIZE[form]
-            for rows in args.rows:
-                b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
-                step = DecodeStep(rows=rows, side_stream=False)
-                sets = [_inputs(rows, H, device, seed) for seed in range(CALLS_PER_GRAPH)]
-                ones = [_one_launch(launch, s) for s in sets]
-                try:
-                    ours = timer.per_call_us([call for call, _ in ones])
-                except RuntimeError as err:  # e.g. a cluster the GPU cannot place: the other shapes still run
-                    print(f"{variant} {form} {H} {rows} | the one launch failed: {err}", flush=True)
-                    break
-                theirs = timer.per_call_us([_ours(b, layer, s, step, quantize) for s in sets])
-                torch.cuda.synchronize()
-                errs, differ = _compare([got for _, got in ones], sets, p, weight, norm_eps)
-                print(f"{variant} {form} {H} {rows} | {ours:.2f}, {theirs:.2f} | {errs} | {differ}", flush=True)
-                torch.cuda.empty_cache()
+            for weights in args.weights:
+                for rows in args.rows:
+                    b = V4Boundaries(BoundaryAllReduce(H, max_rows=rows, device=device))
+                    step = DecodeStep(rows=rows, side_stream=False)
+                    sets = [_inputs(rows, H, device, seed) | {"layer": own} for seed, own in enumerate(layers[weights])]
+                    ones = [_one_launch(compiled, quant, s) for s in sets]
+                    name = f"{variant} {form} {weights} {H} {rows}"
+                    try:
+                        ours = timer.per_call_us([call for call, _ in ones])
+                    except RuntimeError as err:  # e.g. a cluster the GPU cannot place: the other shapes still run
+                        print(f"{name} | the one launch failed: {err}", flush=True)
+                        break
+                    theirs = timer.per_call_us([_ours(b, s["layer"], s, step, quantize) for s in sets])
+                    torch.cuda.synchronize()
+                    errs, differ = _compare([got for _, got in ones], sets)
+                    print(f"{name} | {ours:.2f}, {theirs:.2f} | {errs} | {differ}", flush=True)
+                    torch.cuda.empty_cache()
 
 
-def _compare(outs: list, sets: list, p: Any, weight: torch.Tensor, norm_eps: float) -> tuple[str, str]:
+def _compare(outs: list, sets: list) -> tuple[str, str]:
     """Over every input set: each output's largest error against the fp32 reference relative to its largest
     magnitude (the one launch's; the shipped path's), and how many words differ from the shipped path's (its last
     outputs, kept by bench.v4._ours)."""
     from boundary import reference
+    from tests.inputs import attn_params
 
     names = ("R'", "post", "comb", "pre", "li", "quantized data", "quantized scale")
     err = dict.fromkeys(names[:5], (0.0, 0.0))
     differ = dict.fromkeys(names, 0)
     for got, inp in zip(outs, sets, strict=True):
-        want = reference.v4_boundary(inp["y"], inp["residual"], inp["post"], inp["comb"], p, weight, norm_eps)
+        layer = inp["layer"]
+        norm = layer.attn_norm
+        want = reference.v4_boundary(
+            inp["y"], inp["residual"], inp["post"], inp["comb"], attn_params(layer), norm.weight, norm.variance_epsilon
+        )
         state, li, quantized = inp["outputs"]
         shipped = (state.residual, state.post, state.comb, state.pre, li)
         if quantized is not None:
@@ -1059,13 +1114,17 @@ def _words_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(as_int) != b.view(as_int)).sum())
 
 
-def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
-    """A closure making the one-launch boundary on an input set, and its outputs: R', post, comb, pre and the layer
-    input in reference.V4Boundary's order, then with MXFP8 its data and scales."""
+def _one_launch(compiled: Any, quant: str | None, inp: dict[str, Any]) -> tuple[Any, tuple]:
+    """A closure making the one-launch boundary on an input set with its layer's weights (`inp["layer"]`), and its
+    outputs: R', post, comb, pre and the layer input in reference.V4Boundary's order, then a quantized form's data
+    and scales."""
     from boundary import mxfp8_scale_bytes
     from boundary.reference import fp8_group_scale_rows
+    from tests.inputs import attn_params
 
-    compiled, p, param, weight, norm_eps, quant = launch
+    layer = inp["layer"]
+    fn, norm = layer.hc_attn_fn, layer.attn_norm
+    param = torch.cat([layer.hc_attn_scale.float(), layer.hc_attn_base.float()]).contiguous()
     rows, hc, hidden = inp["residual"].shape
     dev = inp["residual"].device
     new, li = torch.empty_like(inp["residual"]), torch.empty_like(inp["y"])
@@ -1080,11 +1139,13 @@ def _one_launch(launch: tuple, inp: dict[str, Any]) -> tuple[Any, tuple]:
         sf = torch.empty(mxfp8_scale_bytes(rows, hidden), dtype=torch.uint8, device=dev)
     elif quant == "fp8":
         sf = torch.empty(hidden // 128, fp8_group_scale_rows(rows), dtype=torch.float32, device=dev)
+    p = attn_params(layer)
+    eps = (p.rms_eps, p.pre_eps, p.sinkhorn_eps, p.post_mult, norm.variance_epsilon)
 
     def call() -> None:
         compiled(
-            inp["residual"], inp["y"], inp["post"], inp["comb"], p.fn, param, weight, new, li, post, comb, pre, q, sf,
-            p.rms_eps, p.pre_eps, p.sinkhorn_eps, p.post_mult, norm_eps,
+            inp["residual"], inp["y"], inp["post"], inp["comb"], fn, param, norm.weight, new, li, post, comb, pre, q,
+            sf, *eps,
         )  # fmt: skip
 
     return call, (new, post, comb, pre, li) + ((q, sf) if quant else ())
