@@ -3,17 +3,20 @@ takes a real layer's time at few rows) with our boundaries, against the same ste
 outputs (`OutputCopies`). Their difference over the step's boundaries is how much later, on average, each next
 sublayer starts because of its boundary: the kernel's own time, the launch gaps and joins around it, and what its
 side-stream coefficients take from the sublayers they overlap. Reported with the side streams on (the engine's join
-right before each boundary, or before each sublayer's last kernel: `EarlyJoin`) and off.
+right before each boundary, or before each sublayer's last kernel: `EarlyJoin`) and off; and for DeepSeek-V4's scheme
+(`V4Boundaries` in the toy V4 step, whose coefficients are on the critical path by design) against `OutputCopiesV4`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from boundary import Boundaries, BoundaryState, DecodeStep
+from boundary import Boundaries, BoundaryState, DecodeStep, V4Boundaries
+from boundary.toy import ToyModel, decode_step_v4, random_tokens
 from boundary.types import MHCLayer, QuantizedActivation, empty_quantized
 
 
@@ -72,6 +75,29 @@ class OutputCopies:
         return self.layer_input.clone()
 
 
+class OutputCopiesV4(OutputCopies):
+    """OutputCopies in V4Boundaries' protocol (the toy V4 step): `sublayer` gives (state, layer input, quantized) and
+    `final` takes hc_head's holder and the final norm."""
+
+    def sublayer(  # type: ignore[override]
+        self, layer: MHCLayer, ffn: bool, state: BoundaryState, step: DecodeStep, *, quantize: bool | str | None = False
+    ) -> tuple[BoundaryState, Tensor, QuantizedActivation | None]:
+        """A boundary: the new streams and the layer input written (an MXFP8 output only allocated)."""
+        new, layer_input, quantized, _ = super().sublayer(layer, ffn, state, step, quantize=quantize)
+        return new, layer_input, quantized
+
+    def final(self, state: BoundaryState, head: Any, norm: Any, eps: float | None = None) -> Tensor:  # type: ignore[override]
+        """The final boundary: the final hidden state written."""
+        return self.layer_input.clone()
+
+
+def v4_step_call(model: ToyModel, boundaries: V4Boundaries | OutputCopiesV4, rows: int) -> Callable[[], object]:
+    """One toy V4 step (decode_step_v4, no side stream) of `rows` tokens driven by `boundaries`."""
+    tokens = random_tokens(model, rows, 0)
+    step = DecodeStep(rows=rows, side_stream=False)
+    return lambda: decode_step_v4(model, boundaries, tokens, step)  # type: ignore[arg-type]
+
+
 class EarlyJoin:
     """Our `Boundaries` with the engine's side-stream join placed before each sublayer's last kernel instead of right
     before the boundary: the step's own `join` calls do nothing, and the sublayer calls `before_last(layer)` between
@@ -97,9 +123,11 @@ MODES = ("side", "early", "inline")
 
 def add_critical_path(row: dict[str, Any], boundaries: int) -> None:
     """The per-boundary critical-path cost of a step row that has the V3 step with side streams (joined on the
-    boundary, and early), inline and with output copies only."""
+    boundary, and early), inline and with output copies only; and of the V4 step over its own copies, where timed."""
     for mode in MODES:
         row[f"critical_{mode}_us"] = (row[f"v3_{mode}_us"] - row["v3_copies_us"]) / boundaries
+    if "v3_v4_us" in row:
+        row["critical_v4_us"] = (row["v3_v4_us"] - row["v3_v4_copies_us"]) / boundaries
 
 
 def print_critical_path(rows: list[dict]) -> None:
@@ -115,21 +143,25 @@ def print_critical_path(rows: list[dict]) -> None:
     )
     head = (
         f"{'H':>5} {'rows':>4} {'bnd':>3} | {'side':>8} {'early':>8} {'inline':>8} {'copies':>8} | "
-        f"{'/bnd side':>9} {'/bnd early':>10} {'/bnd inline':>11}"
+        f"{'/bnd side':>9} {'/bnd early':>10} {'/bnd inline':>11} | {'V4':>8} {'V4 cop':>8} {'/bnd V4':>8}"
     )
     print(head)
     print("-" * len(head))
+    nan = float("nan")
     for r in rows:
         print(
             f"{r['H']:>5} {r['rows']:>4} {r['boundaries']:>3} | {r['v3_side_us']:8.1f} {r['v3_early_us']:8.1f} "
             f"{r['v3_inline_us']:8.1f} {r['v3_copies_us']:8.1f} | {r['critical_side_us']:9.2f} "
-            f"{r['critical_early_us']:10.2f} {r['critical_inline_us']:11.2f}"
+            f"{r['critical_early_us']:10.2f} {r['critical_inline_us']:11.2f} | {r.get('v3_v4_us', nan):8.1f} "
+            f"{r.get('v3_v4_copies_us', nan):8.1f} {r.get('critical_v4_us', nan):8.2f}"
         )
     print(
         "side: our boundaries with the coefficients on side streams, joined right before each boundary; early: joined "
         "before each sublayer's last kernel (EarlyJoin); inline: the coefficients inline; copies: every boundary only "
         "writes its outputs (bench.critical_path.OutputCopies); /bnd: (ours - copies) / boundaries, how much later each "
-        "next sublayer starts because of its boundary"
+        "next sublayer starts because of its boundary; V4: the toy DeepSeek-V4 step (V4Boundaries: each boundary "
+        "computes its own pre, so its coefficients are on the critical path) on the same sublayers, against its own "
+        "copies step (OutputCopiesV4)"
     )
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from bench import critical_path, tilelang_step, weight_reads
 from bench.timing import GraphTimer, on_streams
-from boundary import Boundaries, BoundaryAllReduce, DecodeStep, reference
+from boundary import Boundaries, BoundaryAllReduce, DecodeStep, V4Boundaries, reference
 from boundary.toy import ToyConfig, ToyModel, decode_step, random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,17 +195,17 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
     """The TP 1 rows: ours (side streams, inline), eager, compile, the glue, the toy and V3 steps, appended to `out`."""
     device = timer.device
     plan = [(hidden, rows) for hidden in args.step_hidden for rows in sorted(args.step_rows) if 1 in args.step_tp]
-    models: dict[int, tuple[ToyModel, Boundaries, Boundaries]] = {}
+    models: dict[int, tuple[ToyModel, Boundaries, Boundaries, V4Boundaries]] = {}
     reads = None
     for hidden, rows in tqdm(plan, desc="decode step (TP 1)", unit="shape"):
         if hidden not in models:
             config = ToyConfig(hidden_size=hidden, num_layers=args.step_layers)
             model = ToyModel(config, device=device)
             ours = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device)
-            ours.warmup(progress=False, quantize=("mxfp8",))  # the toy step writes MXFP8 only
+            ours.warmup(progress=False, quantize=("mxfp8",), own_pre=weight_reads.read_scale(hidden) is not None)
             ref = BoundaryAllReduce(hidden, max_rows=max(args.step_rows), device=device, backend="reference")
-            models[hidden] = (model, Boundaries(ours), Boundaries(ref))
-        model, ours_b, ref_b = models[hidden]
+            models[hidden] = (model, Boundaries(ours), Boundaries(ref), V4Boundaries(ours))  # the toy step: MXFP8 only
+        model, ours_b, ref_b, v4_b = models[hidden]
         free = boundaries_only(model, rows)
         n = boundaries_per_step(model.config)
         row: dict[str, Any] = {"H": hidden, "tp": 1, "layers": model.config.num_layers, "boundaries": n, "rows": rows}
@@ -235,6 +235,10 @@ def bench_step_tp1(args: argparse.Namespace, timer: GraphTimer, out: list[dict])
             row["v3_inline_us"] = timer.per_call_us([_step_call(v3, ours_b, rows, False)])
             copies = critical_path.OutputCopies(rows, hidden, device)
             row["v3_copies_us"] = timer.per_call_us([_step_call(v3, copies, rows, False)])  # type: ignore[arg-type]
+            # DeepSeek-V4's scheme on the same sublayers: every boundary's coefficients on the critical path.
+            row["v3_v4_us"] = timer.per_call_us([critical_path.v4_step_call(v3, v4_b, rows)])
+            copies_v4 = critical_path.OutputCopiesV4(rows, hidden, device)
+            row["v3_v4_copies_us"] = timer.per_call_us([critical_path.v4_step_call(v3, copies_v4, rows)])
             critical_path.add_critical_path(row, n)
             row["v3_step_us"] = row["v3_side_us"] if side else row["v3_inline_us"]
             row["v3_share"] = boundaries_us / row["v3_step_us"]

@@ -108,13 +108,16 @@ def test_the_critical_path_rows_time_the_weight_read_step_with_ours_and_with_out
     args = parse_args(["--step-hidden", "512", "--step-rows", "2", "--step-layers", "2", "--step-tp", "1"])
     args.no_compile = True
     (row,) = step.bench_step(args, CountingTimer())  # type: ignore[arg-type]
-    # side, inline, eager, glue, toy step, then the V3 step: side, early join, inline, copies (the 6th to 9th timings)
+    # side, inline, eager, glue, toy step, then the V3 step: side, early join, inline, copies (the 6th to 9th timings),
+    # then the V4 step on the same sublayers and its copies (10th, 11th)
     assert (row["v3_side_us"], row["v3_early_us"], row["v3_inline_us"], row["v3_copies_us"]) == (6.0, 7.0, 8.0, 9.0)
     assert row["critical_side_us"] == (6.0 - 9.0) / 4 and row["critical_early_us"] == (7.0 - 9.0) / 4
     assert row["critical_inline_us"] == (8.0 - 9.0) / 4
+    assert (row["v3_v4_us"], row["v3_v4_copies_us"]) == (10.0, 11.0) and row["critical_v4_us"] == (10.0 - 11.0) / 4
     assert row["v3_step_us"] == row["v3_inline_us"]  # the default step: inline (MHC_OVERLAP_MAX_ROWS is 0)
     critical_path.print_critical_path([row])
-    assert "  512    2   4 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "  512    2   4 |" in out and "    10.0     11.0    -0.25" in out
 
 
 def test_output_copies_stand_in_for_the_boundaries_of_a_toy_step() -> None:
@@ -129,6 +132,23 @@ def test_output_copies_stand_in_for_the_boundaries_of_a_toy_step() -> None:
     assert out.hidden.shape == (3, 256) and torch.equal(out.hidden, copies.layer_input)
     assert out.hidden.data_ptr() != copies.layer_input.data_ptr()
     assert out.moe_input_mxfp8 is not None and out.aux is not None
+
+
+def test_v4_output_copies_stand_in_for_the_v4_boundaries_of_a_toy_v4_step() -> None:
+    """OutputCopiesV4 drives the toy V4 step as V4Boundaries does (its sublayer's 3 outputs, final with hc_head);
+    v4_step_call runs that step, and with V4Boundaries the toy's own V4 step."""
+    from bench.critical_path import OutputCopiesV4, v4_step_call
+    from boundary import BoundaryAllReduce, V4Boundaries
+    from boundary.toy import ToyConfig, ToyModel
+
+    model = ToyModel(ToyConfig(hidden_size=256, num_layers=3, vocab=16))
+    copies = OutputCopiesV4(3, 256, CPU)
+    out = v4_step_call(model, copies, 3)()
+    assert out.hidden.shape == (3, 256) and torch.equal(out.hidden, copies.layer_input)  # type: ignore[attr-defined]
+    assert out.hidden.data_ptr() != copies.layer_input.data_ptr()  # type: ignore[attr-defined]
+    assert out.moe_input_mxfp8 is not None  # type: ignore[attr-defined]
+    ours = V4Boundaries(BoundaryAllReduce(256, max_rows=3, device=CPU))
+    assert v4_step_call(model, ours, 3)().hidden.shape == (3, 256)  # type: ignore[attr-defined]
 
 
 def test_an_interrupted_step_part_keeps_the_rows_it_measured() -> None:
