@@ -1,6 +1,7 @@
 """bench/experiments/v4_one_cluster.py (an experiment for #47's <= 5 us target, run on the GPU by hand): both one-launch
 V4 boundaries (and the exact one's MXFP8 form) compile for sm_90a at both DeepSeek-V4 sizes, every fn value they hold
-loaded before the PDL wait; the exact one's split is the coefficients kernel's."""
+loaded before the PDL wait (or, with --prefetch, asked into L2 first); the exact one's split is the coefficients
+kernel's; the step experiment (v4_one_cluster_step.py) hands the kernel its arguments in the order it reads them."""
 
 from __future__ import annotations
 
@@ -86,3 +87,35 @@ def test_the_exact_form_takes_whole_slices_of_the_coefficients_split() -> None:
         assert (k.spc, k.cpw, k.slices, k.max_share) == (slices_per_stream, 8, 128, 8)
     with pytest.raises(ValueError, match="whole"):
         OneClusterV4Exact(7168, 14, 4)  # 512 columns a CTA: not whole 224-column slices
+
+
+def test_the_step_experiments_one_launch_sublayer_hands_the_kernel_its_arguments_in_order() -> None:
+    """bench/experiments/v4_one_cluster_step.py's OneLaunchV4 with a stand-in for the kernel that computes the
+    reference V4 boundary from its arguments as the kernel reads them (CPU): the toy V4 step on ready partials gives
+    the shipped V4Boundaries step's outputs bit for bit, and every sublayer call but the Engram seam's is a launch."""
+    import torch
+
+    from bench.critical_path import v4_step_call
+    from bench.experiments.v4_one_cluster_step import OneLaunchV4, _same, ready_model
+    from bench.step import boundaries_only
+    from boundary import BoundaryAllReduce, V4Boundaries, reference
+    from boundary.params import MHCParams
+    from boundary.toy import ToyConfig, ToyModel
+
+    def kernel(mR, mX, mPost, mComb, mFn, mParam, mW, mNewR, mOut, mPostOut, mCombOut, mPreOut, mQ, mScale, *eps):
+        rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps = eps
+        p = MHCParams(mFn, mParam[:3], mParam[3:], rms_eps, pre_eps, sinkhorn_eps, post_mult, 20)
+        out = reference.v4_boundary(mX, mR, mPost, mComb, p, mW, norm_eps)
+        for dst, src in zip((mNewR, mPostOut, mCombOut, mPreOut, mOut), out, strict=True):
+            dst.copy_(src)
+        if mQ is not None:
+            data, scale = reference.mxfp8_quantize(out[4])
+            mQ.copy_(data)
+            mScale.copy_(scale)
+
+    rows, hidden = 3, 256
+    model = ready_model(boundaries_only(ToyModel(ToyConfig(hidden_size=hidden, num_layers=4, vocab=16)), rows), rows)
+    shipped = V4Boundaries(BoundaryAllReduce(hidden, max_rows=rows, device=torch.device("cpu")))
+    one = OneLaunchV4(shipped, {None: kernel, "mxfp8": kernel})
+    assert _same(v4_step_call(model, shipped, rows)(), v4_step_call(model, one, rows)())
+    assert one.calls == 6  # layer 0's FFN entry, layer 1's FFN (its attention entry is the Engram seam), 2 x 2
