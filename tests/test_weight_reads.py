@@ -63,8 +63,8 @@ def test_the_step_part_adds_the_weight_read_step_at_v3s_hidden_size(monkeypatch,
     (row,) = step.bench_step(args, timer)  # type: ignore[arg-type]
     # side streams, inline, eager chain, the model code alone (GLUE_CALLS in its graph), the toy sublayers, then the V3
     # reads with ours (side streams joined on the boundary and early, inline) and with output copies
-    # (bench.critical_path)
-    assert timer.calls == 8 + step.GLUE_CALLS
+    # (bench.critical_path), and the V4 step on them with V4Boundaries and with its output copies
+    assert timer.calls == 10 + step.GLUE_CALLS
     boundaries_us = row["ours_us"] - row["glue_us"]  # the shares count the boundaries, not the step's model code
     assert row["v3_share"] == boundaries_us / row["v3_step_us"]
     assert row["boundary_share"] == boundaries_us / row["toy_step_us"]
