@@ -455,8 +455,9 @@ def _head_params(
     return MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
 
 
-# MixWeights by id of their fn (an entry goes when that fn does), with the versions they were built from.
-_MIX_WEIGHTS: dict[int, tuple[weakref.ref, tuple[Any, ...], MixWeights]] = {}
+# The kernel form of MixWeights (its params tensor) by id of their fn, with the versions they were built from. No entry
+# holds fn itself, so an entry goes when its fn does (a MixWeights made on each call refers to the caller's tensors).
+_MIX_WEIGHTS: dict[int, tuple[weakref.ref, tuple[Any, ...], Tensor]] = {}
 
 
 def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: float) -> MixWeights:
@@ -476,17 +477,16 @@ def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: fl
     key = (fn._version, id(scale), scale._version, id(base), base._version, rms_eps, eps)
     hit = _MIX_WEIGHTS.get(id(fn))
     if hit is not None and hit[0]() is fn and hit[1] == key:
-        return hit[2]
+        return MixWeights(fn, hit[2], scale, base, rms_eps, eps)
     params = torch.zeros(MIX_PARAMS, dtype=torch.float32, device=dev)
     params[0:1].copy_(scale)
     params[1 : 1 + HC].copy_(base)
     params[5].fill_(rms_eps)
     params[6].fill_(eps)
-    weights = MixWeights(fn, params, scale, base, rms_eps, eps)
     if hit is None or hit[0]() is not fn:
         weakref.finalize(fn, _MIX_WEIGHTS.pop, id(fn), None)
-    _MIX_WEIGHTS[id(fn)] = (weakref.ref(fn), key, weights)
-    return weights
+    _MIX_WEIGHTS[id(fn)] = (weakref.ref(fn), key, params)
+    return MixWeights(fn, params, scale, base, rms_eps, eps)
 
 
 # hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),

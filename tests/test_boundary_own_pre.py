@@ -72,10 +72,25 @@ def test_the_own_pre_call_refuses_what_it_cannot_mean() -> None:
 def test_mix_weights_are_built_once_and_again_after_an_update() -> None:
     mix = weights(256, "cpu")
     again = mhc.mix_weights(mix.fn, mix.scale, mix.base, 1e-6, 1e-6)
-    assert again is mix and mix.params.tolist()[5:] == pytest.approx([1e-6, 1e-6, 0.0])
+    assert again.params is mix.params and again.fn is mix.fn
+    assert mix.params.tolist()[5:] == pytest.approx([1e-6, 1e-6, 0.0])
     mix.base.add_(1.0)
     rebuilt = mhc.mix_weights(mix.fn, mix.scale, mix.base, 1e-6, 1e-6)
-    assert rebuilt is not mix and torch.equal(rebuilt.params[1:5], mix.base)
+    assert rebuilt.params is not mix.params and torch.equal(rebuilt.params[1:5], mix.base)
+
+
+def test_mix_weights_keep_no_fn_alive() -> None:
+    """The cache holds no reference to a fn: once the caller drops fn and its MixWeights, the entry goes (a model
+    reloaded or a benchmark's per-call heads are not kept)."""
+    import gc
+    import weakref
+
+    mix = weights(256, "cpu")
+    fn, key = weakref.ref(mix.fn), id(mix.fn)
+    assert key in mhc._MIX_WEIGHTS
+    del mix
+    gc.collect()
+    assert fn() is None and key not in mhc._MIX_WEIGHTS
 
 
 @pytest.mark.parametrize("world", [1, 2])
