@@ -91,12 +91,13 @@ def test_the_exact_form_takes_whole_slices_of_the_coefficients_split() -> None:
 
 def test_the_step_experiments_one_launch_sublayer_hands_the_kernel_its_arguments_in_order() -> None:
     """bench/experiments/v4_one_cluster_step.py's OneLaunchV4 with a stand-in for the kernel that computes the
-    reference V4 boundary from its arguments as the kernel reads them (CPU): the toy V4 step on ready partials gives
-    the shipped V4Boundaries step's outputs bit for bit, and every sublayer call but the Engram seam's is a launch."""
+    reference V4 boundary from its arguments as the kernel reads them (CPU): in the toy V4 step on ready partials every
+    sublayer call's outputs are the shipped V4Boundaries step's, word for word (the eps values all distinct but the
+    layer's one hc_eps for pre and Sinkhorn), and every sublayer call but the Engram seam's is a launch."""
     import torch
 
     from bench.critical_path import v4_step_call
-    from bench.experiments.v4_one_cluster_step import OneLaunchV4, _same, ready_model
+    from bench.experiments.v4_one_cluster_step import OneLaunchV4, Recorded, ready_model, words_differ
     from bench.step import boundaries_only
     from boundary import BoundaryAllReduce, V4Boundaries, reference
     from boundary.params import MHCParams
@@ -114,8 +115,21 @@ def test_the_step_experiments_one_launch_sublayer_hands_the_kernel_its_arguments
             mScale.copy_(scale)
 
     rows, hidden = 3, 256
-    model = ready_model(boundaries_only(ToyModel(ToyConfig(hidden_size=hidden, num_layers=4, vocab=16)), rows), rows)
+    toy = ToyModel(ToyConfig(hidden_size=hidden, num_layers=4, vocab=16, rms_norm_eps=1e-4, hc_eps=1e-3))
+    for i, layer in enumerate(toy.layers):
+        layer.attn_norm.variance_epsilon, layer.ffn_norm.variance_epsilon = 0.5 + i, 0.25 + i
+    model = ready_model(boundaries_only(toy, rows), rows)
     shipped = V4Boundaries(BoundaryAllReduce(hidden, max_rows=rows, device=torch.device("cpu")))
     one = OneLaunchV4(shipped, {None: kernel, "mxfp8": kernel})
-    assert _same(v4_step_call(model, shipped, rows)(), v4_step_call(model, one, rows)())
+    recorded = [Recorded(shipped), Recorded(one)]
+    for b in recorded:
+        v4_step_call(model, b, rows)()
     assert one.calls == 6  # layer 0's FFN entry, layer 1's FFN (its attention entry is the Engram seam), 2 x 2
+    assert [len(o) for o in recorded[1].outputs] == [5] * 5 + [7]  # the last layer's FFN input in MXFP8 too
+    assert words_differ(*recorded) == 0
+    # The comparison sees a one-word difference, and a step with other calls.
+    recorded[1].outputs[2] = recorded[1].outputs[2][:4] + (recorded[1].outputs[2][4].clone(),)
+    recorded[1].outputs[2][4].view(-1)[7] += 1
+    assert words_differ(*recorded) == 1
+    with pytest.raises(ValueError, match="different sublayer calls"):
+        words_differ(recorded[0], Recorded(one))

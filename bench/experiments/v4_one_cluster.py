@@ -34,14 +34,19 @@ the norm), then Fp8GroupWriter's scale and rounding. W = 1, a ready partial, up 
 fn loaded once, the next batch's rows staged during the current one's exchanges, comb's Sinkhorn after the last batch.
 
     python -m bench.experiments.v4_one_cluster [--hidden 4096 7168] [--rows 1 4 8 16] [--variant fma exact persistent]
-        [--forms bf16 mxfp8 fp8] [--weights cold warm] [--prefetch] [--max-clusters 4] [--replays 7] [--compile-only]
+        [--forms bf16 mxfp8 fp8] [--weights cold warm] [--prefetch] [--isolate] [--max-clusters 4] [--replays 7]
+        [--compile-only]
 
 Prints, per variant, form, weights and shape: GPU us per call of the one launch and of the shipped
 `V4Boundaries.sublayer` (same form), one graph method (bench.timing); each output's largest error against the reference
 (the shipped path's beside it); and how many words differ from the shipped path's (all 0 is the exact variants' claim,
 quantized bytes included). `cold`: each call of a graph its own layer's weights, so fn comes from HBM (a step's case,
 where this design's few SMs pull 1.5-2.75 MB of fn through their own load queues); `warm`: one layer's for every call.
-`--prefetch`: each CTA first asks its fn lines into L2 (no registers held), then loads them.
+`--prefetch`: each CTA first asks its fn lines into L2 (no registers held), then loads them. In a graph of calls each
+call's loads before its PDL wait overlap the call before it (cold only for the first call's part that does not);
+`--isolate` puts a zeroing kernel without PDL between calls (its own time subtracted), so that every call pays its
+loads, as after a sublayer's GEMM that leaves no SM free; the step experiment (v4_one_cluster_step.py) is the real
+case.
 """
 
 from __future__ import annotations
@@ -1010,6 +1015,11 @@ def main(argv: list[str] | None = None) -> None:
         help="cold: each call of a graph its own layer's weights (from HBM, as in a step); warm: one layer's for all",
     )
     ap.add_argument("--prefetch", action="store_true", help="fn's lines asked into L2 before the register loads")
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="a zeroing kernel (no PDL) before each call, its own time subtracted: no call loads during the one before",
+    )
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU) and stop")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -1041,6 +1051,16 @@ def run(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda")
     timer = GraphTimer(device, replays=args.replays)
+    # --isolate: a one-word zeroing (no PDL) before each call, so that no call's weight loads overlap the call before
+    # it (PDL lets the next call start loading during this one); a graph of the zeroings alone is subtracted.
+    sep = torch.zeros(1, device=device)
+    sep_us = timer.per_call_us([sep.zero_] * CALLS_PER_GRAPH) if args.isolate else 0.0
+
+    def timed(calls: list) -> float:
+        if not args.isolate:
+            return timer.per_call_us(calls)
+        return timer.per_call_us([lambda c=c: (sep.zero_(), c()) for c in calls]) - sep_us
+
     print(
         "variant form weights H rows | us: one launch, shipped | max |err| / max |ref| (one launch; shipped) | "
         "words != shipped"
@@ -1064,13 +1084,13 @@ def run(args: argparse.Namespace) -> None:
                     step = DecodeStep(rows=rows, side_stream=False)
                     sets = [_inputs(rows, H, device, seed) | {"layer": own} for seed, own in enumerate(layers[weights])]
                     ones = [_one_launch(compiled, quant, s) for s in sets]
-                    name = f"{variant} {form} {weights} {H} {rows}"
+                    name = f"{variant} {form} {weights}{' isolated' if args.isolate else ''} {H} {rows}"
                     try:
-                        ours = timer.per_call_us([call for call, _ in ones])
+                        ours = timed([call for call, _ in ones])
                     except RuntimeError as err:  # e.g. a cluster the GPU cannot place: the other shapes still run
                         print(f"{name} | the one launch failed: {err}", flush=True)
                         break
-                    theirs = timer.per_call_us([_ours(b, s["layer"], s, step, quantize) for s in sets])
+                    theirs = timed([_ours(b, s["layer"], s, step, quantize) for s in sets])
                     torch.cuda.synchronize()
                     errs, differ = _compare([got for _, got in ones], sets)
                     print(f"{name} | {ours:.2f}, {theirs:.2f} | {errs} | {differ}", flush=True)
