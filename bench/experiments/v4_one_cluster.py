@@ -841,17 +841,8 @@ class OneClusterV4Persistent(OneClusterV4Exact):
     exchanged, and comb's Sinkhorn of every row a CTA owns run once after the last batch (a lane a row). The same
     bits as the exact variant (the same operations on each row)."""
 
-    def __init__(
-        self,
-        H: int,
-        cluster_n: int,
-        max_clusters: int,
-        sinkhorn_repeat: int = 20,
-        *,
-        quant: str | None = None,
-        prefetch: bool = False,
-    ) -> None:
-        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, quant=quant, prefetch=prefetch)
+    def __init__(self, H: int, cluster_n: int, max_clusters: int, sinkhorn_repeat: int = 20, **options: Any) -> None:
+        super().__init__(H, cluster_n, max_clusters, sinkhorn_repeat, **options)  # quant, prefetch
         if self.max_share < MAX_SHARE:  # a batch's every row needs an owner CTA and its collapse tasks
             raise ValueError(f"a persistent cluster of {cluster_n} CTAs takes {self.max_share} rows, not {MAX_SHARE}")
         self.max_share = MAX_SHARE  # a batch: a cluster takes any number of them (up to MAX_BATCHES)
