@@ -42,12 +42,27 @@ def once_each(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
     return {name: once(call) for name, call in calls.items()}
 
 
-def test_the_host_part_times_every_calling_form() -> None:
+def test_the_host_part_times_every_calling_form(capsys) -> None:
     torch._dynamo.reset()
     row = host.host_row(512, 2, boundary_inputs(2, 512, CPU, seed=0), once_each)
     assert row["op_compiled_loop_us"] == 1.0 / host.LOOP
     assert row["direct_step_ms"] == 2 * host.LAYERS / 1000
+    assert row["sublayer_us"] == row["v4_sublayer_us"] == 1.0 and row["v4_sublayer_step_ms"] == 2 * host.LAYERS / 1000
     host.print_host([row])
+    assert "V4 sub" in capsys.readouterr().out
+
+
+def test_the_host_parts_scheduler_calls_are_whole_boundaries_on_a_pending_partial_set_each_call() -> None:
+    """`sublayer` and `v4_sublayer` run the scheduler's boundary as an engine does: each call consumes the state's
+    pending partial and gives the V4.1 / V4 outputs (here on the CPU's reference path)."""
+    from boundary import BoundaryAllReduce
+
+    inp = boundary_inputs(2, 512, CPU, seed=0)
+    calls = host.scheduler_calls(BoundaryAllReduce(512, max_rows=2, device=CPU), inp)
+    for name in ("sublayer", "v4_sublayer"):
+        first, again = calls[name](), calls[name]()  # the second call finds its pending partial set again
+        assert first[0].residual.shape == (2, 4, 512) and first[1].shape == (2, 512)
+        assert torch.equal(first[1], again[1])
 
 
 def test_the_default_bench_is_a_few_shapes_of_every_part_and_full_is_the_sweep() -> None:
