@@ -455,9 +455,16 @@ def _head_params(
     return MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
 
 
-# The kernel form of MixWeights (its params tensor) by id of their fn, with the versions they were built from. No entry
-# holds fn itself, so an entry goes when its fn does (a MixWeights made on each call refers to the caller's tensors).
-_MIX_WEIGHTS: dict[int, tuple[weakref.ref, tuple[Any, ...], Tensor]] = {}
+# The kernel form of MixWeights (its params tensor) by id of their fn, with weak references to the fn, scale and base
+# it was built from and their versions: a hit needs the very same three tensors (an id can be reused by a new tensor
+# once the old one is freed) at the same versions. No entry holds fn itself, so an entry goes when its fn does (a
+# MixWeights made on each call refers to the caller's tensors).
+_MIX_WEIGHTS: dict[int, tuple[tuple[weakref.ref, ...], tuple[Any, ...], Tensor]] = {}
+
+
+def _same(refs: tuple[weakref.ref, ...], *tensors: Tensor) -> bool:
+    """Whether each weak reference still points at the very tensor given for it."""
+    return all(ref() is t for ref, t in zip(refs, tensors, strict=True))
 
 
 def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: float) -> MixWeights:
@@ -474,32 +481,32 @@ def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: fl
     checks.tensor("base", base, dtype=torch.float32, shape=(HC,), device=dev)
     rms_eps = checks.finite_float("rms_eps", rms_eps, minimum=0.0)
     eps = checks.finite_float("eps", eps, minimum=0.0)
-    key = (fn._version, id(scale), scale._version, id(base), base._version, rms_eps, eps)
+    key = (fn._version, scale._version, base._version, rms_eps, eps)
     hit = _MIX_WEIGHTS.get(id(fn))
-    if hit is not None and hit[0]() is fn and hit[1] == key:
+    if hit is not None and _same(hit[0], fn, scale, base) and hit[1] == key:
         return MixWeights(fn, hit[2], scale, base, rms_eps, eps)
     params = torch.zeros(MIX_PARAMS, dtype=torch.float32, device=dev)
     params[0:1].copy_(scale)
     params[1 : 1 + HC].copy_(base)
     params[5].fill_(rms_eps)
     params[6].fill_(eps)
-    if hit is None or hit[0]() is not fn:
+    if hit is None or hit[0][0]() is not fn:
         weakref.finalize(fn, _MIX_WEIGHTS.pop, id(fn), None)
-    _MIX_WEIGHTS[id(fn)] = (weakref.ref(fn), key, params)
+    _MIX_WEIGHTS[id(fn)] = ((weakref.ref(fn), weakref.ref(scale), weakref.ref(base)), key, params)
     return MixWeights(fn, params, scale, base, rms_eps, eps)
 
 
 # hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),
-# with the fn itself (weakly) and the versions of the three tensors they were built from: an in-place update of any of
-# them builds them again.
-_HEAD_WEIGHTS: dict[int, tuple[weakref.ref, tuple[int, ...], tuple[Tensor, Tensor, Tensor]]] = {}
+# with the three tensors they were built from (weakly) and their versions: another tensor, or an in-place update of
+# any of them, builds them again.
+_HEAD_WEIGHTS: dict[int, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple[Tensor, Tensor, Tensor]]] = {}
 
 
 def _head_weights(fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(fn [24, hc*H], scale [3], base [24]) whose pre is hc_head's weights: fn and base first, zeros after."""
-    key = (fn._version, id(scale), scale._version, id(base), base._version)
+    key = (fn._version, scale._version, base._version)
     hit = _HEAD_WEIGHTS.get(id(fn))
-    if hit is not None and hit[0]() is fn and hit[1] == key:
+    if hit is not None and _same(hit[0], fn, scale, base) and hit[1] == key:
         return hit[2]
     hc = fn.shape[0]
     mix = hc * (2 + hc)
@@ -508,9 +515,9 @@ def _head_weights(fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tens
     base24 = torch.zeros(mix, dtype=torch.float32, device=fn.device)
     base24[:hc] = base
     weights = (fn24, torch.cat([scale, torch.ones(2, dtype=torch.float32, device=fn.device)]), base24)
-    if hit is None or hit[0]() is not fn:
+    if hit is None or hit[0][0]() is not fn:
         weakref.finalize(fn, _HEAD_WEIGHTS.pop, id(fn), None)
-    _HEAD_WEIGHTS[id(fn)] = (weakref.ref(fn), key, weights)
+    _HEAD_WEIGHTS[id(fn)] = ((weakref.ref(fn), weakref.ref(scale), weakref.ref(base)), key, weights)
     return weights
 
 

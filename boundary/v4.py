@@ -192,6 +192,15 @@ class V4Boundaries:
         self._boundaries._check_state(state, step, pending=True)
         reads = FFN if ffn else ATTN
         values = self._boundaries._layer(layer, reads)
+        # The norm before the reduction consumes state.pending, as Boundaries.sublayer's boundary call checks it (the
+        # mHC weights are checked where the own-pre call loads them: CONTRACT §5 Errors).
+        ar = self.all_reduce
+        try:
+            checks.tensor("norm_weight", values[3], dtype=torch.bfloat16, shape=(ar.hidden_size,), device=ar.device)
+            checks.finite_float("norm_eps", values[4], minimum=0.0)
+        except (TypeError, ValueError) as exc:
+            checks.rename(exc, _layer_names(reads), converted_at_load=True)
+            raise
         residual = self._boundaries._post(state)  # the state checked against the step above
         return self._enter(values, reads, residual, None, quantize or None)
 

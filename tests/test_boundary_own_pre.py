@@ -93,6 +93,29 @@ def test_mix_weights_keep_no_fn_alive() -> None:
     assert fn() is None and key not in mhc._MIX_WEIGHTS
 
 
+def test_a_new_scale_or_base_with_a_freed_ones_id_is_not_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that replaces hc_head's scale (or base) by a new tensor, keeping fn: CPython may give the new tensor
+    the freed one's id (it often does), which must not return the old values, in both caches (the kernel params and
+    the 24-mix form). The reuse is made certain here: `id` in mhc answers the same for the old and the new tensor."""
+    import builtins
+
+    fn = torch.randn(4, 4 * 256)
+    for name in ("scale", "base"):
+        old = {"scale": torch.full((1,), 0.5), "base": torch.zeros(4)}
+        new = {**old, name: torch.full(old[name].shape, 2.0)}
+        alias = {builtins.id(old[name]), builtins.id(new[name])}
+        monkeypatch.setattr(mhc, "id", lambda o: -1 if builtins.id(o) in alias else builtins.id(o), raising=False)
+        mhc.mix_weights(fn, old["scale"], old["base"], 1e-6, 1e-6)
+        mhc._head_weights(fn, old["scale"], old["base"])
+        params = mhc.mix_weights(fn, new["scale"], new["base"], 1e-6, 1e-6).params
+        _, scale3, base24 = mhc._head_weights(fn, new["scale"], new["base"])
+        if name == "scale":
+            assert params[0].item() == 2.0 and scale3[0].item() == 2.0
+        else:
+            assert torch.equal(params[1:5], new["base"]) and torch.equal(base24[:4], new["base"])
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_own_pre_kernel_compiles(world: int) -> None:
     from cute_kernels.boundary import api

@@ -152,7 +152,16 @@ def test_errors_name_the_argument() -> None:
         b.sublayer(model.layers[0], True, state, step, quantize="nvfp4")
     with pytest.raises(TypeError, match="ffn"):
         b.sublayer(model.layers[0], 1, state, step)  # type: ignore[arg-type]
-    assert state.pending is not None  # a refused call consumes nothing
+    norm = model.layers[0].ffn_norm
+    weight, eps = norm.weight, norm.variance_epsilon
+    norm.weight = weight.float()
+    with pytest.raises(TypeError, match="layer.ffn_norm.weight must have dtype torch.bfloat16"):
+        b.sublayer(model.layers[0], True, state, step)
+    norm.weight, norm.variance_epsilon = weight, float("nan")
+    with pytest.raises(ValueError, match="layer.ffn_norm.variance_epsilon must be finite"):
+        b.sublayer(model.layers[0], True, state, step)
+    norm.variance_epsilon = eps
+    assert state.pending is not None  # a refused call consumes nothing, the norm's refusals included
 
     class NoHead:
         hc_head_fn = model.hc_head_fn
