@@ -59,7 +59,8 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int |
                 "capture; call BoundaryAllReduce.warmup(max_rows) before capturing"
             )
         capacity = min(max(rows, 512 if ws is None else 2 * ws.max_rows), limit)
-        ws = _WORKSPACES[key] = CoefficientsWorkspace(hidden, capacity, device)
+        with torch.inference_mode(False):  # kept across calls, which may run outside inference mode
+            ws = _WORKSPACES[key] = CoefficientsWorkspace(hidden, capacity, device)
     return ws
 
 

@@ -49,6 +49,9 @@ class Workspace:
     ranks_per_device: int = 1  # > 1: ranks sharing one GPU (simulated, or processes through CUDA IPC)
     shared_context: bool = False  # the ranks share this process's CUDA context (simulated ranks)
 
+    # Built outside inference mode (a BoundaryAllReduce made under torch.inference_mode() serves calls outside it too:
+    # an inference tensor refuses the in-place updates that arm() and check() make).
+    @torch.inference_mode(False)
     def __post_init__(self) -> None:
         self.mailbox = torch.zeros(self.max_rows, self.hidden_size, dtype=torch.bfloat16, device=self.device)
         # The device error word (CONTRACT §7): a mask of the ranks a wait gave up on, 1 + a bad MoE row, its index.
@@ -68,6 +71,7 @@ class Workspace:
         state[STATE_TIMEOUT_US] = self.timeout_us
         return state.to(self.device)
 
+    @torch.inference_mode(False)
     def _attach(self, slots: Tensor, peers: list[int]) -> None:
         self.slots = slots.view(GENERATIONS, self.world_size + 1, self.max_rows, self.hidden_size)
         self.peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
@@ -75,6 +79,7 @@ class Workspace:
         self.arm()
 
     @classmethod
+    @torch.inference_mode(False)
     def simulated(
         cls, hidden_size: int, world_size: int, max_rows: int, device: torch.device, timeout_us: int
     ) -> list[Workspace]:
@@ -100,6 +105,7 @@ class Workspace:
         return spaces
 
     @classmethod
+    @torch.inference_mode(False)
     def symmetric(
         cls, hidden_size: int, max_rows: int, device: torch.device, group: Any, timeout_us: int, launch: tuple[int, ...]
     ) -> Workspace:
@@ -124,6 +130,7 @@ class Workspace:
         return ws
 
     @classmethod
+    @torch.inference_mode(False)
     def ipc(
         cls,
         hidden_size: int,

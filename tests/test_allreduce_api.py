@@ -125,6 +125,23 @@ def test_a_moe_index_outside_the_rows_is_no_expert_and_check_names_the_row() -> 
     assert not bool(empty.float().abs().sum())
 
 
+def test_a_boundary_built_in_inference_mode_serves_calls_outside_it() -> None:
+    """An engine may build its modules under torch.inference_mode() and run steps under no_grad, or the reverse: the
+    kept buffers (the error word that check() clears) are plain tensors either way."""
+    gemm2, weights, idx, residual, post, comb, pre, w = _moe_inputs()
+    idx[2, 0] = 100
+    with torch.inference_mode():
+        ar = BoundaryAllReduce(256, device="cpu", max_rows=8)
+        ar.finalize(gemm2, weights, idx, None, residual, post, comb, pre, w, 1e-6, None)
+    with pytest.raises(ValueError, match="in row 2"):
+        ar.check()
+    with torch.no_grad():
+        ar.finalize(gemm2, weights, idx, None, residual, post, comb, pre, w, 1e-6, None)
+    with pytest.raises(ValueError, match="in row 2"):
+        ar.check()
+    ar.check()
+
+
 def test_the_scheduler_path_reports_a_bad_index_too() -> None:
     from boundary import Boundaries, BoundaryState, DecodeStep
 
