@@ -18,14 +18,18 @@ log = logging.getLogger("boundary")
 # A workspace from this size up is logged as a warning (a default logging set-up shows it): far more than a
 # decode step needs (H 7168 at W 8 with the default max_rows=512 takes 0.13 GiB).
 WORKSPACE_WARNING_BYTES = 512 * 2**20
+_compiling = torch.compiler.is_compiling  # bound once: finite_float runs on every boundary call
 
 
 def _error(kind: type[Exception], name: str, text: str, **details: object) -> Exception:
     """An error whose message starts with the argument's name; `argument` lets a caller rename it (`rename`)."""
     exc = kind(f"{name} {text}")
-    exc.argument = name  # type: ignore[attr-defined]
-    for key, value in details.items():
-        setattr(exc, key, value)
+    # Dynamo cannot trace an attribute set on an exception: under torch.compile the error goes without them (it
+    # reaches the caller as Dynamo's "Observed exception" quoting this message; nothing renames it there).
+    if not _compiling():
+        exc.argument = name  # type: ignore[attr-defined]
+        for key, value in details.items():
+            setattr(exc, key, value)
     return exc
 
 
@@ -161,6 +165,8 @@ def non_negative_int(name: str, value: object) -> int:
 
 def finite_float(name: str, value: object, *, minimum: float | None = None) -> float:
     """A real-number argument (any real but a bool: int, float, numpy scalars) as a float, optionally bounded below."""
+    if _compiling():  # traced (with dynamic shapes a float may be symbolic): the op checks it when it runs
+        return value  # type: ignore[return-value]
     if type(value) is not float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise _error(TypeError, name, f"must be a real number, got {type(value).__name__} {value!r}")

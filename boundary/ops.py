@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
-from boundary import mhc
+from boundary import checks, mhc
 from boundary.all_reduce import from_handle
 from boundary.params import MHCParams
 from boundary.types import (
@@ -48,12 +49,29 @@ def _op(fake: Callable[..., object], mutates_args: tuple[str, ...] = ()):
         names = tuple(inspect.signature(fn).parameters)
 
         def fake_impl(*args: object, **kwargs: object) -> object:
-            return fake(**dict(zip(names, args)), **kwargs)
+            bound = dict(zip(names, args), **kwargs)
+            _refuse_meta_among_real(bound)
+            return fake(**bound)
 
         torch.library.register_fake(f"mhc_boundary::{fn.__name__}", fake_impl, lib=_LIB)
         return fn
 
     return register
+
+
+def _refuse_meta_among_real(args: dict[str, object]) -> None:
+    """The fake implementation is also the op's Meta kernel, which the dispatcher runs eagerly when any argument is on
+    the meta device: among real tensors (a weight a loader left on "meta") it would return uninitialised real tensors
+    and consume the call. Refused as the direct path refuses a tensor on another device, naming the argument."""
+    meta = real = None
+    for name, value in args.items():
+        if isinstance(value, Tensor) and not isinstance(value, FakeTensor):
+            if value.is_meta:
+                meta = name if meta is None else meta
+            elif real is None:
+                real = value
+    if meta is not None and real is not None:
+        raise checks._error(ValueError, meta, f"must be on {real.device}, got meta")
 
 
 # The shape rules of the fake implementations: every output's shape follows from the streams [T, hc, H].

@@ -138,6 +138,17 @@ def _layer_names(reads: _Reads) -> dict[str, str]:
     }
 
 
+def _scalars(values: tuple[Any, ...], reads: _Reads) -> tuple[Any, ...]:
+    """The layer's eps values, post multiplier and Sinkhorn count as a float and an int, or an error naming the
+    attribute: the custom ops' dispatcher refuses a str or None with a message that names none (numpy scalars and
+    ints are converted, as the direct path converts them)."""
+    names = [f"layer.{a}" for a in reads.names]
+    eps, rms, hc_eps, alpha = (
+        checks.finite_float(names[i], values[i], minimum=None if i == 7 else 0.0) for i in (4, 5, 6, 7)
+    )
+    return (*values[:4], eps, rms, hc_eps, alpha, checks.positive_int(names[8], values[8]), values[9])
+
+
 def _state_names(state: BoundaryState) -> dict[str, str]:
     """The boundary arguments that a state fills, each mapped to the state field (for messages)."""
     names = {"residual": "state.residual", "post": "state.post", "comb": "state.comb", "pre": "state.pre"}
@@ -290,6 +301,10 @@ class Boundaries:
         if not isinstance(state, BoundaryState):
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
         norm_weight, eps = final_norm(norm, eps)
+        if eps is None and isinstance(norm, Tensor):
+            raise TypeError("final(state, norm_weight, eps): eps is missing after the norm weight")
+        # Here: the custom op's dispatcher would refuse a str or None naming no argument.
+        eps = checks.finite_float("eps" if isinstance(norm, Tensor) else "norm.variance_epsilon", eps, minimum=0.0)
         self._check_state(state, None, pending=True)
         # The fused boundary with the final norm's weight: the residual-only reduction, the collapse with state.pre
         # and the norm in one call (one launch on the kernels, which also store the new streams that final drops).
@@ -315,7 +330,9 @@ class Boundaries:
         except AttributeError:
             _missing(layer, reads.names)
             raise
-        hc = values[-1]
+        _, _, _, _, eps, rms, hc_eps, alpha, iters, hc = values
+        if not (type(eps) is type(rms) is type(hc_eps) is type(alpha) is float and type(iters) is int):
+            values = _scalars(values, reads)
         if type(hc) is not int or hc != self.all_reduce.hc_mult:
             hc = checks.integer("layer.hc_mult", hc)
             if hc != self.all_reduce.hc_mult:

@@ -215,7 +215,7 @@ class V4Boundaries:
         `norm` is the final norm, or its weight followed by `eps`. One launch up to 512 x 4096 elements of a stream
         (`own_pre_final`), two beyond; the bits are the same."""
         norm_weight, norm_eps = final_norm(norm, eps)
-        if norm_eps is None:
+        if norm_eps is None and isinstance(norm, Tensor):
             raise TypeError("final(state, head, norm_weight, eps): eps is missing after the norm weight")
         try:
             fn, scale, base = head.hc_head_fn, head.hc_head_scale, head.hc_head_base
@@ -234,7 +234,9 @@ class V4Boundaries:
         hc_eps = checks.finite_float("head.hc_eps", hc_eps, minimum=0.0)
         # The final norm too, before the reduction consumes state.pending: a refused call consumes nothing.
         checks.tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=ar.device)
-        norm_eps = checks.finite_float("eps", norm_eps, minimum=0.0)
+        norm_eps = checks.finite_float(
+            "eps" if isinstance(norm, Tensor) else "norm.variance_epsilon", norm_eps, minimum=0.0
+        )
         self._boundaries._check_state(state, None, pending=True)
         if not own_pre_final(state.residual.shape[0], hidden):
             # Many rows: the residual-only boundary, then hc_head's weights, the collapse and the norm in one

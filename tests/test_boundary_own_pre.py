@@ -104,7 +104,7 @@ def test_a_new_scale_or_base_with_a_freed_ones_id_is_not_a_hit(monkeypatch: pyte
         old = {"scale": torch.full((1,), 0.5), "base": torch.zeros(4)}
         new = {**old, name: torch.full(old[name].shape, 2.0)}
         alias = {builtins.id(old[name]), builtins.id(new[name])}
-        monkeypatch.setattr(mhc, "id", lambda o: -1 if builtins.id(o) in alias else builtins.id(o), raising=False)
+        monkeypatch.setattr(mhc, "id", lambda o, a=alias: -1 if builtins.id(o) in a else builtins.id(o), raising=False)
         mhc.mix_weights(fn, old["scale"], old["base"], 1e-6, 1e-6)
         mhc._head_weights(fn, old["scale"], old["base"])
         params = mhc.mix_weights(fn, new["scale"], new["base"], 1e-6, 1e-6).params

@@ -347,6 +347,41 @@ def test_errors_through_the_ops_name_the_layer_attribute() -> None:
         b.sublayer(layer, True, state, step)
 
 
+@pytest.mark.parametrize("where", ["layer", "pending", "final"])
+def test_a_meta_tensor_among_real_ones_is_refused_not_given_the_shape_rules_outputs(where: str) -> None:
+    """The fake implementation is also each op's Meta kernel, which the dispatcher runs when any argument is on the
+    meta device (a weight a loader never materialised): it returned uninitialised real tensors and consumed the call.
+    Refused as the direct path refuses it; a call wholly on meta (shape tracing) still gets the shapes."""
+    import dataclasses
+
+    model = ToyModel(SMALL)
+    b = Boundaries(BoundaryAllReduce(H, max_rows=8, device="cpu"), custom_ops=True)
+    step = DecodeStep.for_rows(2)
+    state, x = b.first(model.layers[0], model.embed[:2], step)
+    state.pending = model.attention(model.layers[0], x)
+    if where == "layer":
+        layer = dataclasses.replace(model.layers[0], hc_ffn_fn=torch.empty(24, 4 * H, device="meta"))
+        with pytest.raises(ValueError, match=r"^layer.hc_ffn_fn must be on cpu, got meta"):
+            b.sublayer(layer, True, state, step)  # the mHC weights are checked where they load: after the reduction
+        state.pending = model.attention(model.layers[0], x)
+    elif where == "pending":
+        real = state.pending
+        state.pending = torch.empty(2, H, dtype=torch.bfloat16, device="meta")
+        with pytest.raises(ValueError, match=r"^state.pending must be on cpu, got meta"):
+            b.sublayer(model.layers[0], True, state, step)
+        state.pending = real
+    else:
+        with pytest.raises(ValueError, match=r"^norm_weight must be on cpu, got meta"):
+            b.final(state, torch.empty(H, dtype=torch.bfloat16, device="meta"), 1e-6)
+    assert state.pending is not None  # a refused boundary consumes nothing
+    meta = {k: v.to("meta") for k, v in boundary_inputs(3, H).items()}
+    y = torch.empty(3, H, dtype=torch.bfloat16, device="meta")
+    streams, hidden = torch.ops.mhc_boundary.boundary_ready(
+        b.all_reduce.handle, y, meta["residual"], meta["post"], meta["comb"], meta["pre"], meta["norm_weight"], 1e-6
+    )
+    assert streams.is_meta and streams.shape == (3, 4, H) and hidden.is_meta and hidden.shape == (3, H)
+
+
 def test_the_decode_step_through_the_ops_gives_the_direct_paths_bits() -> None:
     model = ToyModel(SMALL)
     ar = BoundaryAllReduce(H, max_rows=8, device="cpu")

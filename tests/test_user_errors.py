@@ -18,6 +18,7 @@ from boundary import (
     BoundaryAllReduce,
     DecodeStep,
     MoEOutput,
+    V4Boundaries,
     checks,
     demo,
     empty_quantized_layer_input,
@@ -496,3 +497,60 @@ def test_bench_help_prints_help(capsys: pytest.CaptureFixture) -> None:
     code, out, err = run_main(main, capsys, "--help")
     assert code == 0, err
     assert out.startswith("usage: python -m bench") and "toy DeepSeek" not in out
+
+
+# --- the custom ops' path: the dispatcher's own errors name no argument ---------------------------
+
+
+@pytest.mark.parametrize("scheme", ["v4.1", "v4"])
+@pytest.mark.parametrize(
+    "attr,value,error,match",
+    [
+        ("ffn_norm.variance_epsilon", "1e-6", TypeError, r"^layer.ffn_norm.variance_epsilon must be a real number"),
+        ("ffn_norm.variance_epsilon", None, TypeError, r"^layer.ffn_norm.variance_epsilon must be a real number"),
+        ("rms_norm_eps", "1e-6", TypeError, r"^layer.rms_norm_eps must be a real number"),
+        ("hc_sinkhorn_iters", 20.0, TypeError, r"^layer.hc_sinkhorn_iters must be an int"),
+        ("hc_post_alpha", np.float32(2.0), None, None),  # a numpy real is taken as a float, as the direct path takes it
+    ],
+)
+def test_layer_scalars_through_the_custom_ops_are_checked_as_directly(
+    model: ToyModel, scheme: str, attr: str, value: Any, error: type | None, match: str | None
+) -> None:
+    """With custom_ops=True a layer scalar of the wrong type raises the direct path's TypeError naming the layer
+    attribute (not the dispatcher's RuntimeError naming the op's argument), before state.pending is consumed."""
+    layer = model.layers[0]
+    if "." in attr:
+        norm, field = attr.split(".")
+        bad = with_norm(layer, norm, **{field: value})
+    else:
+        bad = dataclasses.replace(layer, **{attr: value})
+    outs = []
+    for changed in (layer, bad):
+        ar = BoundaryAllReduce(SMALL.hidden_size, max_rows=8, device="cpu")
+        b = (V4Boundaries if scheme == "v4" else Boundaries)(ar, custom_ops=True)
+        step = DecodeStep.for_rows(ROWS)
+        state, x = b.first(layer, model.embed[:ROWS], step)[:2]
+        state.pending = model.attention(layer, x)
+        if changed is bad and error is not None:
+            with pytest.raises(error, match=match):
+                b.sublayer(bad, True, state, step)
+            assert state.pending is not None
+            return
+        outs.append(b.sublayer(changed, True, state, step)[1])
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("custom_ops", [False, True])
+def test_final_names_a_missing_or_wrong_eps_on_both_paths(model: ToyModel, custom_ops: bool) -> None:
+    b = Boundaries(BoundaryAllReduce(SMALL.hidden_size, max_rows=8, device="cpu"), custom_ops=custom_ops)
+    step = DecodeStep.for_rows(ROWS)
+    state, x = b.first(model.layers[0], model.embed[:ROWS], step)
+    state.pending = model.attention(model.layers[0], x)
+    with pytest.raises(TypeError, match=r"eps is missing after the norm weight"):
+        b.final(state, model.final_norm.weight)
+    with pytest.raises(TypeError, match=r"^eps must be a real number, got str"):
+        b.final(state, model.final_norm.weight, "1e-6")
+    with pytest.raises(TypeError, match=r"^norm.variance_epsilon must be a real number, got NoneType"):
+        b.final(state, dataclasses.replace(model.final_norm, variance_epsilon=None))
+    assert state.pending is not None
+    assert b.final(state, model.final_norm).shape == (ROWS, SMALL.hidden_size)

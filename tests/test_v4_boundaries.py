@@ -240,6 +240,28 @@ def test_the_v4_step_through_the_custom_ops_compiles_whole_with_the_direct_paths
         assert compare(got, decode_step_v4(model, direct, tokens, step))["bitwise"], index
 
 
+def test_the_step_through_the_ops_compiles_with_dynamic_shapes_and_a_bad_input_says_what() -> None:
+    """`dynamic=True` makes the layer's and the head's floats symbolic: the host checks must not call math on them
+    (they are checked when the op runs). A bad input under fullgraph reaches the caller quoting our message (Dynamo
+    cannot trace an attribute set on an exception; it said only that before)."""
+    torch._dynamo.reset()
+    model = ToyModel(CONFIG)
+    ar = BoundaryAllReduce(512, max_rows=32, device=CPU)
+    direct, through_ops = V4Boundaries(ar), V4Boundaries(ar, custom_ops=True)
+
+    def step_of(model: ToyModel, boundaries: V4Boundaries, tokens: torch.Tensor):  # noqa: ANN202
+        return decode_step_v4(model, boundaries, tokens, DecodeStep(tokens.shape[0], False))
+
+    compiled = torch.compile(step_of, fullgraph=True, backend="aot_eager", dynamic=True)
+    for rows in (3, 5, 17):
+        tokens = random_tokens(model, rows, rows)
+        assert compare(compiled(model, through_ops, tokens), step_of(model, direct, tokens))["bitwise"], rows
+    torch._dynamo.reset()
+    model.hc_head_fn = model.hc_head_fn.to(torch.bfloat16)
+    with pytest.raises(Exception, match=r"head.hc_head_fn must have dtype torch.float32"):
+        torch.compile(step_of, fullgraph=True, backend="aot_eager")(model, through_ops, random_tokens(model, 3, 0))
+
+
 def test_the_collapse_norm_op_has_a_fake_of_the_layer_inputs_shape() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
