@@ -438,6 +438,11 @@ class BoundaryAllReduce:
         checks.tensor("gemm2_permuted", gemm2_permuted, dtype=BF16, shape=(None, hidden), device=dev, align=a16)
         checks.tensor("expert_weights", expert_weights, dtype=F32, shape=(rows, None), device=dev)
         top_k = expert_weights.shape[1]
+        if top_k < 1:
+            shape = list(expert_weights.shape)
+            raise checks._error(
+                ValueError, "expert_weights", f"must have at least one column (top_k >= 1), got {shape}"
+            )
         checks.tensor(
             "expanded_idx_to_permuted_idx",
             expanded_idx_to_permuted_idx,
@@ -788,7 +793,10 @@ class BoundaryAllReduce:
         parts = [
             torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.int32, device=x.device) for _ in range(self.world_size)
         ]
-        dist.all_gather(parts, x.contiguous().view(torch.int32), group=self.group)
+        x = x.contiguous()
+        if x.storage_offset() % 2:  # a bf16 view at an odd offset has no int32 view: the words go from a copy
+            x = x.clone()
+        dist.all_gather(parts, x.view(torch.int32), group=self.group)
         return reference.rank_sum([p.view(BF16) for p in parts])
 
     def _epilogue(

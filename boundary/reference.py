@@ -7,8 +7,8 @@ can be held to the same bits. Nothing here checks its inputs: the public entry p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,6 +20,48 @@ MIX_WIDTH = HC * (HC + 2)  # 24: pre (4), post (4), comb (16)
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+
+
+ROW_BLOCK = 16  # rows of one block of the CPU path's projection and mixes (see `in_row_blocks`)
+
+
+def in_row_blocks(f: Callable[..., Any], x: Tensor, *args: Any) -> Any:
+    """`f(x, *args)` for x [T, K] on the CPU, run on blocks of ROW_BLOCK rows (the last padded with zero rows) and put
+    back together (f returns a tensor or a tuple of tensors, row-major). So a row's bits depend on that row alone,
+    never on the row count (CONTRACT §6): torch's CPU kernels run a tensor's body vectorised and its tail scalar
+    (sigmoid's two differ in the last bit) and choose a GEMM's blocking by its shape; in blocks of one shape every
+    row takes the same path. On a GPU, f(x, *args) (the oracle of the kernels, which are the GPU path)."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or rows == 0:
+        return f(x, *args)
+    pad = -rows % ROW_BLOCK
+    padded = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+    parts = [f(padded[s : s + ROW_BLOCK], *args) for s in range(0, rows + pad, ROW_BLOCK)]
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)[:rows]
+    return type(parts[0])(*(torch.cat(field)[:rows] for field in zip(*parts, strict=True)))
+
+
+def row_dots(x: Tensor, w: Tensor) -> Tensor:
+    """[T, n] fp32: each fp32 row of x [T, K] dotted with each row of w [n, K]; on the CPU each dot product is a
+    reduction of its own in one fixed order (torch splits a reduction with several outputs across threads by output),
+    so its bits depend neither on the other rows nor on the thread count, as a GEMM's blocking would."""
+    w = w.to(F32)
+    if x.device.type != "cpu":
+        return x @ w.t()
+    return (x[:, None, :] * w).sum(-1)
+
+
+def row_square_sums(x: Tensor) -> Tensor:
+    """[T, 1] fp32: each fp32 row's sum of squares; on the CPU each row's two halves are reduced apart, then added:
+    torch splits a reduction with a single output (one row of 4H >= 32768 values) across threads, never one with
+    several."""
+    rows, width = x.shape
+    squares = x * x
+    if x.device.type != "cpu" or width % 2:
+        return squares.sum(-1, keepdim=True)
+    halves = squares.view(rows, 2, width // 2).sum(-1)
+    return halves[:, :1] + halves[:, 1:]
 
 
 def rank_sum(partials: Sequence[Tensor]) -> Tensor:
@@ -250,13 +292,18 @@ def coefficients(x: Tensor, params: MHCParams) -> Coefficients:
     """post, comb and pre from a [T, K] projection input (CONTRACT §3); the RMS is over K columns.
 
     Pass the streams flattened to [T, hc*H] with `fn`, or the first layer's embedding [T, H]
-    with `fn_broadcast`.
+    with `fn_broadcast`. Batch invariant on the CPU too (`in_row_blocks`).
     """
+    return in_row_blocks(_coefficients, x, params)
+
+
+def _coefficients(x: Tensor, params: MHCParams) -> Coefficients:
+    """`coefficients` of one block of rows."""
     fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, sinkhorn_repeat = params
     rows, width = x.shape
     xf = x.to(F32)
-    mixes = xf @ fn.to(F32).t()
-    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / width + rms_eps)
+    mixes = row_dots(xf, fn)
+    r = torch.rsqrt(row_square_sums(xf) / width + rms_eps)
     mixes = mixes * r
     scale = scale.to(F32)
     base = base.to(F32)
@@ -375,9 +422,14 @@ def hc_head_mix(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
     """V4's hc_head weights p [T, hc] = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + rms_eps) + base) + hc_eps, x the
     streams flattened to hc*H in fp32, `fn` [hc, hc*H], one `scale`, `base` [hc]."""
     rows, hc, hidden = residual.shape
-    xf = residual.reshape(rows, hc * hidden).to(F32)
-    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / (hc * hidden) + rms_eps)
-    return torch.sigmoid((xf @ fn.to(F32).t()) * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
+    return in_row_blocks(_hc_head_mix, residual.reshape(rows, hc * hidden), fn, scale, base, rms_eps, hc_eps)
+
+
+def _hc_head_mix(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
+    """`hc_head_mix` of one block of flattened rows."""
+    xf = x.to(F32)
+    r = torch.rsqrt(row_square_sums(xf) / xf.shape[1] + rms_eps)
+    return torch.sigmoid(row_dots(xf, fn) * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
 
 
 def hc_head(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:

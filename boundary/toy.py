@@ -433,10 +433,16 @@ def decode_step_v4_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) 
         moe_out = model.moe(layer, x)
     y = _all_reduce_in_rank_order(_finalize_plain(moe_out), group, world)
     streams = _post_plain(y, streams, post, comb)
+
     # hc_head: p = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + eps) + base) + hc_eps over the flattened streams
-    flat = streams.flatten(1).to(F32)
-    r = torch.rsqrt((flat * flat).sum(-1, keepdim=True) / flat.shape[1] + model.rms_norm_eps)
-    p = torch.sigmoid((flat @ model.hc_head_fn.t()) * r * model.hc_head_scale[0] + model.hc_head_base) + model.hc_eps
+    # (in the reference's blocks of rows, whose bits do not depend on the row count: CONTRACT §6)
+    def head_mix(flat: Tensor) -> Tensor:
+        flat = flat.to(F32)
+        r = torch.rsqrt(reference.row_square_sums(flat) / flat.shape[1] + model.rms_norm_eps)
+        mix = reference.row_dots(flat, model.hc_head_fn)
+        return torch.sigmoid(mix * r * model.hc_head_scale[0] + model.hc_head_base) + model.hc_eps
+
+    p = reference.in_row_blocks(head_mix, streams.flatten(1))
     hidden = _input_plain(streams, p, model.final_norm.weight, model.final_norm.variance_epsilon)
     return StepOutput(hidden, quantized, None)  # type: ignore[arg-type]
 

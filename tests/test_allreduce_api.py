@@ -125,6 +125,14 @@ def test_a_moe_index_outside_the_rows_is_no_expert_and_check_names_the_row() -> 
     assert not bool(empty.float().abs().sum())
 
 
+def test_a_moe_output_without_experts_per_row_is_refused_naming_expert_weights() -> None:
+    """top_k = 0 (expert_weights [T, 0]) passed the host checks and failed in the reference's argmax."""
+    gemm2, weights, idx, residual, post, comb, pre, w = _moe_inputs()
+    ar = BoundaryAllReduce(256, device="cpu", max_rows=8)
+    with pytest.raises(ValueError, match=r"^expert_weights must have at least one column \(top_k >= 1\)"):
+        ar.finalize(gemm2, weights[:, :0], idx[:, :0], None, residual, post, comb, pre, w, 1e-6, None)
+
+
 def test_a_boundary_built_in_inference_mode_serves_calls_outside_it() -> None:
     """An engine may build its modules under torch.inference_mode() and run steps under no_grad, or the reverse: the
     kept buffers (the error word that check() clears) are plain tensors either way."""

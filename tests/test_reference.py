@@ -325,3 +325,33 @@ def test_final_collapse() -> None:
     assert bitwise_equal(
         ref.final_collapse(residual, pre, w, 1e-20), ref.rms_norm(ref.collapse(residual, pre), w, 1e-20)
     )
+
+
+# --- CONTRACT §6: batch invariance of the CPU path -------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [1024, 4 * 7168])
+def test_a_rows_mixes_do_not_depend_on_the_batch_or_the_thread_count(width: int) -> None:
+    """The CPU path (one rank, and every gloo rank) computes the mixes here: a row's post, comb, pre and hc_head
+    weights must be the same bits in any batch around it and at any thread count. A GEMM's blocking, or a vectorised
+    sigmoid's body against its scalar tail, made them differ in the last bit with the row count."""
+    g = gen(11)
+    rows = 40
+    x = (torch.randn(rows, width, generator=g) * 3).to(BF16)
+    fn = torch.randn(24, width, generator=g) * 0.02
+    params = ref.MHCParams(fn, torch.tensor([0.5, 0.4, 0.6]), torch.randn(24, generator=g), 1e-6, 1e-6, 1e-6, 2.0, 20)
+    head = (fn[:4].contiguous(), torch.tensor([0.7]), torch.randn(4, generator=g), 1e-6, 1e-6)
+    streams = x.view(rows, 4, width // 4)
+    whole = (*ref.coefficients(x.float(), params), ref.hc_head_mix(streams, *head))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = (*ref.coefficients(x.float(), params), ref.hc_head_mix(streams, *head))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(bitwise_equal(a, b) for a, b in zip(whole, one_thread))
+    for count in (1, 2, 3, 15, 16, 17, 33):
+        for start in (0, rows - count):
+            part = slice(start, start + count)
+            alone = (*ref.coefficients(x[part].float(), params), ref.hc_head_mix(streams[part], *head))
+            assert all(bitwise_equal(a[part], b) for a, b in zip(whole, alone)), (count, start)
