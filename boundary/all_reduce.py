@@ -485,8 +485,9 @@ class BoundaryAllReduce:
         Call it before CUDA-graph capture: nothing can compile or allocate a workspace inside a capture.
         Compiled kernels are cached on disk, so later processes only load them.
         """
-        rows = self.max_rows if max_rows is None else max_rows
-        self._check_rows(rows)
+        rows = self.max_rows if max_rows is None else checks.positive_int("max_rows", max_rows)
+        if rows > self.max_rows:
+            raise ValueError(f"max_rows ({rows}) exceeds this boundary's capacity, its max_rows={self.max_rows}")
         quantize = () if quantize is None else quantize
         checks.flag("unnormed_layer_input", unnormed_layer_input)
         checks.flag("own_pre", own_pre)

@@ -326,6 +326,10 @@ def test_bad_construction_raises_a_clear_error() -> None:
     ar = BoundaryAllReduce(512, max_rows=4, device="cpu")
     with pytest.raises(ValueError, match="exceed this boundary's capacity"):
         ar.mailbox(5)
+    with pytest.raises(ValueError, match=r"^max_rows \(5\) exceeds this boundary's capacity, its max_rows=4"):
+        ar.warmup(max_rows=5)
+    with pytest.raises(ValueError, match=r"^max_rows must be a positive int"):
+        ar.warmup(max_rows=0)
     with pytest.raises(ValueError, match="num_tokens must be a positive int"):
         empty_quantized_layer_input(0, 512, "cpu")
 
