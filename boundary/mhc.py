@@ -7,7 +7,7 @@ checks here are the only ones: the kernels' host side trusts its callers.
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -456,22 +456,82 @@ def _head_params(
     return MHCParams(fn24, scale3, base24, rms_eps, hc_eps, hc_eps, 1.0, HEAD_SINKHORN_REPEAT)
 
 
-# The kernel form of MixWeights (its params tensor) by id of their fn, with weak references to the fn, scale and base
-# it was built from and their versions: a hit needs the very same three tensors (an id can be reused by a new tensor
-# once the old one is freed) at the same versions. No entry holds fn itself, so an entry goes when its fn does (a
-# MixWeights made on each call refers to the caller's tensors).
-_MIX_WEIGHTS: dict[int, tuple[tuple[weakref.ref, ...], tuple[Any, ...], Tensor]] = {}
+class _WeightCopies:
+    """Device tensors built from a few weight tensors (hc_head's kernel forms), kept per tensors at most `size` at a
+    time (least recently used out). An entry holds its weights strongly, so its key's ids cannot be reused while it
+    lives, and no weak reference is left on a parameter (torch.utils.swap_tensors refuses those). A hit needs the very
+    same tensors at the same storage and version (an in-place update that torch sees); a change rebuilds the copies
+    in place, at the same addresses. An update torch does not see (`param.data.copy_`, a collective) or one between
+    CUDA-graph replays needs `refresh()` (V4Boundaries.weights_updated)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[tuple, tuple[tuple[Tensor, ...], tuple, Any, Callable[..., Any]]] = {}
+
+    @staticmethod
+    def _state(weights: tuple[Tensor, ...]) -> tuple:
+        # inference tensors keep no version counter (nothing outside inference mode can update them in place)
+        return tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
+
+    def get(
+        self, weights: tuple[Tensor, ...], extra: tuple, build: Callable[..., Any], fill: Callable[..., None]
+    ) -> Any:
+        """The copies of `weights` (with `extra`, plain values): `build(*weights, *extra)` makes them, `fill(copies,
+        *weights, *extra)` rewrites them in place."""
+        key = (*(id(w) for w in weights), *extra)
+        entry = self.entries.pop(key, None)
+        state = self._state(weights)
+        if entry is None or entry[1] != state:
+            with torch.inference_mode(False):  # kept and rewritten in place outside inference mode too
+                if entry is None:
+                    copies = build(*weights, *extra)
+                else:
+                    copies = entry[2]
+                    fill(copies, *weights, *extra)
+        else:
+            copies = entry[2]
+        self.entries[key] = (weights, state, copies, fill)  # the most recent last
+        while len(self.entries) > self.size:
+            del self.entries[next(iter(self.entries))]
+        return copies
+
+    def refresh(self) -> None:
+        """Rewrite every entry's copies in place from its weights' current values (on the current stream)."""
+        with torch.inference_mode(False):
+            for key, (weights, _, copies, fill) in self.entries.items():
+                fill(copies, *weights, *key[len(weights) :])
+                self.entries[key] = (weights, self._state(weights), copies, fill)
 
 
-def _same(refs: tuple[weakref.ref, ...], *tensors: Tensor) -> bool:
-    """Whether each weak reference still points at the very tensor given for it."""
-    return all(ref() is t for ref, t in zip(refs, tensors, strict=True))
+# Enough for a benchmark's set of heads per shape; an engine has one head.
+_MIX_WEIGHTS = _WeightCopies(32)
+_HEAD_WEIGHTS = _WeightCopies(32)
+
+
+def refresh_weights() -> None:
+    """Rewrite the kernel path's copies of hc_head's weights from their tensors (after an update torch did not see,
+    or before replaying CUDA graphs captured before an update): in place, so captured graphs read the new values."""
+    _MIX_WEIGHTS.refresh()
+    _HEAD_WEIGHTS.refresh()
+
+
+def _fill_params(params: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: float) -> None:
+    params[0:1].copy_(scale)
+    params[1 : 1 + HC].copy_(base)
+    params[5].fill_(rms_eps)
+    params[6].fill_(eps)
+
+
+def _build_params(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: float) -> Tensor:
+    params = torch.zeros(MIX_PARAMS, dtype=torch.float32, device=fn.device)
+    _fill_params(params, fn, scale, base, rms_eps, eps)
+    return params
 
 
 def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: float) -> MixWeights:
     """The pre weights of a boundary that computes its own pre (MixWeights): a layer's `fn[:4]`, `scale[:1]`,
-    `base[:4]` and its rms / pre epsilons, or hc_head's fn, scale, base and epsilons. Built once per fn (and again
-    after an in-place update of any of them): the call path makes no tensor and copies nothing from the host."""
+    `base[:4]` and its rms / pre epsilons, or hc_head's fn, scale, base and epsilons. Their kernel form is built once
+    per set of tensors and kept (`_WeightCopies`): the call path makes no tensor and copies nothing from the host."""
     checks.tensor("fn", fn, dtype=torch.float32, shape=(HC, None))
     dev = fn.device
     hidden = fn.shape[1] // HC
@@ -482,44 +542,32 @@ def mix_weights(fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, eps: fl
     checks.tensor("base", base, dtype=torch.float32, shape=(HC,), device=dev)
     rms_eps = checks.finite_float("rms_eps", rms_eps, minimum=0.0)
     eps = checks.finite_float("eps", eps, minimum=0.0)
-    key = (fn._version, scale._version, base._version, rms_eps, eps)
-    hit = _MIX_WEIGHTS.get(id(fn))
-    if hit is not None and _same(hit[0], fn, scale, base) and hit[1] == key:
-        return MixWeights(fn, hit[2], scale, base, rms_eps, eps)
-    params = torch.zeros(MIX_PARAMS, dtype=torch.float32, device=dev)
-    params[0:1].copy_(scale)
-    params[1 : 1 + HC].copy_(base)
-    params[5].fill_(rms_eps)
-    params[6].fill_(eps)
-    if hit is None or hit[0][0]() is not fn:
-        weakref.finalize(fn, _MIX_WEIGHTS.pop, id(fn), None)
-    _MIX_WEIGHTS[id(fn)] = ((weakref.ref(fn), weakref.ref(scale), weakref.ref(base)), key, params)
+    params = _MIX_WEIGHTS.get((fn, scale, base), (rms_eps, eps), _build_params, _fill_params)
     return MixWeights(fn, params, scale, base, rms_eps, eps)
 
 
-# hc_head's weights as the coefficients kernel's 24 mixes, by id of the head's fn (an entry goes when that fn does),
-# with the three tensors they were built from (weakly) and their versions: another tensor, or an in-place update of
-# any of them, builds them again.
-_HEAD_WEIGHTS: dict[int, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple[Tensor, Tensor, Tensor]]] = {}
+def _fill_head(copies: tuple[Tensor, Tensor, Tensor], fn: Tensor, scale: Tensor, base: Tensor) -> None:
+    fn24, scale3, base24 = copies
+    fn24[: fn.shape[0]].copy_(fn)
+    scale3[:1].copy_(scale)
+    base24[: fn.shape[0]].copy_(base)
+
+
+def _build_head(fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hc = fn.shape[0]
+    mix = hc * (2 + hc)
+    copies = (
+        torch.zeros(mix, fn.shape[1], dtype=torch.float32, device=fn.device),
+        torch.ones(3, dtype=torch.float32, device=fn.device),
+        torch.zeros(mix, dtype=torch.float32, device=fn.device),
+    )
+    _fill_head(copies, fn, scale, base)
+    return copies
 
 
 def _head_weights(fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(fn [24, hc*H], scale [3], base [24]) whose pre is hc_head's weights: fn and base first, zeros after."""
-    key = (fn._version, scale._version, base._version)
-    hit = _HEAD_WEIGHTS.get(id(fn))
-    if hit is not None and _same(hit[0], fn, scale, base) and hit[1] == key:
-        return hit[2]
-    hc = fn.shape[0]
-    mix = hc * (2 + hc)
-    fn24 = torch.zeros(mix, fn.shape[1], dtype=torch.float32, device=fn.device)
-    fn24[:hc] = fn
-    base24 = torch.zeros(mix, dtype=torch.float32, device=fn.device)
-    base24[:hc] = base
-    weights = (fn24, torch.cat([scale, torch.ones(2, dtype=torch.float32, device=fn.device)]), base24)
-    if hit is None or hit[0][0]() is not fn:
-        weakref.finalize(fn, _HEAD_WEIGHTS.pop, id(fn), None)
-    _HEAD_WEIGHTS[id(fn)] = ((weakref.ref(fn), weakref.ref(scale), weakref.ref(base)), key, weights)
-    return weights
+    return _HEAD_WEIGHTS.get((fn, scale, base), (), _build_head, _fill_head)
 
 
 def _coefficients(

@@ -143,6 +143,14 @@ class V4Boundaries:
             max_rows, quantize=quantize, own_pre=True, sinkhorn_repeat=sinkhorn_repeat, progress=progress
         )
 
+    def weights_updated(self) -> None:
+        """Call after updating hc_head's weights where torch does not see it (a loader's `param.data.copy_`, a
+        collective into the parameter) and before replaying CUDA graphs captured earlier: the kernel path keeps
+        device copies of hc_head's scale and base (and, past one launch, its fn as 24 mixes), rewritten here in
+        place, on the current stream, so that captured graphs read the new values. Updates torch sees (in-place ops,
+        a new storage) are taken by the next eager call; the layers' weights are read where they lie."""
+        mhc.refresh_weights()
+
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:
         """The model entry: streams = the embedding broadcast to hc; their mixes (from the embedding, with
         hc_attn_fn_broadcast); layer input = RMSNorm(bf16(sum_j pre[j] * e)) with that pre."""

@@ -69,28 +69,60 @@ def test_the_own_pre_call_refuses_what_it_cannot_mean() -> None:
         mhc.mix_weights(mix.fn.t().contiguous().t(), mix.scale, mix.base, 1e-6, 1e-6)  # [4, 4H] but not contiguous
 
 
-def test_mix_weights_are_built_once_and_again_after_an_update() -> None:
+def test_mix_weights_are_built_once_and_rewritten_in_place_after_an_update() -> None:
+    """Built once per set of tensors; an in-place update torch sees (or a new storage under `.data`) rewrites the
+    kernel form in place, at the same address, so that a CUDA graph captured before reads it."""
     mix = weights(256, "cpu")
     again = mhc.mix_weights(mix.fn, mix.scale, mix.base, 1e-6, 1e-6)
     assert again.params is mix.params and again.fn is mix.fn
     assert mix.params.tolist()[5:] == pytest.approx([1e-6, 1e-6, 0.0])
     mix.base.add_(1.0)
     rebuilt = mhc.mix_weights(mix.fn, mix.scale, mix.base, 1e-6, 1e-6)
-    assert rebuilt.params is not mix.params and torch.equal(rebuilt.params[1:5], mix.base)
+    assert rebuilt.params is mix.params and torch.equal(rebuilt.params[1:5], mix.base)
+    mix.scale.data = torch.full((1,), 3.0)  # a new storage under the same tensor object (Module._apply, assign=)
+    assert mhc.mix_weights(mix.fn, mix.scale, mix.base, 1e-6, 1e-6).params[0].item() == 3.0
 
 
-def test_mix_weights_keep_no_fn_alive() -> None:
-    """The cache holds no reference to a fn: once the caller drops fn and its MixWeights, the entry goes (a model
-    reloaded or a benchmark's per-call heads are not kept)."""
-    import gc
-    import weakref
+def test_an_update_torch_does_not_see_needs_weights_updated() -> None:
+    """A loader's `param.data.copy_` or a collective writes without a version bump: V4Boundaries.weights_updated()
+    rewrites the copies in place (the same tensors), in both caches."""
+    from boundary import V4Boundaries
 
-    mix = weights(256, "cpu")
-    fn, key = weakref.ref(mix.fn), id(mix.fn)
-    assert key in mhc._MIX_WEIGHTS
-    del mix
-    gc.collect()
-    assert fn() is None and key not in mhc._MIX_WEIGHTS
+    fn, scale, base = torch.randn(4, 4 * 256), torch.full((1,), 0.5), torch.zeros(4)
+    params = mhc.mix_weights(fn, scale, base, 1e-6, 1e-6).params
+    fn24, scale3, base24 = mhc._head_weights(fn, scale, base)
+    scale.data.copy_(torch.full((1,), 2.0))
+    base.data.copy_(torch.ones(4))
+    fn.data.zero_()
+    assert params[0].item() == 0.5  # unseen: the negative control
+    V4Boundaries(BoundaryAllReduce(256, max_rows=4, device="cpu")).weights_updated()
+    assert mhc.mix_weights(fn, scale, base, 1e-6, 1e-6).params is params
+    assert params[:5].tolist() == [2.0, 1.0, 1.0, 1.0, 1.0]
+    assert mhc._head_weights(fn, scale, base)[0] is fn24 and not fn24.any() and scale3[0] == 2.0 and base24[:4].all()
+
+
+def test_the_kept_copies_are_bounded_and_leave_parameters_swappable() -> None:
+    """At most 32 sets of weights are kept (strongly: no id of a kept tensor is reused; no weak reference left on a
+    parameter, which torch.utils.swap_tensors, Module._apply's swap path, refuses); inference tensors have no version
+    counter and are taken too."""
+    for _ in range(40):
+        mhc.mix_weights(torch.randn(4, 4 * 256), torch.ones(1), torch.zeros(4), 1e-6, 1e-6)
+    assert len(mhc._MIX_WEIGHTS.entries) == 32
+    head = torch.nn.Module()
+    head.fn, head.scale, head.base = (
+        torch.nn.Parameter(t) for t in (torch.randn(4, 1024), torch.ones(1), torch.zeros(4))
+    )
+    mhc.mix_weights(head.fn, head.scale, head.base, 1e-6, 1e-6)
+    mhc._head_weights(head.fn, head.scale, head.base)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        head.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    with torch.inference_mode():
+        fn, scale, base = torch.randn(4, 1024), torch.ones(1), torch.zeros(4)
+    assert mhc.mix_weights(fn, scale, base, 1e-6, 1e-6).params[0].item() == 1.0
+    assert mhc._head_weights(fn, scale, base)[1][0].item() == 1.0
 
 
 def test_a_new_scale_or_base_with_a_freed_ones_id_is_not_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
