@@ -368,7 +368,7 @@ class BoundaryAllReduce:
         (DeepSeek-V4, CONTRACT §4d; pre=None) the pre is computed from the new streams in the same launch, with
         those weights (`boundary.mhc.mix_weights`), and written to `pre_out` ([T, 4] fp32) where one is given.
         """
-        if shared_output is None and aux_out is None and fp8_out is None and mix is None:
+        if shared_output is None and aux_out is None and fp8_out is None and mix is None and pre_out is None:
             # The common call. A call form launched before at this row count takes its kept launch (the rows are
             # then within max_rows); its first call takes _kernel once `_fits` passes. What this tests, or `_fits`,
             # leaves out, the compiled kernel's TVM-FFI entry checks before it launches; where it refuses, the full
@@ -376,6 +376,8 @@ class BoundaryAllReduce:
             # call makes it again, and its error is the caller's).
             try:
                 rows = residual.shape[0]
+                if post.dim() == 3:  # [T, hc, 1], as the module may pass it: the kernel takes [T, hc]
+                    post = post.view(rows, post.shape[1])
                 launch = self._ready.get((rows, pre is None, mxfp8_out is None))
                 if launch is None:
                     if self._fused and self._fits(residual, post, pre, norm_weight, norm_eps, mxfp8_out):

@@ -100,6 +100,7 @@ class Workspace:
                 shared_context=True,
             )
             ws._attach(buf, peers)
+            ws._handle = buffers  # the peers' slots too: a rank kept alone must not push into freed memory
             spaces.append(ws)
         torch.cuda.synchronize(device)
         return spaces

@@ -695,3 +695,19 @@ def test_a_boundary_object_goes_with_its_last_reference_and_takes_its_all_reduce
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_a_simulated_rank_keeps_its_peers_slots_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each simulated rank's peer table holds the others' slot addresses: a rank kept alone (the others dropped) must
+    keep their buffers, or its pushes would land in memory the allocator hands out again. (The CPU stands in for the
+    GPU's allocation here; the device sync is a no-op.)"""
+    import gc
+
+    from boundary.workspace import Workspace
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    spaces = Workspace.simulated(256, 2, 4, torch.device("cpu"), 1000)
+    del spaces[1]
+    gc.collect()
+    kept = {t.data_ptr() for t in getattr(spaces[0], "_handle", ())}
+    assert all(int(p) in kept for p in spaces[0].peers), "a peer's slots are not held by this rank's workspace"

@@ -212,6 +212,42 @@ def test_the_public_call_keeps_its_launch_in_the_c_entry(monkeypatch: pytest.Mon
     assert len(seen) == 1  # the kept launch's refused call; the full checks launched nothing
 
 
+def test_a_post_of_shape_t_hc_1_keeps_one_launch_and_pre_out_without_mix_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """post [T, hc, 1] (the module's form) goes to the kept launch as [T, hc]: before, the entry refused every later
+    call, and each ran the full checks and kept a new launch. `pre_out` without `mix` skipped the fast path's gate
+    and launched a plain boundary where the checked path refuses it."""
+    from boundary import BoundaryAllReduce
+    from boundary.all_reduce import BoundaryPath
+
+    ar = BoundaryAllReduce(H, max_rows=4, device="cpu")
+    monkeypatch.setattr(ar, "path", BoundaryPath.KERNEL)
+    ar.arch = "sm_90a"
+    seen: list = []
+
+    post = api.BoundaryArgs._fields.index("post")
+
+    def kernel(*args: object) -> None:  # refuses a 3-D post, as the compiled entry's ndim check does
+        seen.append(len(args[post].shape))
+        if len(args[post].shape) != 2:
+            raise ValueError("Mismatched Tensor on argument #1, expected ndim=2")
+
+    monkeypatch.setattr(api, "compiled_boundary", lambda h, v, **k: tvm_ffi.convert(kernel))
+    inp = boundary_inputs(ROWS, H)
+    args = [inp["x"], inp["residual"], inp["post"].unsqueeze(-1), inp["comb"], inp["pre"], inp["norm_weight"], 1e-6]
+    for _ in range(5):
+        ar(*args, None)
+    kept = ar._ready[(ROWS, False, True)]
+    ar(*args, None)
+    assert seen == [2] * 6 and ar._ready[(ROWS, False, True)] is kept
+    with pytest.raises(
+        ValueError, match="pre_out takes the pre a boundary computes from its new streams: it needs mix"
+    ):
+        ar(*args, None, pre_out=torch.empty(ROWS, 4))
+    assert len(seen) == 6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("hidden", [4096, 7168])
