@@ -10,6 +10,7 @@ import inspect
 import logging
 import os
 import pickle
+import platform
 import sys
 import tempfile
 import time
@@ -93,9 +94,10 @@ def disk_cache_enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """A hash of the kernel sources, the Python minor version and the DSL / TVM-FFI versions."""
+    """A hash of the kernel sources, the Python minor version, the host's machine type (a cache folder shared by
+    x86_64 and aarch64 hosts holds one object per machine) and the DSL / TVM-FFI versions."""
     h = hashlib.sha256()
-    h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+    h.update(f"py{sys.version_info.major}.{sys.version_info.minor};{platform.machine()}".encode())
     h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_ffi.__version__}".encode())
     for src in sorted(_KERNEL_DIR.rglob("*.py")):
         h.update(src.relative_to(_KERNEL_DIR).as_posix().encode())
@@ -249,21 +251,31 @@ def lazy_module_loading() -> bool:
     return mode.value == _CU_MODULE_LAZY_LOADING
 
 
-# The compiled functions that have launched in this process, by id, each held here: a jit_cache's cache_clear drops
-# its objects, and a new object must never inherit a dropped one's id, and with it "launched". CUDA loads a module
-# onto the GPU at its function's first launch, and a load may wait for every running kernel of the context: a kernel
-# that spins on its peers (CONTRACT §7) must not meet one.
-_LAUNCHED: dict[int, Callable[..., Any]] = {}
+# The compiled functions that have launched in this process, by id and device, each held here: a jit_cache's
+# cache_clear drops its objects, and a new object must never inherit a dropped one's id, and with it "launched". CUDA
+# loads a module onto a GPU (its context) at its function's first launch there, and a load may wait for every running
+# kernel of the context: a kernel that spins on its peers (CONTRACT §7) must not meet one.
+_LAUNCHED: dict[tuple[int, tuple[str, int]], Callable[..., Any]] = {}
 
 
-def mark_launched(fn: Callable[..., Any]) -> None:
-    """Record that `fn` has launched in this process (its module is loaded onto the device)."""
-    _LAUNCHED[id(fn)] = fn
+def _context(device: Any) -> tuple[str, int]:
+    """The device whose CUDA context a module loads into (None or "cuda": the current one)."""
+    import torch
+
+    d = torch.device("cuda" if device is None else device)
+    if d.index is not None:
+        return d.type, d.index
+    return d.type, torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0
 
 
-def launched(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` has launched in this process."""
-    return _LAUNCHED.get(id(fn)) is fn
+def mark_launched(fn: Callable[..., Any], device: Any = None) -> None:
+    """Record that `fn` has launched on `device` in this process (its module is loaded there)."""
+    _LAUNCHED[(id(fn), _context(device))] = fn
+
+
+def launched(fn: Callable[..., Any], device: Any = None) -> bool:
+    """Whether `fn` has launched on `device` in this process."""
+    return _LAUNCHED.get((id(fn), _context(device))) is fn
 
 
 @dataclass(frozen=True)
@@ -460,9 +472,9 @@ def _worker_main() -> None:
 
 def _load_onto(job: WarmupJob, device: Any) -> None:
     fn = job.run()
-    if job.load is not None and not launched(fn):
+    if job.load is not None and not launched(fn, device):
         job.load(fn, device)
-        mark_launched(fn)
+        mark_launched(fn, device)
 
 
 def _progress(items: list, progress: bool, desc: str, step: Callable[[Any], object]) -> None:

@@ -241,3 +241,29 @@ def test_a_process_killed_while_it_compiles_blocks_the_others_only_while_it_live
         assert proc.returncode == 0, err.decode()[-3000:]
         assert out.decode().splitlines()[-1].startswith("kernels: 4"), out.decode()
     assert sorted({int(rest.split()[0]) for rest in _compiles(log)["done"]}) == [384, 640, 896, 1152]
+
+
+def test_a_kernel_loaded_on_one_gpu_is_loaded_again_on_another() -> None:
+    """CUDA loads a module per device (context): a warm-up of cuda:1 after cuda:0 must load there too, and a first
+    launch on cuda:1 is not one that cuda:0's load already made (the guard simulated ranks need)."""
+    fn = object()
+    loads: list = []
+    job = cc.WarmupJob("k", lambda: fn, (), load=lambda f, device: loads.append(device))
+    for device in ("cuda:0", "cuda:1", "cuda:1"):
+        cc._load_onto(job, device)
+    assert loads == ["cuda:0", "cuda:1"]
+    assert cc.launched(fn, "cuda:0") and cc.launched(fn, "cuda:1") and not cc.launched(fn, "cuda:2")
+
+
+def test_the_cache_key_names_the_hosts_machine_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache folder shared by x86_64 and aarch64 hosts ($MHC_BOUNDARY_CACHE_DIR on shared storage) must not offer
+    one machine's objects to the other."""
+    import platform
+
+    keys = {}
+    for machine in ("x86_64", "aarch64"):
+        monkeypatch.setattr(platform, "machine", lambda m=machine: m)
+        cc.source_fingerprint.cache_clear()
+        keys[machine] = cc.source_fingerprint()
+    cc.source_fingerprint.cache_clear()
+    assert keys["x86_64"] != keys["aarch64"]

@@ -314,7 +314,7 @@ def fused_boundary(
         float(norm_eps),
     )
     if first:
-        mark_launched(fn)  # a rank of its own GPU: this first launch loaded it, which only delayed this rank
+        mark_launched(fn, slots.device)  # a rank of its own GPU: this first launch loaded it, only delaying this rank
     return fn
 
 
@@ -404,7 +404,7 @@ def _resolve(
         rows=rows,
     )
     slots, peers, state = peer.slots, peer.peers, peer.state
-    first = not launched(fn)
+    first = not launched(fn, slots.device)
     if first:
         if peer.shared_context:
             # The ranks share this context: loading the module here could wait for a peer spinning on this
