@@ -219,6 +219,44 @@ def test_the_v4_step_on_the_kernels_tracks_the_written_out_step(rows: int, one_l
     ar.check()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(("rows", "one_launch_final"), [(4, True), (4, False)])
+def test_a_graph_replayed_after_weights_updated_reads_hc_heads_new_weights(
+    rows: int, one_launch_final: bool, monkeypatch
+) -> None:
+    """hc_head's scale, base and fn updated as a loader writes them (`param.data.copy_`, no version bump), then
+    `weights_updated()`: a V4 step captured before, replayed, gives the eager step's bits on the new weights; without
+    the call the replay keeps the old copy (the negative control)."""
+    from cute_kernels.boundary import config
+
+    monkeypatch.setattr(config, "OWN_PRE_FINAL_MAX_ELEMENTS", config.OWN_PRE_FINAL_MAX_ELEMENTS * one_launch_final)
+    hidden = 4096
+    model = ToyModel(ToyConfig(hidden_size=hidden, num_layers=2), device="cuda")
+    b = V4Boundaries(BoundaryAllReduce(hidden, max_rows=8, device="cuda"))
+    b.warmup(progress=False, quantize=("mxfp8",))
+    step, tokens = DecodeStep(rows=rows, side_stream=False), random_tokens(model, rows, 0)
+    decode_step_v4(model, b, tokens, step)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_step_v4(model, b, tokens, step)
+    before = decode_step_v4(model, b, tokens, step).hidden.clone()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    model.hc_head_scale.data.copy_(model.hc_head_scale * 3)
+    model.hc_head_base.data.copy_(torch.randn(4, device="cuda", generator=g))
+    model.hc_head_fn.data.copy_(model.hc_head_fn.flip(1))
+    graph.replay()
+    torch.cuda.synchronize()
+    stale = captured.hidden.clone()  # not seen: scale and base (and fn past one launch) are the old copies
+    b.weights_updated()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = decode_step_v4(model, b, tokens, step).hidden
+    assert bitwise_equal(captured.hidden, want)
+    assert not bitwise_equal(want, before) and not bitwise_equal(stale, want)
+
+
 def test_the_v4_step_through_the_custom_ops_compiles_whole_with_the_direct_paths_bits() -> None:
     """V4Boundaries(custom_ops=True) drives post_only, mhc_mixes and collapse_norm as torch.ops.mhc_boundary ops: the
     decode step traces as one graph with no break, and gives the direct path's bits eagerly and compiled."""
