@@ -531,10 +531,13 @@ class BoundaryAllReduce:
     def check(self) -> None:
         """Raise if a boundary of this rank gave up waiting for a peer or met a MoE index outside [-1, P).
 
-        Reads the device error word, so it synchronises: call it off the hot path (e.g. once per step).
-        A wait that gave up leaves the exchange out of step: every rank must `reset()` before the next
-        boundary. A bad MoE index is reported once (the word is cleared) and leaves the rest intact.
+        Synchronises the device (every stream: a step may have run on a stream of the engine's own, which the
+        stream this is called on does not wait for), then reads the device error word: call it off the hot path
+        (e.g. once per step). A wait that gave up leaves the exchange out of step: every rank must `reset()` before
+        the next boundary. A bad MoE index is reported once (the word is cleared) and leaves the rest intact.
         """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         word = self.workspace.error.tolist()
         missing = [r for r in range(self.world_size) if word[ERROR_MISSING] >> r & 1]
         if missing:

@@ -37,6 +37,7 @@ RESIDUAL_ONLY = BoundaryVariant("x", pre=False)  # mhc_post: the fused boundary 
 BF16 = torch.bfloat16
 F32 = torch.float32
 _WORKSPACES: dict[tuple[torch.device, int, int | None], Any] = {}
+_RETIRED_WORKSPACES: list[Any] = []  # grown out of, kept for the graphs that may hold their addresses
 
 
 def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int | None = None) -> Any:
@@ -59,6 +60,10 @@ def prepare_workspace(hidden: int, rows: int, device: torch.device, owner: int |
                 "capture; call BoundaryAllReduce.warmup(max_rows) before capturing"
             )
         capacity = min(max(rows, 512 if ws is None else 2 * ws.max_rows), limit)
+        if ws is not None:
+            # A CUDA graph captured before may still use the smaller one's addresses: it is kept, never freed (each
+            # growth doubles, so all of them take less than twice the largest).
+            _RETIRED_WORKSPACES.append(ws)
         with torch.inference_mode(False):  # kept across calls, which may run outside inference mode
             ws = _WORKSPACES[key] = CoefficientsWorkspace(hidden, capacity, device)
     return ws

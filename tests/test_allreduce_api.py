@@ -711,3 +711,35 @@ def test_a_simulated_rank_keeps_its_peers_slots_alive(monkeypatch: pytest.Monkey
     gc.collect()
     kept = {t.data_ptr() for t in getattr(spaces[0], "_handle", ())}
     assert all(int(p) in kept for p in spaces[0].peers), "a peer's slots are not held by this rank's workspace"
+
+
+def test_check_waits_for_every_stream_of_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step run on an engine's own stream is not waited for by the stream check() is called on: check() syncs
+    the device before it reads the error word (a stand-in records the sync; the word itself is on the CPU here)."""
+    ar = BoundaryAllReduce(256, device="cpu", max_rows=8)
+    events: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", device)))
+    monkeypatch.setattr(ar, "device", torch.device("cuda", 0))
+    error = ar.workspace.error
+    monkeypatch.setattr(
+        ar.workspace, "error", type("Word", (), {"tolist": lambda _: events.append("read") or error.tolist()})()
+    )
+    ar.check()
+    assert events == [("sync", torch.device("cuda", 0)), "read"]
+
+
+def test_a_grown_coefficients_workspace_keeps_the_one_it_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA graph captured before a call with more rows grows the shared workspace still holds the smaller one's
+    addresses: it must stay allocated (it was freed, and the replays wrote into memory other tensors held)."""
+    import gc
+    import weakref
+
+    from boundary import mhc
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    small = mhc.prepare_workspace(1024, 64, torch.device("cpu"), owner=-7)
+    old = weakref.ref(small)
+    del small
+    grown = mhc.prepare_workspace(1024, 600, torch.device("cpu"), owner=-7)
+    gc.collect()
+    assert grown.max_rows >= 600 and old() is not None and old() is not grown
