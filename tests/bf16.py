@@ -50,5 +50,16 @@ def within_contract(got: Tensor, exact: Tensor, terms: Tensor) -> Tensor:
     moves a result by at most 2^-21 of that at these sizes). NaN matches NaN; Inf matches the same Inf."""
     got64, exact = got.to(torch.float64), exact.to(torch.float64)
     ok = (got64 - exact).abs() <= ulp_bf16(exact) + 2.0**-21 * terms.to(torch.float64)
+    ok = ok & exact.isfinite()  # an infinite bound (inf terms) would pass any finite `got`
     ok = ok | (got64.isnan() & exact.isnan()) | (got64.isinf() & (got64 == exact))
     return ok
+
+
+def exported(fn: object) -> bool:
+    """Whether a compile returned its kernel exported through TVM-FFI, the entry the call path launches (a compile
+    that fails raises before): a TVM-FFI function (the package's cache) or the DSL's TVM-FFI callable (a kernel an
+    experiment compiles directly), not a plain JIT function."""
+    import tvm_ffi
+    from cutlass.cutlass_dsl.tvm_ffi_provider import TVMFFIJitCompiledFunctionBase
+
+    return isinstance(fn, (tvm_ffi.Function, TVMFFIJitCompiledFunctionBase))

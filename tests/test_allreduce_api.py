@@ -25,6 +25,7 @@ from cute_kernels.allreduce.tuning import (
 from cute_kernels.boundary import api
 from cute_kernels.boundary.config import default_config, row_split
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
+from tests.bf16 import exported
 from tests.inputs import boundary_inputs
 from tests.test_boundary_kernel_compile import job_args
 
@@ -265,20 +266,20 @@ def test_the_peer_trace_experiment_compiles() -> None:
     from bench.experiments.peer_trace import traced_kernel
 
     fn, config = traced_kernel(4096, 1, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41)
-    assert callable(fn) and config == default_config(4096, "sm_90a", 1, 1)
+    assert exported(fn) and config == default_config(4096, "sm_90a", 1, 1)
     for name, staged in (("oneshot", False), ("twoshot", True)):  # each protocol, each exchange form
         fn, config = traced_kernel(4096, 2, name, staged, "sm_90a", base=1 << 40, calls=1 << 41)
-        assert callable(fn) and config == default_config(4096, "sm_90a", 2, 2)
+        assert exported(fn) and config == default_config(4096, "sm_90a", 2, 2)
     import cutlass.cute as cute
 
     shipped_trigger = cute.arch.griddepcontrol_launch_dependents
     fn, _ = traced_kernel(4096, 4, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41, trigger="end")
-    assert callable(fn) and cute.arch.griddepcontrol_launch_dependents is shipped_trigger  # the patch is undone
+    assert exported(fn) and cute.arch.griddepcontrol_launch_dependents is shipped_trigger  # the patch is undone
     with pytest.raises(ValueError, match="trigger"):
         traced_kernel(4096, 2, "oneshot", False, "sm_90a", base=1 << 40, calls=1 << 41, trigger="start")
     for staged in (False, True):  # --warp-stamps
         fn, _ = traced_kernel(7168, 4, "oneshot", staged, "sm_90a", base=1 << 40, calls=1 << 41, warp_base=1 << 42)
-        assert callable(fn)
+        assert exported(fn)
 
 
 def test_the_warp_steps_analysis_finds_planted_stalls() -> None:

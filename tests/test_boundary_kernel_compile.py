@@ -17,6 +17,7 @@ from cute_kernels.boundary import kernel as kernel_module
 from cute_kernels.boundary.args import concrete_dims
 from cute_kernels.boundary.config import BoundaryConfig, default_config, row_split
 from cute_kernels.boundary.kernel import FusedBoundaryKernel
+from tests.bf16 import exported
 from tests.compile_cover import covering
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -37,7 +38,7 @@ def _shipped_sm_count(monkeypatch) -> None:
 
 def _compile(H: int, variant: api.BoundaryVariant, arch: str):
     fn = api.compiled_boundary(H, variant, arch=arch)
-    assert callable(fn)
+    assert exported(fn), type(fn)
     return fn
 
 

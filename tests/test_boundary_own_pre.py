@@ -14,7 +14,7 @@ import torch
 from boundary import BoundaryAllReduce, mhc
 from boundary import reference as ref
 from boundary.types import MixWeights, QuantizedActivation, empty_fp8_group, empty_quantized, quant_form
-from tests.bf16 import max_ulp
+from tests.bf16 import exported, max_ulp
 from tests.inputs import boundary_inputs
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -157,7 +157,7 @@ def test_the_own_pre_kernel_compiles(world: int) -> None:
     variant = BoundaryVariant("x", pre=True, own_pre=True)
     config = default_config(4096, "sm_90a", 1, world)
     extra = () if world == 1 else (False,)
-    assert api.compile_fused_boundary(4096, *variant, config, world, "oneshot", *extra, arch="sm_90a") is not None
+    assert exported(api.compile_fused_boundary(4096, *variant, config, world, "oneshot", *extra, arch="sm_90a"))
 
 
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

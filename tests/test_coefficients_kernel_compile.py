@@ -16,6 +16,7 @@ from cute_kernels.coefficients.config import CHUNK, CLUSTER, CoefficientsConfig,
 from cute_kernels.coefficients.layer_input import INLINE_BUDGET, INPUT_ONLY_BUDGET, norm_rows_per_cluster
 from cute_kernels.coefficients.projection import SENTINEL
 from cute_kernels.coefficients.variant import OWN_VARIANTS, VARIANTS, CoefficientsVariant
+from tests.bf16 import exported
 from tests.compile_cover import covering
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -225,7 +226,7 @@ def test_the_v4_kernels_join_the_warmup_only_when_asked() -> None:
     assert not [job for job in odd if len(job.args) == 3]  # H 1536: no quantized layer input
     assert not [job for job in odd if len(job.args) == 4 and job.args[1].quant is not None]
     first = next(job for job in v4 if job.args == head[0])
-    assert callable(first.compile_fn(*first.args, **dict(first.kwargs)))  # one Sinkhorn repeat compiles
+    assert exported(first.compile_fn(*first.args, **dict(first.kwargs)))  # one Sinkhorn repeat compiles
 
 
 def test_a_calls_variant_and_its_names() -> None:
@@ -255,7 +256,7 @@ COMPILE_CASES += [(4096, "standard", "none"), (4096, "standard", "carried"), (40
 @pytest.mark.parametrize("H,variant,mode", COMPILE_CASES)
 def test_variant_compiles(H: int, variant: str, mode: str) -> None:
     config = default(H, variant, inline=mode != "none")
-    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
 @pytest.mark.parametrize(
@@ -266,10 +267,10 @@ def test_own_pre_variants_compile(H: int, variant: CoefficientsVariant) -> None:
     """DeepSeek-V4's own-pre variant, bf16 alone and with each quantized form, at its shipped tile config; and at the
     partials schedule (its finish kernel collapses the row)."""
     config = tuning.coefficients_config(H, variant, 1, arch="sm_90a")
-    assert callable(api.compile_coefficients(H, variant, 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(H, variant, 20, config, arch="sm_90a"))
     if variant.quant in (None, "mxfp8"):
         partials = tuning.Choice(32, schedule="partials").config(H, False)
-        assert callable(api.compile_coefficients(H, variant, 20, partials, arch="sm_90a"))
+        assert exported(api.compile_coefficients(H, variant, 20, partials, arch="sm_90a"))
 
 
 @pytest.mark.parametrize(
@@ -280,7 +281,7 @@ def test_own_pre_variants_compile_for_sm100a(quant: str | None, schedule: str) -
     kernel's layer input each twice."""
     variant = CoefficientsVariant.own(quant)
     config = tuning.Choice(32, push_vec=schedule == "tile", schedule=schedule).config(7168, False)
-    assert callable(api.compile_coefficients(7168, variant, 20, config, arch="sm_100a"))
+    assert exported(api.compile_coefficients(7168, variant, 20, config, arch="sm_100a"))
 
 
 def test_a_row_split_that_leaves_a_warp_without_m_tiles_is_refused() -> None:
@@ -345,7 +346,7 @@ ADDED_DEFAULTS = [
 @pytest.mark.parametrize("H,variant,mode,rows,inline", ADDED_DEFAULTS)
 def test_added_defaults_compile(H: int, variant: str, mode: str, rows: int, inline: bool) -> None:
     config = default(H, variant, rows, inline)
-    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
 # Shipped knobs away from the defaults of their H (the GPU tests check these give the default's bits).
@@ -363,14 +364,14 @@ KNOBS = [
 @pytest.mark.parametrize("H,variant,mode,knobs", KNOBS)
 def test_knob_configs_compile(H: int, variant: str, mode: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", **knobs)
-    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_90a"))
 
 
 @pytest.mark.parametrize("variant", ("standard", "broadcast"))
 def test_partials_schedule_compiles(variant: str) -> None:
     config = CoefficientsConfig.for_shape(7168, variant == "broadcast", 64, schedule="partials")
-    assert callable(api.compile_coefficients(7168, V(variant, "none"), 20, config, arch="sm_90a"))
-    assert callable(api.compile_coefficients(7168, V(variant, "one_hot"), 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(7168, V(variant, "none"), 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(7168, V(variant, "one_hot"), 20, config, arch="sm_90a"))
 
 
 TALL_AND_STAGED = [
@@ -388,7 +389,7 @@ TALL_AND_STAGED = [
 @pytest.mark.parametrize("H,variant,knobs", TALL_AND_STAGED)
 def test_partials_tall_and_staged_tiles_compile(H: int, variant: str, knobs: dict) -> None:
     config = CoefficientsConfig.for_shape(H, variant == "broadcast", schedule="partials", **knobs)
-    assert callable(api.compile_coefficients(H, V(variant, "none"), 20, config, arch="sm_90a"))
+    assert exported(api.compile_coefficients(H, V(variant, "none"), 20, config, arch="sm_90a"))
 
 
 def _all_compile_cases() -> list[tuple[int, str, str, CoefficientsConfig]]:
@@ -428,7 +429,7 @@ def test_the_sm100a_cases_make_every_choice_of_the_sm90a_ones() -> None:
 )
 def test_sm100a_compiles_every_choice(case: tuple[int, str, str, CoefficientsConfig]) -> None:
     H, variant, mode, config = case
-    assert callable(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_100a"))
+    assert exported(api.compile_coefficients(H, V(variant, mode), 20, config, arch="sm_100a"))
 
 
 def test_compile_rejects_an_unknown_arch() -> None:
@@ -465,7 +466,7 @@ LAYER_INPUT_ARCH_CASES += [(*case, "sm_100a") for case in covering(LAYER_INPUT_C
 
 @pytest.mark.parametrize("H,variant,mode,arch", LAYER_INPUT_ARCH_CASES)
 def test_layer_input_kernel_compiles(H: int, variant: str, mode: str, arch: str) -> None:
-    assert callable(api.compile_layer_input(H, V(variant, mode), arch=arch))
+    assert exported(api.compile_layer_input(H, V(variant, mode), arch=arch))
 
 
 # --- the workspace ------------------------------------------------------------------------------
