@@ -306,5 +306,11 @@ def pre_delayed(
     x = optional_tensor("x", x, dtype=torch.bfloat16, shape=(rows, hidden), device=dev)
     params = mhc_params(params, hc, hidden if x is not None else hc * hidden, dev)
     optional_tensor("pre_mix", pre_mix, dtype=torch.float32, shape=(rows, hc), device=dev)
+    if x is not None and pre_mix is not None:
+        raise _error(
+            ValueError,
+            "pre_mix",
+            "must be None with x (the first layer: its collapse is stream 0 exactly, CONTRACT §3)",
+        )
     optional_tensor("norm_weight", norm_weight, dtype=torch.bfloat16, shape=(hidden,), device=dev)
     return params, finite_float("norm_eps", norm_eps, minimum=0.0)

@@ -554,3 +554,14 @@ def test_final_names_a_missing_or_wrong_eps_on_both_paths(model: ToyModel, custo
         b.final(state, dataclasses.replace(model.final_norm, variance_epsilon=None))
     assert state.pending is not None
     assert b.final(state, model.final_norm).shape == (ROWS, SMALL.hidden_size)
+
+
+def test_the_first_layers_coefficients_take_no_carried_pre() -> None:
+    """With x (the first layer's embedding) the collapse is stream 0 exactly: a pre_mix beside it is refused, as the
+    kernels would ignore it and the reference would collapse with it (the two paths disagreed)."""
+    e = torch.randn(3, 256).to(torch.bfloat16)
+    streams = e.unsqueeze(1).expand(-1, 4, -1).contiguous()
+    args = (streams, torch.randn(24, 256) * 0.01, torch.ones(3), torch.zeros(24), 1e-20, 1e-6, 1e-6, 2.0, 20)
+    with pytest.raises(ValueError, match=r"^pre_mix must be None with x"):
+        mhc_pre_delayed(*args, pre_mix=torch.full((3, 4), 0.3), x=e)
+    assert mhc_pre_delayed(*args, x=e)[2] is not None  # the same call without it runs
