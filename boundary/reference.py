@@ -143,7 +143,7 @@ def collapse(residual: Tensor, pre: Tensor) -> Tensor:
 def rms_norm(c: Tensor, weight: Tensor, eps: float) -> Tensor:
     """out = bf16(c * rsqrt(sum c^2 / H + eps) * w) over the bf16 values of c (CONTRACT §2 steps 4-5)."""
     c32 = c.to(F32)
-    inv = torch.rsqrt((c32 * c32).sum(-1, keepdim=True) / c.shape[-1] + eps)
+    inv = torch.rsqrt(row_square_sums(c32.reshape(-1, c.shape[-1])).view(*c.shape[:-1], 1) / c.shape[-1] + eps)
     return (c32 * inv * weight.to(F32)).to(BF16)
 
 

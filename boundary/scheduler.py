@@ -406,6 +406,8 @@ class Boundaries:
     def _check_state(self, state: object, step: DecodeStep | None, *, pending: bool) -> None:
         if not isinstance(state, BoundaryState):
             raise TypeError(f"state must be a BoundaryState, got {type(state).__name__}")
+        if not isinstance(state.residual, Tensor):  # the other fields are named where the boundary checks them
+            raise TypeError(f"state.residual must be a Tensor, got {type(state.residual).__name__}")
         if step is not None and state.residual.shape[0] != step.rows:
             raise ValueError(f"state.residual has {state.residual.shape[0]} rows but step.rows is {step.rows}")
         if not pending:

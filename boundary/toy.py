@@ -304,7 +304,7 @@ def _input_plain(streams: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Te
     for j in range(1, streams.shape[1]):
         acc = acc + pre[:, j : j + 1] * streams[:, j].to(F32)
     c = acc.to(BF16).to(F32)
-    inv = torch.rsqrt((c * c).sum(-1, keepdim=True) / c.shape[-1] + eps)
+    inv = torch.rsqrt(reference.row_square_sums(c) / c.shape[-1] + eps)  # (its halves: one order at any batch)
     return (c * inv * weight.to(F32)).to(BF16)
 
 

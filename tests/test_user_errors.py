@@ -565,3 +565,18 @@ def test_the_first_layers_coefficients_take_no_carried_pre() -> None:
     with pytest.raises(ValueError, match=r"^pre_mix must be None with x"):
         mhc_pre_delayed(*args, pre_mix=torch.full((3, 4), 0.3), x=e)
     assert mhc_pre_delayed(*args, x=e)[2] is not None  # the same call without it runs
+
+
+@pytest.mark.parametrize("call", ["sublayer", "pre", "post_only"])
+def test_a_state_without_streams_is_a_type_error_naming_state_residual(model: ToyModel, call: str) -> None:
+    b, step = boundaries(), DecodeStep.for_rows(ROWS)
+    state, x = b.first(model.layers[0], model.embed[:ROWS], step)
+    state.pending = None if call == "pre" else model.attention(model.layers[0], x)
+    broken = dataclasses.replace(state, residual=None)
+    calls = {
+        "sublayer": lambda: b.sublayer(model.layers[0], True, broken, step),
+        "pre": lambda: b.pre(model.layers[1], state.residual, broken, step),
+        "post_only": lambda: b.post_only(broken),
+    }
+    with pytest.raises(TypeError, match=r"^state.residual must be a Tensor, got NoneType"):
+        calls[call]()
