@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -13,6 +14,7 @@ from boundary import checks
 from boundary.all_reduce import BoundaryAllReduce
 from boundary.calls import DirectCalls, OpCalls
 from boundary.params import MHCParams
+from boundary.reference import MIX_WIDTH
 from boundary.types import (
     Fp8GroupActivation,
     MHCLayer,
@@ -136,6 +138,28 @@ def _layer_names(reads: _Reads) -> dict[str, str]:
         "hc_post_mult_value": alpha,
         "sinkhorn_repeat": iters,
     }
+
+
+def _mhc_fits(
+    fn: Any, scale: Any, base: Any, rms: float, hc_eps: float, alpha: float, iters: int, width: int, dev: int
+) -> bool:
+    """Whether the layer's mHC arguments pass checks.mhc_params (a few compares; False: run it to say why). `dev`:
+    the boundary's device index (Tensor.get_device: -1 on the CPU)."""
+    try:
+        return (
+            0.0 <= rms < math.inf
+            and 0.0 <= hc_eps < math.inf
+            and -math.inf < alpha < math.inf
+            and iters >= 1
+            and fn.dtype is scale.dtype is base.dtype is torch.float32
+            and fn.shape == (MIX_WIDTH, width)
+            and scale.shape == (3,)
+            and base.shape == (MIX_WIDTH,)
+            and fn.get_device() == scale.get_device() == base.get_device() == dev
+            and not (fn.is_meta or scale.is_meta or base.is_meta)  # get_device() is -1 on meta, as on the CPU
+        )
+    except (AttributeError, TypeError):
+        return False
 
 
 def _scalars(values: tuple[Any, ...], reads: _Reads) -> tuple[Any, ...]:
@@ -337,6 +361,17 @@ class Boundaries:
             hc = checks.integer("layer.hc_mult", hc)
             if hc != self.all_reduce.hc_mult:
                 raise ValueError(f"layer.hc_mult is {hc}, but the boundary serves hc_mult={self.all_reduce.hc_mult}")
+        # The mHC arguments too, before a boundary consumes state.pending (nothing half-written: CONTRACT §5 Errors);
+        # the coefficients call that reads them checks them again, as its own public edge.
+        fn, scale, base, _, _, rms, hc_eps, alpha, iters, _ = values
+        ar = self.all_reduce
+        width = ar.hidden_size * (1 if reads is FIRST else ar.hc_mult)
+        if fn is not None and not _mhc_fits(fn, scale, base, rms, hc_eps, alpha, iters, width, ar._device_index):
+            try:
+                checks.mhc_params(MHCParams(fn, scale, base, rms, hc_eps, hc_eps, alpha, iters), hc, width, ar.device)
+            except (TypeError, ValueError) as exc:
+                checks.rename(exc, _layer_names(reads), converted_at_load=True)
+                raise
         return values
 
     def _stream(self, layer: Any) -> Any:

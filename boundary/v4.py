@@ -201,7 +201,7 @@ class V4Boundaries:
         reads = FFN if ffn else ATTN
         values = self._boundaries._layer(layer, reads)
         # The norm before the reduction consumes state.pending, as Boundaries.sublayer's boundary call checks it (the
-        # mHC weights are checked where the own-pre call loads them: CONTRACT §5 Errors).
+        # mHC weights were, by _layer: CONTRACT §5 Errors).
         ar = self.all_reduce
         try:
             checks.tensor("norm_weight", values[3], dtype=torch.bfloat16, shape=(ar.hidden_size,), device=ar.device)

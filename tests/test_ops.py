@@ -362,8 +362,7 @@ def test_a_meta_tensor_among_real_ones_is_refused_not_given_the_shape_rules_outp
     if where == "layer":
         layer = dataclasses.replace(model.layers[0], hc_ffn_fn=torch.empty(24, 4 * H, device="meta"))
         with pytest.raises(ValueError, match=r"^layer.hc_ffn_fn must be on cpu, got meta"):
-            b.sublayer(layer, True, state, step)  # the mHC weights are checked where they load: after the reduction
-        state.pending = model.attention(model.layers[0], x)
+            b.sublayer(layer, True, state, step)
     elif where == "pending":
         real = state.pending
         state.pending = torch.empty(2, H, dtype=torch.bfloat16, device="meta")

@@ -580,3 +580,33 @@ def test_a_state_without_streams_is_a_type_error_naming_state_residual(model: To
     }
     with pytest.raises(TypeError, match=r"^state.residual must be a Tensor, got NoneType"):
         calls[call]()
+
+
+@pytest.mark.parametrize("scheme", ["v4.1", "v4"])
+@pytest.mark.parametrize(
+    "attr,value,error,match",
+    [
+        ("hc_ffn_fn", torch.zeros(24, 1023), ValueError, r"^layer.hc_ffn_fn must have shape \[24, 2048\]"),
+        ("hc_ffn_fn", torch.zeros(24, 2048, dtype=torch.float64), TypeError, r"^layer.hc_ffn_fn must have dtype"),
+        ("hc_ffn_scale", torch.zeros(2), ValueError, r"^layer.hc_ffn_scale must have shape \[3\]"),
+        ("hc_ffn_base", torch.zeros(23), ValueError, r"^layer.hc_ffn_base must have shape \[24\]"),
+        ("hc_sinkhorn_iters", 0, ValueError, r"^layer.hc_sinkhorn_iters must be a positive int"),
+        ("rms_norm_eps", float("nan"), ValueError, r"^layer.rms_norm_eps must be finite"),
+        ("hc_eps", -1.0, ValueError, r"^layer.hc_eps must be >= 0.0"),
+    ],
+)
+def test_a_bad_mhc_argument_is_refused_before_the_reduction(
+    model: ToyModel, scheme: str, attr: str, value: Any, error: type, match: str
+) -> None:
+    """SPEC §6: nothing half-written. A sublayer whose layer's mHC arguments are wrong raises before its boundary
+    consumes state.pending (on a TP group: before the exchange), so the call can be made again once mended."""
+    ar = BoundaryAllReduce(SMALL.hidden_size, max_rows=8, device="cpu")
+    b = (V4Boundaries if scheme == "v4" else Boundaries)(ar)
+    step = DecodeStep.for_rows(ROWS)
+    state, x = b.first(model.layers[0], model.embed[:ROWS], step)[:2]
+    state.pending = model.attention(model.layers[0], x)
+    with pytest.raises(error, match=match):
+        b.sublayer(dataclasses.replace(model.layers[0], **{attr: value}), True, state, step)
+    assert state.pending is not None
+    b.sublayer(model.layers[0], True, state, step)  # the same call, mended
+    assert state.pending is None
