@@ -376,22 +376,23 @@ class BoundaryAllReduce:
             # call makes it again, and its error is the caller's).
             try:
                 rows = residual.shape[0]
-                if post.dim() == 3:  # [T, hc, 1], as the module may pass it: the kernel takes [T, hc]
-                    post = post.view(rows, post.shape[1])
+                post2 = post
+                if post.dim() == 3 and post.shape[0] == rows and post.shape[2] == 1:  # [T, hc, 1], the module's
+                    post2 = post.view(rows, post.shape[1])  # the kernel takes [T, hc]; other shapes: the checks
                 launch = self._ready.get((rows, pre is None, mxfp8_out is None))
                 if launch is None:
-                    if self._fused and self._fits(residual, post, pre, norm_weight, norm_eps, mxfp8_out):
+                    if self._fused and self._fits(residual, post2, pre, norm_weight, norm_eps, mxfp8_out):
                         return self._kernel(
-                            residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x
+                            residual, post2, comb, pre, norm_weight, norm_eps, mxfp8_out, None, None, x=x
                         )
                 elif residual.get_device() == self._device_index and type(norm_eps) is float and 0.0 <= norm_eps < INF:
                     # The outputs are made like residual and x (the layer input [T, H] bf16 as x, or the entry
                     # refuses x).
                     if mxfp8_out is None:
-                        return launch(residual, post, comb, pre, norm_weight, x, None, None, norm_eps)
+                        return launch(residual, post2, comb, pre, norm_weight, x, None, None, norm_eps)
                     data, scale = mxfp8_out.data, mxfp8_out.scale
                     if type(mxfp8_out) is QuantizedActivation and scale.shape[0] == self._scale_bytes(rows):
-                        return launch(residual, post, comb, pre, norm_weight, x, data, scale, norm_eps)
+                        return launch(residual, post2, comb, pre, norm_weight, x, data, scale, norm_eps)
             except Exception:  # noqa: BLE001, S110 - the checked call below raises what is wrong
                 pass
         residual = self._check_residual(residual)

@@ -26,10 +26,10 @@ ROW_BLOCK = 16  # rows of one block of the CPU path's projection and mixes (see 
 
 
 def in_row_blocks(f: Callable[..., Any], x: Tensor, *args: Any) -> Any:
-    """`f(x, *args)` for x [T, K] on the CPU, run on blocks of ROW_BLOCK rows (the last padded with zero rows) and put
-    back together (f returns a tensor or a tuple of tensors, row-major). So a row's bits depend on that row alone,
-    never on the row count (CONTRACT §6): torch's CPU kernels run a tensor's body vectorised and its tail scalar
-    (sigmoid's two differ in the last bit) and choose a GEMM's blocking by its shape; in blocks of one shape every
+    """`f(x, *args)` for x [T, ...] on the CPU, run on blocks of ROW_BLOCK rows (the last padded with zero rows) and
+    put back together: f returns a tensor or a tuple (or NamedTuple) of tensors, each with the block's rows first.
+    So a row's bits depend on that row alone, never on the row count (CONTRACT §6): torch's CPU kernels run a
+    tensor's body vectorised and its tail scalar (sigmoid's two differ in the last bit); in blocks of one shape every
     row takes the same path. On a GPU, f(x, *args) (the oracle of the kernels, which are the GPU path)."""
     rows = x.shape[0]
     if x.device.type != "cpu" or rows == 0:
@@ -37,19 +37,34 @@ def in_row_blocks(f: Callable[..., Any], x: Tensor, *args: Any) -> Any:
     pad = -rows % ROW_BLOCK
     padded = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
     parts = [f(padded[s : s + ROW_BLOCK], *args) for s in range(0, rows + pad, ROW_BLOCK)]
+    fields = [(p,) if isinstance(p, Tensor) else tuple(p) for p in parts]
+    for field in fields[0]:
+        if not isinstance(field, Tensor) or field.dim() == 0 or field.shape[0] != ROW_BLOCK:
+            raise ValueError("in_row_blocks: f must return tensors with the block's rows first")
+    joined = [torch.cat(column)[:rows] for column in zip(*fields, strict=True)]
     if isinstance(parts[0], Tensor):
-        return torch.cat(parts)[:rows]
-    return type(parts[0])(*(torch.cat(field)[:rows] for field in zip(*parts, strict=True)))
+        return joined[0]
+    return type(parts[0])(*joined) if hasattr(parts[0], "_fields") else tuple(joined)
 
 
 def row_dots(x: Tensor, w: Tensor) -> Tensor:
-    """[T, n] fp32: each fp32 row of x [T, K] dotted with each row of w [n, K]; on the CPU each dot product is a
-    reduction of its own in one fixed order (torch splits a reduction with several outputs across threads by output),
-    so its bits depend neither on the other rows nor on the thread count, as a GEMM's blocking would."""
+    """[T, n] fp32: each fp32 row of x [T, K] dotted with each row of w [n, K]. On the CPU each dot product is its
+    own reduction in one fixed order, so its bits depend neither on the other rows nor on the thread count, as a
+    GEMM's blocking would: per row of w, each row's two halves are reduced apart, then added (torch splits a
+    reduction with a single output, one row of 32768 values or more, across threads; never one with several)."""
     w = w.to(F32)
     if x.device.type != "cpu":
         return x @ w.t()
-    return (x[:, None, :] * w).sum(-1)
+    rows, width = x.shape
+    out = torch.empty(rows, w.shape[0], dtype=F32)
+    for i in range(w.shape[0]):
+        products = x * w[i]
+        if width % 2:
+            out[:, i] = products.sum(-1)  # an odd width: no shape the boundary takes (H is a multiple of 256)
+            continue
+        halves = products.view(rows, 2, width // 2).sum(-1)
+        torch.add(halves[:, 0], halves[:, 1], out=out[:, i])
+    return out
 
 
 def row_square_sums(x: Tensor) -> Tensor:
@@ -292,19 +307,19 @@ def coefficients(x: Tensor, params: MHCParams) -> Coefficients:
     """post, comb and pre from a [T, K] projection input (CONTRACT §3); the RMS is over K columns.
 
     Pass the streams flattened to [T, hc*H] with `fn`, or the first layer's embedding [T, H]
-    with `fn_broadcast`. Batch invariant on the CPU too (`in_row_blocks`).
+    with `fn_broadcast`. Batch invariant on the CPU too: each row's dot products and sum of squares are reductions of
+    their own (`row_dots`), the rest runs in blocks of rows of one shape (`in_row_blocks`).
     """
-    return in_row_blocks(_coefficients, x, params)
-
-
-def _coefficients(x: Tensor, params: MHCParams) -> Coefficients:
-    """`coefficients` of one block of rows."""
-    fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, sinkhorn_repeat = params
-    rows, width = x.shape
     xf = x.to(F32)
-    mixes = row_dots(xf, fn)
-    r = torch.rsqrt(row_square_sums(xf) / width + rms_eps)
-    mixes = mixes * r
+    sums = torch.cat([row_dots(xf, params.fn), row_square_sums(xf)], 1)
+    return in_row_blocks(_mixes_of_sums, sums, params, x.shape[1])
+
+
+def _mixes_of_sums(sums: Tensor, params: MHCParams, width: int) -> Coefficients:
+    """`coefficients` from each row's 24 dot products and its sum of squares ([T, 25])."""
+    _, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, sinkhorn_repeat = params
+    rows = sums.shape[0]
+    mixes = sums[:, :MIX_WIDTH] * torch.rsqrt(sums[:, MIX_WIDTH:] / width + rms_eps)
     scale = scale.to(F32)
     base = base.to(F32)
     pre = torch.sigmoid(mixes[:, 0:HC] * scale[0] + base[0:HC]) + pre_eps
@@ -420,16 +435,17 @@ def v4_boundary(
 
 def hc_head_mix(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
     """V4's hc_head weights p [T, hc] = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + rms_eps) + base) + hc_eps, x the
-    streams flattened to hc*H in fp32, `fn` [hc, hc*H], one `scale`, `base` [hc]."""
+    streams flattened to hc*H in fp32, `fn` [hc, hc*H], one `scale`, `base` [hc] (batch invariant as `coefficients`)."""
     rows, hc, hidden = residual.shape
-    return in_row_blocks(_hc_head_mix, residual.reshape(rows, hc * hidden), fn, scale, base, rms_eps, hc_eps)
+    xf = residual.reshape(rows, hc * hidden).to(F32)
+    sums = torch.cat([row_dots(xf, fn), row_square_sums(xf)], 1)
+    return in_row_blocks(_head_mix_of_sums, sums, scale, base, rms_eps, hc_eps, hc * hidden)
 
 
-def _hc_head_mix(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
-    """`hc_head_mix` of one block of flattened rows."""
-    xf = x.to(F32)
-    r = torch.rsqrt(row_square_sums(xf) / xf.shape[1] + rms_eps)
-    return torch.sigmoid(row_dots(xf, fn) * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
+def _head_mix_of_sums(sums: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float, width: int) -> Tensor:
+    """`hc_head_mix` from each row's hc dot products and its sum of squares ([T, hc + 1])."""
+    r = torch.rsqrt(sums[:, -1:] / width + rms_eps)
+    return torch.sigmoid(sums[:, :-1] * r * scale.to(F32).reshape(()) + base.to(F32)) + hc_eps
 
 
 def hc_head(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:

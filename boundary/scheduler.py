@@ -156,7 +156,10 @@ def _mhc_fits(
             and scale.shape == (3,)
             and base.shape == (MIX_WIDTH,)
             and fn.get_device() == scale.get_device() == base.get_device() == dev
-            and not (fn.is_meta or scale.is_meta or base.is_meta)  # get_device() is -1 on meta, as on the CPU
+            and (dev >= 0 or not (fn.is_meta or scale.is_meta or base.is_meta))  # get_device(): -1 on meta and CPU
+            and fn.is_contiguous()
+            and scale.is_contiguous()
+            and base.is_contiguous()
         )
     except (AttributeError, TypeError):
         return False

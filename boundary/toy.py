@@ -267,7 +267,10 @@ def _all_reduce_in_rank_order(partial: Tensor, group: Any, world_size: int) -> T
         torch.empty(partial.shape[0], partial.shape[1] // 2, dtype=torch.int32, device=partial.device)
         for _ in range(world_size)
     ]
-    dist.all_gather(parts, partial.contiguous().view(torch.int32), group=group)
+    words = partial.contiguous()
+    if words.storage_offset() % 2:  # a bf16 view at an odd offset has no int32 view
+        words = words.clone()
+    dist.all_gather(parts, words.view(torch.int32), group=group)
     acc = parts[0].view(BF16).to(F32)
     for p in parts[1:]:
         acc = acc + p.view(BF16).to(F32)
@@ -435,14 +438,9 @@ def decode_step_v4_plain(model: ToyModel, tokens: Tensor, *, group: Any = None) 
     streams = _post_plain(y, streams, post, comb)
 
     # hc_head: p = sigmoid(scale * (fn . x) * rsqrt(mean(x^2) + eps) + base) + hc_eps over the flattened streams
-    # (in the reference's blocks of rows, whose bits do not depend on the row count: CONTRACT §6)
-    def head_mix(flat: Tensor) -> Tensor:
-        flat = flat.to(F32)
-        r = torch.rsqrt(reference.row_square_sums(flat) / flat.shape[1] + model.rms_norm_eps)
-        mix = reference.row_dots(flat, model.hc_head_fn)
-        return torch.sigmoid(mix * r * model.hc_head_scale[0] + model.hc_head_base) + model.hc_eps
-
-    p = reference.in_row_blocks(head_mix, streams.flatten(1))
+    p = reference.hc_head_mix(  # (the reference's: its bits do not depend on the row count, CONTRACT §6)
+        streams, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.rms_norm_eps, model.hc_eps
+    )
     hidden = _input_plain(streams, p, model.final_norm.weight, model.final_norm.variance_epsilon)
     return StepOutput(hidden, quantized, None)  # type: ignore[arg-type]
 

@@ -148,7 +148,8 @@ class V4Boundaries:
         collective into the parameter) and before replaying CUDA graphs captured earlier: the kernel path keeps
         device copies of hc_head's scale and base (and, past one launch, its fn as 24 mixes), rewritten here in
         place, on the current stream, so that captured graphs read the new values. Updates torch sees (in-place ops,
-        a new storage) are taken by the next eager call; the layers' weights are read where they lie."""
+        a new storage) are taken by the next eager call; the layers' weights are read where they lie. Inference
+        tensors keep no version: an in-place update of one (inside inference mode) needs this call too."""
         mhc.refresh_weights()
 
     def first(self, layer: MHCLayer, x: Tensor, step: DecodeStep) -> tuple[BoundaryState, Tensor]:

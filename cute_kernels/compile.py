@@ -21,6 +21,7 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+import torch
 import tvm_ffi
 
 log = logging.getLogger("boundary")
@@ -258,11 +259,19 @@ def lazy_module_loading() -> bool:
 _LAUNCHED: dict[tuple[int, tuple[str, int]], Callable[..., Any]] = {}
 
 
+_CONTEXTS: dict[torch.device, tuple[str, int]] = {}  # an indexed device's key (reading a device's fields is slow)
+
+
 def _context(device: Any) -> tuple[str, int]:
     """The device whose CUDA context a module loads into (None or "cuda": the current one)."""
-    import torch
-
+    key = _CONTEXTS.get(device) if type(device) is torch.device else None
+    if key is not None:
+        return key
     d = torch.device("cuda" if device is None else device)
+    if d.index is not None:
+        if type(device) is torch.device:
+            _CONTEXTS[device] = (d.type, d.index)
+        return d.type, d.index
     if d.index is not None:
         return d.type, d.index
     return d.type, torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0

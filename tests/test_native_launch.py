@@ -246,6 +246,10 @@ def test_a_post_of_shape_t_hc_1_keeps_one_launch_and_pre_out_without_mix_is_refu
     ):
         ar(*args, None, pre_out=torch.empty(ROWS, 4))
     assert len(seen) == 6
+    args[2] = inp["post"].reshape(1, 4, ROWS)  # as many elements, another shape: refused, not viewed as [T, hc]
+    with pytest.raises(ValueError, match=rf"^post must have shape \[{ROWS}, 4, 1\]"):
+        ar(*args, None)
+    assert seen[6:] == [3]  # the kept launch's entry refused it (3 dims); the checks launched nothing
 
 
 @pytest.mark.gpu

@@ -355,3 +355,14 @@ def test_a_rows_mixes_do_not_depend_on_the_batch_or_the_thread_count(width: int)
             part = slice(start, start + count)
             alone = (*ref.coefficients(x[part].float(), params), ref.hc_head_mix(streams[part], *head))
             assert all(bitwise_equal(a[part], b) for a, b in zip(whole, alone)), (count, start)
+
+
+def test_in_row_blocks_puts_tensors_and_tuples_back_and_refuses_what_it_cannot() -> None:
+    x = torch.arange(40 * 3, dtype=F32).reshape(40, 3)
+    assert torch.equal(ref.in_row_blocks(lambda b: b * 2, x), x * 2)
+    a, b = ref.in_row_blocks(lambda blk: (blk + 1, blk[:, :1]), x)  # a plain tuple
+    assert torch.equal(a, x + 1) and torch.equal(b, x[:, :1])
+    named = ref.in_row_blocks(lambda blk: ref.Coefficients(blk, blk, blk), x[:5])
+    assert isinstance(named, ref.Coefficients) and torch.equal(named.pre, x[:5])
+    with pytest.raises(ValueError, match="rows first"):
+        ref.in_row_blocks(lambda blk: blk.t(), x)  # the rows are not first: a wrong answer if put back
