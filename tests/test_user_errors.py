@@ -588,6 +588,7 @@ def test_a_state_without_streams_is_a_type_error_naming_state_residual(model: To
     [
         ("hc_ffn_fn", torch.zeros(24, 1023), ValueError, r"^layer.hc_ffn_fn must have shape \[24, 2048\]"),
         ("hc_ffn_fn", torch.zeros(24, 2048, dtype=torch.float64), TypeError, r"^layer.hc_ffn_fn must have dtype"),
+        ("hc_ffn_fn", torch.zeros(2048, 24).t(), ValueError, r"^layer.hc_ffn_fn must be contiguous"),
         ("hc_ffn_scale", torch.zeros(2), ValueError, r"^layer.hc_ffn_scale must have shape \[3\]"),
         ("hc_ffn_base", torch.zeros(23), ValueError, r"^layer.hc_ffn_base must have shape \[24\]"),
         ("hc_sinkhorn_iters", 0, ValueError, r"^layer.hc_sinkhorn_iters must be a positive int"),
