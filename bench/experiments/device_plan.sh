@@ -16,7 +16,8 @@
 #   C  late-rank trials (negative control included)
 #   H  ncu of the V4 kernels (profile_all --only v4-final own-pre)
 #   M  several GPUs (only where status lists a multi-GPU kind): NVLS off, real ranks
-# Decision rules and predictions: docs/perf-log.md v43 / v44.
+# Decision rules and predictions: docs/perf-log.md v43 / v44. Done 2026-12-05 (perf-log v46): A, F (the one launch:
+# not shipped), B in part (cut by the call limit: run B's late-rank and multiprocess files again, then B2, T / E, G).
 set -uo pipefail
 step=${1:?usage: device_plan.sh STEP (A B C D E F G H M T)}
 OUT=${OUT:-/tmp/out}
