@@ -800,10 +800,7 @@ class BoundaryAllReduce:
         parts = [
             torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.int32, device=x.device) for _ in range(self.world_size)
         ]
-        x = x.contiguous()
-        if x.storage_offset() % 2:  # a bf16 view at an odd offset has no int32 view: the words go from a copy
-            x = x.clone()
-        dist.all_gather(parts, x.view(torch.int32), group=self.group)
+        dist.all_gather(parts, reference.bf16_words(x), group=self.group)
         return reference.rank_sum([p.view(BF16) for p in parts])
 
     def _epilogue(

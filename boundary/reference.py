@@ -47,36 +47,42 @@ def in_row_blocks(f: Callable[..., Any], x: Tensor, *args: Any) -> Any:
     return type(parts[0])(*joined) if hasattr(parts[0], "_fields") else tuple(joined)
 
 
+def _row_sums(values: Tensor) -> Tensor:
+    """[T, 1]: each row of a CPU fp32 [T, K] summed in one fixed order whatever T and the thread count: its two halves
+    reduced apart, then added (torch splits a reduction with a single output, one row of 32768 values or more,
+    across threads; never one with several). An odd K (no shape the boundary takes) is summed whole."""
+    rows, width = values.shape
+    if width % 2:
+        return values.sum(-1, keepdim=True)
+    halves = values.view(rows, 2, width // 2).sum(-1)
+    return halves[:, :1] + halves[:, 1:]
+
+
 def row_dots(x: Tensor, w: Tensor) -> Tensor:
     """[T, n] fp32: each fp32 row of x [T, K] dotted with each row of w [n, K]. On the CPU each dot product is its
-    own reduction in one fixed order, so its bits depend neither on the other rows nor on the thread count, as a
-    GEMM's blocking would: per row of w, each row's two halves are reduced apart, then added (torch splits a
-    reduction with a single output, one row of 32768 values or more, across threads; never one with several)."""
+    own reduction (`_row_sums`), so its bits depend neither on the other rows nor on the thread count, as a GEMM's
+    blocking would."""
     w = w.to(F32)
     if x.device.type != "cpu":
         return x @ w.t()
-    rows, width = x.shape
-    out = torch.empty(rows, w.shape[0], dtype=F32)
-    for i in range(w.shape[0]):
-        products = x * w[i]
-        if width % 2:
-            out[:, i] = products.sum(-1)  # an odd width: no shape the boundary takes (H is a multiple of 256)
-            continue
-        halves = products.view(rows, 2, width // 2).sum(-1)
-        torch.add(halves[:, 0], halves[:, 1], out=out[:, i])
-    return out
+    return torch.cat([_row_sums(x * w[i]) for i in range(w.shape[0])], 1)
 
 
 def row_square_sums(x: Tensor) -> Tensor:
-    """[T, 1] fp32: each fp32 row's sum of squares; on the CPU each row's two halves are reduced apart, then added:
-    torch splits a reduction with a single output (one row of 4H >= 32768 values) across threads, never one with
-    several."""
-    rows, width = x.shape
+    """[T, 1] fp32: each fp32 row's sum of squares (on the CPU by `_row_sums`)."""
     squares = x * x
-    if x.device.type != "cpu" or width % 2:
+    if x.device.type != "cpu":
         return squares.sum(-1, keepdim=True)
-    halves = squares.view(rows, 2, width // 2).sum(-1)
-    return halves[:, :1] + halves[:, 1:]
+    return _row_sums(squares)
+
+
+def bf16_words(x: Tensor) -> Tensor:
+    """A bf16 tensor's bits as int32 words (pairs of values) for an exchange that must not touch them; a view at an
+    odd offset (no int32 view) is copied first."""
+    x = x.contiguous()
+    if x.storage_offset() % 2:
+        x = x.clone()
+    return x.view(torch.int32)
 
 
 def rank_sum(partials: Sequence[Tensor]) -> Tensor:

@@ -267,10 +267,7 @@ def _all_reduce_in_rank_order(partial: Tensor, group: Any, world_size: int) -> T
         torch.empty(partial.shape[0], partial.shape[1] // 2, dtype=torch.int32, device=partial.device)
         for _ in range(world_size)
     ]
-    words = partial.contiguous()
-    if words.storage_offset() % 2:  # a bf16 view at an odd offset has no int32 view
-        words = words.clone()
-    dist.all_gather(parts, words.view(torch.int32), group=group)
+    dist.all_gather(parts, reference.bf16_words(partial), group=group)
     acc = parts[0].view(BF16).to(F32)
     for p in parts[1:]:
         acc = acc + p.view(BF16).to(F32)
